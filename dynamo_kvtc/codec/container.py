@@ -1,0 +1,193 @@
+"""The KVTC blob container: a small self-describing header, then sections ordered by layer group.
+
+Layout (all integers little-endian)::
+
+    offset 0   magic        4 bytes  b"KVTC"
+           4   version      uint16   FORMAT_VERSION
+           6   flags        uint16   0 (reserved; a reader refuses unknown flags)
+           8   header_len   uint32   length of the msgpack header (<= MAX_HEADER_BYTES)
+          12   header_crc   uint32   CRC-32 of the header bytes
+          16   header       msgpack map (schema below)
+           .   sections     the stored chunks of every section, in header order, back to back
+
+Header keys (all required): ``cal`` calibration id (str), ``layers``/``heads``/``head_dim`` (int), ``dtype`` (str),
+``tokens`` (int), ``positions`` (list of ``[start, length]`` runs), ``mode`` ("kvtc" or "raw"), ``ratio`` (float or
+nil), ``sinks``/``window`` (token counts: a prefix kept in fp8 and a suffix kept raw), ``groups`` (list of
+``[layer_start, layer_stop]``), ``sections`` (list of ``[name, tag, raw_len, crc32, [stored chunk lengths]]``).
+
+Parsing checks magic, version, flags, header length and CRC, unpacks msgpack with hard limits, checks every field's
+type and range, and checks that the section table accounts for exactly the remaining bytes. Section CRCs are checked
+before anything is inflated. Any failure raises :class:`~dynamo_kvtc.errors.CorruptBlobError`.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import CorruptBlobError
+from .entropy import CHUNK_BYTES, TAGS, chunk_sizes
+
+MAGIC = b"KVTC"
+FORMAT_VERSION = 1
+PREFIX = struct.Struct("<4sHHII")
+MAX_HEADER_BYTES = 1 << 20
+MAX_TOKENS = 1 << 24
+MAX_LAYERS = 4096
+
+
+@dataclass(frozen=True)
+class SectionRecord:
+    name: str
+    tag: str
+    raw_len: int
+    crc: int
+    chunks: tuple[int, ...]  # stored lengths
+    offset: int = 0  # absolute offset of the first stored byte in the blob
+
+    @property
+    def stored_len(self) -> int:
+        return sum(self.chunks)
+
+
+def positions_to_runs(positions: Sequence[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(p), 1])
+    return runs
+
+
+def runs_to_positions(runs: Sequence[Sequence[int]]) -> list[int]:
+    out: list[int] = []
+    for start, length in runs:
+        out.extend(range(start, start + length))
+    return out
+
+
+def pack_blob(header: dict[str, Any], sections: Sequence[tuple[str, str, int, list[bytes]]]) -> bytes:
+    """Assemble a blob. ``sections``: (name, tag, raw_len, stored chunks)."""
+    table = []
+    for name, tag, raw_len, chunks in sections:
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        table.append([name, tag, int(raw_len), crc, [len(c) for c in chunks]])
+    hdr = msgpack.packb({**header, "sections": table}, use_bin_type=True)
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(hdr)} bytes exceeds {MAX_HEADER_BYTES}")
+    parts = [PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr]
+    for _, _, _, chunks in sections:
+        parts.extend(chunks)
+    return b"".join(parts)
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptBlobError(f"blob header invalid: {what}")
+
+
+def _int(h: dict, key: str, lo: int, hi: int) -> int:
+    v = h.get(key)
+    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key}={v!r} not an integer in [{lo}, {hi}]")
+    return v
+
+
+def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[SectionRecord]]:
+    """Validate a blob's prefix, header and section table; return the header and section records."""
+    mv = memoryview(blob)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    if len(mv) < PREFIX.size:
+        raise CorruptBlobError(f"blob of {len(mv)} bytes is shorter than the {PREFIX.size}-byte prefix (truncated)")
+    magic, version, flags, hlen, hcrc = PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise CorruptBlobError(f"not a KVTC blob (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CorruptBlobError(f"unsupported KVTC format version {version} (this reader handles {FORMAT_VERSION})")
+    if flags != 0:
+        raise CorruptBlobError(f"unknown header flags 0x{flags:04x}")
+    if hlen > MAX_HEADER_BYTES or PREFIX.size + hlen > len(mv):
+        raise CorruptBlobError(f"header length {hlen} exceeds the limit or the blob ({len(mv)} bytes; truncated?)")
+    hbytes = mv[PREFIX.size : PREFIX.size + hlen]
+    if zlib.crc32(hbytes) != hcrc:
+        raise CorruptBlobError("header checksum mismatch")
+    try:
+        h = msgpack.unpackb(
+            bytes(hbytes), raw=False, strict_map_key=True, use_list=True,
+            max_str_len=1024, max_bin_len=0, max_ext_len=0, max_array_len=MAX_TOKENS, max_map_len=64,
+        )
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise CorruptBlobError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    _need(isinstance(h, dict), "not a map")
+    _need(isinstance(h.get("cal"), str), "cal must be a string")
+    layers = _int(h, "layers", 1, MAX_LAYERS)
+    _int(h, "heads", 1, 1 << 16)
+    _int(h, "head_dim", 1, 1 << 16)
+    tokens = _int(h, "tokens", 1, MAX_TOKENS)
+    _need(h.get("dtype") in ("bfloat16", "float16", "float32"), f"dtype {h.get('dtype')!r}")
+    _need(h.get("mode") in ("kvtc", "raw"), f"mode {h.get('mode')!r}")
+    r = h.get("ratio")
+    _need(r is None or (isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0), f"ratio {r!r}")
+    sinks = _int(h, "sinks", 0, tokens)
+    window = _int(h, "window", 0, tokens)
+    _need(sinks + window <= tokens, "sinks + window exceed tokens")
+    runs = h.get("positions")
+    _need(isinstance(runs, list) and 0 < len(runs) <= tokens, "positions must be a non-empty run list")
+    total, last = 0, -1
+    for run in runs:
+        _need(isinstance(run, list) and len(run) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in run), "position run")
+        start, length = run
+        _need(start > last and length >= 1 and start + length <= (1 << 40), "positions must be strictly increasing")
+        last = start + length - 1
+        total += length
+    _need(total == tokens, f"positions cover {total} tokens, header says {tokens}")
+    groups = h.get("groups")
+    _need(isinstance(groups, list) and 0 < len(groups) <= layers, "groups")
+    prev = 0
+    for g in groups:
+        _need(isinstance(g, list) and len(g) == 2 and g[0] == prev and isinstance(g[1], int) and g[1] > g[0], "layer groups must tile the layers")
+        prev = g[1]
+    _need(prev == layers, "layer groups must cover every layer")
+    table = h.get("sections")
+    _need(isinstance(table, list) and len(table) <= 8 * len(groups), "sections")
+    recs: list[SectionRecord] = []
+    off = PREFIX.size + hlen
+    for row in table:
+        _need(isinstance(row, list) and len(row) == 5, "section row")
+        name, tag, raw_len, crc, chunks = row
+        _need(isinstance(name, str) and tag in TAGS, f"section {name!r} tag {tag!r}")
+        _need(isinstance(raw_len, int) and 0 <= raw_len <= (1 << 40), f"section {name} raw length")
+        _need(isinstance(crc, int) and 0 <= crc < (1 << 32), f"section {name} crc")
+        _need(isinstance(chunks, list) and len(chunks) == len(chunk_sizes(raw_len)), f"section {name} chunk count")
+        for c in chunks:
+            _need(isinstance(c, int) and 0 < c <= 2 * CHUNK_BYTES + 64, f"section {name} chunk length {c}")
+        rec = SectionRecord(name, tag, raw_len, crc, tuple(chunks), off)
+        off += rec.stored_len
+        recs.append(rec)
+    if off != len(mv):
+        raise CorruptBlobError(
+            f"section table accounts for {off} bytes but the blob has {len(mv)} "
+            f"({'truncated' if off > len(mv) else 'trailing bytes'})"
+        )
+    return h, recs
+
+
+def section_chunks(blob: bytes | memoryview, rec: SectionRecord, verify: bool = True) -> list[bytes]:
+    """The stored chunks of one section, after checking its CRC."""
+    mv = memoryview(blob)
+    data = mv[rec.offset : rec.offset + rec.stored_len]
+    if verify and zlib.crc32(data) != rec.crc:
+        raise CorruptBlobError(f"section {rec.name!r} checksum mismatch (corrupted bytes)")
+    out, off = [], 0
+    for n in rec.chunks:
+        out.append(bytes(data[off : off + n]))
+        off += n
+    return out

@@ -1,0 +1,486 @@
+"""KvtcCodec: encode a span of KV cache into one blob and decode it back, layer by layer.
+
+Token segments of a span (positions strictly increasing):
+
+- **sinks**: tokens at absolute positions ``< sinks`` (default 4), kept in fp8 E4M3 with one fp16 scale per
+  (layer, token, head) vector;
+- **coded**: the tokens between, transform-coded: RoPE removed (keys), mean subtracted, projected on the
+  calibration's basis, group-quantized by the DP plan, entropy coded;
+- **window**: the last ``window`` tokens (default 128), kept raw in the input dtype.
+
+A span with fewer than ``min_tokens`` coded tokens is stored raw (mode ``"raw"``): short conversations gain nothing.
+Each layer group contributes four sections (sinks, k, v, window), so group 0 decodes before later groups' bytes
+are needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import (
+    ConfigError,
+    CorruptBlobError,
+    DecodeError,
+    InputError,
+    WrongCalibrationError,
+)
+from .container import parse_blob, positions_to_runs, runs_to_positions, section_chunks, pack_blob
+from .entropy import TAGS, EntropyCoder, check_readable
+from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
+from .plan import Plan, decode_coefficients, encode_coefficients
+from .quant import FP8_MAX
+from .rope import RotaryConfig, rotate
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Run-time knobs of a :class:`KvtcCodec` (the calibration fixes everything else)."""
+
+    ratio: float = 16
+    sinks: int = 4
+    window: int = 128
+    min_tokens: int = 16
+    tag: str = "deflate"
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ConfigError(f"sinks must be >= 0, got {self.sinks}")
+        if self.window < 0:
+            raise ConfigError(f"window must be >= 0, got {self.window}")
+        if self.min_tokens < 1:
+            raise ConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
+        if self.tag not in TAGS:
+            raise ConfigError(f"unknown entropy codec tag {self.tag!r}; choose one of {TAGS}")
+
+
+class _Tables:
+    """Per-group device tensors (float32) used by encode and decode."""
+
+    def __init__(self, g: BasisGroup, device: torch.device) -> None:
+        self.layers = g.layers
+        self.k_mean = g.k_mean.to(device, torch.float32)
+        self.k_basis = g.k_basis.to(device, torch.float32)
+        self.v_mean = g.v_mean.to(device, torch.float32)
+        self.v_basis = g.v_basis.to(device, torch.float32)
+        self.k_plans = g.k_plans
+        self.v_plans = g.v_plans
+
+
+class KvtcCodec:
+    """Encode/decode KV spans with one calibration.
+
+    ``ratio`` picks the DP plan used by :meth:`encode`; :meth:`decode` reads any plan of the same calibration.
+    ``device`` is where the tensor math runs ("cpu" or "cuda[:n]"). ``tag`` selects the entropy codec.
+    """
+
+    def __init__(
+        self,
+        calibration: CalibrationLike,
+        ratio: float = 16,
+        device: str | torch.device = "cpu",
+        *,
+        sinks: int = 4,
+        window: int = 128,
+        min_tokens: int = 16,
+        tag: str = "deflate",
+    ) -> None:
+        self.cal = calibration
+        self.config = CodecConfig(float(ratio), sinks, window, min_tokens, tag)
+        if float(ratio) not in [float(r) for r in calibration.ratios]:
+            raise ConfigError(
+                f"ratio {ratio} has no DP plan in calibration {calibration.id[:12]}; available: "
+                f"{', '.join(f'{r:g}' for r in calibration.ratios)}"
+            )
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but CUDA is not available")
+        self.fp = calibration.fingerprint
+        self.rope_removed = bool(getattr(calibration, "rope_removed", True))
+        self._tables = [_Tables(g, self.device) for g in calibration.groups]
+        self._coders: dict[str, EntropyCoder] = {}
+        self.last_timings: dict[str, float] = {}
+
+    @property
+    def ratio(self) -> float:
+        return self.config.ratio
+
+    def _coder(self, tag: str) -> EntropyCoder:
+        if tag not in self._coders:
+            self._coders[tag] = EntropyCoder(tag, self.device)
+        return self._coders[tag]
+
+    # ================================================================== validation
+    def _check_inputs(
+        self, keys: Any, values: Any, positions: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        for name, t in (("keys", keys), ("values", values)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise InputError(
+                    f"{name} must be [num_layers, num_tokens, num_kv_heads, head_dim], got shape {tuple(t.shape)}"
+                )
+            if t.dtype not in DTYPES.values():
+                raise InputError(f"{name} dtype {t.dtype} not supported (bfloat16, float16, float32)")
+        if keys.shape != values.shape:
+            raise InputError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in shape")
+        if keys.dtype != values.dtype:
+            raise InputError(f"keys ({keys.dtype}) and values ({values.dtype}) differ in dtype")
+        L, T, H, D = keys.shape
+        fp = self.fp
+        expect = (fp.num_layers, fp.num_kv_heads, fp.head_dim)
+        if (L, H, D) != expect:
+            raise InputError(
+                f"KV shape (layers={L}, kv_heads={H}, head_dim={D}) does not match the calibration's "
+                f"(layers={expect[0]}, kv_heads={expect[1]}, head_dim={expect[2]}) for "
+                f"{fp.model_name or fp.architecture} (tp rank {fp.tp_rank}/{fp.tp_size})"
+            )
+        if T == 0:
+            raise InputError("cannot encode zero tokens")
+        if not isinstance(positions, torch.Tensor):
+            try:
+                positions = torch.as_tensor(positions)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InputError(f"positions must be a sequence of integers: {e}") from None
+        if positions.dim() != 1 or positions.numel() != T:
+            raise InputError(f"positions must be 1-D with one entry per token ({T}), got shape {tuple(positions.shape)}")
+        if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
+            raise InputError(f"positions must be integers, got {positions.dtype}")
+        positions = positions.to("cpu", torch.int64)
+        if int(positions[0]) < 0:
+            raise InputError(f"positions must be >= 0, got {int(positions[0])}")
+        if T > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise InputError("positions must be strictly increasing (one absolute position per token)")
+        if int(positions[-1]) >= 1 << 40:
+            raise InputError("positions exceed 2^40")
+        for name, t in (("keys", keys), ("values", values)):
+            if not bool(torch.isfinite(t).all()):
+                raise InputError(f"{name} contain NaN or Inf; refusing to store them")
+        return keys, values, positions
+
+    # ================================================================== encode
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: Any) -> bytes:
+        """Encode ``keys``/``values`` ``[L, T, H, D]`` (keys post-RoPE) at absolute ``positions`` ``[T]``."""
+        t_start = time.perf_counter()
+        keys, values, pos = self._check_inputs(keys, values, positions)
+        L, T, H, D = keys.shape
+        cfg = self.config
+        ns = int((pos < cfg.sinks).sum())
+        nw = min(cfg.window, T - ns)
+        nc = T - ns - nw
+        mode = "kvtc"
+        if nc < cfg.min_tokens:
+            mode, ns, nw, nc = "raw", 0, T, 0
+        dev = self.device
+        pos_c = pos[ns : ns + nc].to(dev)
+        tim = {"project": 0.0, "quantize": 0.0, "entropy": 0.0}
+        sections: list[tuple[str, str, int, list[bytes]]] = []
+        rope_cache: dict[RotaryConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        for gi, tab in enumerate(self._tables):
+            l0, l1 = tab.layers
+            raw_parts: dict[str, tuple[str, torch.Tensor]] = {}
+            # sinks: fp8 per (layer, token, head) vector
+            if ns:
+                t0 = time.perf_counter()
+                raw_parts["sinks"] = ("store", _encode_sinks(keys[l0:l1, :ns].to(dev), values[l0:l1, :ns].to(dev)))
+                tim["quantize"] += time.perf_counter() - t0
+            else:
+                raw_parts["sinks"] = ("store", torch.empty(0, dtype=torch.uint8))
+            for kind, x, mean, basis, plans in (
+                ("k", keys, tab.k_mean, tab.k_basis, tab.k_plans),
+                ("v", values, tab.v_mean, tab.v_basis, tab.v_plans),
+            ):
+                if not nc:
+                    raw_parts[kind] = (cfg.tag, torch.empty(0, dtype=torch.uint8))
+                    continue
+                plan = plans[cfg.ratio]
+                t0 = time.perf_counter()
+                xs = x[l0:l1, ns : ns + nc].to(dev, torch.float32)
+                if kind == "k" and self.rope_removed:
+                    xs = self._rope(xs, pos_c, l0, rope_cache, inverse=True)
+                rows = xs.permute(1, 0, 2, 3).reshape(nc, -1)
+                coeffs = (rows - mean) @ basis[:, : plan.rank]
+                t1 = time.perf_counter()
+                payload = encode_coefficients(coeffs, plan)
+                t2 = time.perf_counter()
+                tim["project"] += t1 - t0
+                tim["quantize"] += t2 - t1
+                raw_parts[kind] = (cfg.tag, payload)
+            if nw:
+                win = torch.cat(
+                    (_bytes_of(keys[l0:l1, T - nw :]), _bytes_of(values[l0:l1, T - nw :]))
+                )
+            else:
+                win = torch.empty(0, dtype=torch.uint8)
+            raw_parts["window"] = ("store", win)
+            t0 = time.perf_counter()
+            for part in ("sinks", "k", "v", "window"):
+                tag, data = raw_parts[part]
+                sections.append((f"{gi}.{part}", tag, data.numel(), self._coder(tag).compress(data)))
+            tim["entropy"] += time.perf_counter() - t0
+        header = {
+            "cal": self.cal.id,
+            "layers": L,
+            "heads": H,
+            "head_dim": D,
+            "dtype": dtype_name(keys.dtype),
+            "tokens": T,
+            "positions": positions_to_runs(pos.tolist()),
+            "mode": mode,
+            "ratio": cfg.ratio if mode == "kvtc" else None,
+            "sinks": ns,
+            "window": nw,
+            "groups": [list(t.layers) for t in self._tables],
+        }
+        blob = pack_blob(header, sections)
+        tim["total"] = time.perf_counter() - t_start
+        self.last_timings.update({f"encode_{k}_s": v for k, v in tim.items()})
+        return blob
+
+    def _rope(
+        self,
+        x: torch.Tensor,
+        pos: torch.Tensor,
+        l0: int,
+        cache: dict[RotaryConfig, tuple[torch.Tensor, torch.Tensor]],
+        inverse: bool,
+    ) -> torch.Tensor:
+        """(Un)rotate ``x [Lg, T, H, D]`` layer by layer with each layer's rotary config."""
+        out = torch.empty_like(x)
+        for i in range(x.shape[0]):
+            out[i] = self._rope_layer(x[i], pos, l0 + i, cache, inverse)
+        return out
+
+    def _rope_layer(self, x, pos, layer, cache, inverse):
+        cfg = self.fp.rotary[layer]
+        if cfg not in cache:
+            cache[cfg] = cfg.cos_sin(pos, device=x.device)
+        cos, sin = cache[cfg]
+        return rotate(x, cos, sin, cfg, inverse=inverse)
+
+    # ================================================================== decode
+    def _check_header(self, h: dict[str, Any]) -> None:
+        fp = self.fp
+        if h["cal"] != self.cal.id:
+            raise WrongCalibrationError(
+                f"blob was encoded with calibration {h['cal'][:12]}, this codec holds {self.cal.id[:12]} "
+                f"({fp.model_name or fp.architecture})"
+            )
+        if (h["layers"], h["heads"], h["head_dim"]) != (fp.num_layers, fp.num_kv_heads, fp.head_dim):
+            raise CorruptBlobError("blob shape fields disagree with its calibration")
+        if h["groups"] != [list(t.layers) for t in self._tables]:
+            raise CorruptBlobError("blob layer groups disagree with its calibration")
+        if h["mode"] == "kvtc":
+            if h["ratio"] is None or float(h["ratio"]) not in self._tables[0].k_plans:
+                raise CorruptBlobError(f"blob names ratio {h['ratio']!r}, which its calibration has no plan for")
+        elif h["sinks"] or h["window"] != h["tokens"]:
+            raise CorruptBlobError("raw-mode blob must hold every token in its window")
+
+    def _expected_sizes(self, h: dict[str, Any]) -> list[tuple[str, int]]:
+        T, H, D = h["tokens"], h["heads"], h["head_dim"]
+        ns, nw = h["sinks"], h["window"]
+        nc = T - ns - nw
+        item = DTYPES[h["dtype"]].itemsize
+        out = []
+        for gi, tab in enumerate(self._tables):
+            Lg = tab.layers[1] - tab.layers[0]
+            out.append((f"{gi}.sinks", 2 * Lg * ns * H * (D + 2)))
+            for kind, plans in (("k", tab.k_plans), ("v", tab.v_plans)):
+                out.append((f"{gi}.{kind}", plans[float(h["ratio"])].nbytes(nc) if nc else 0))
+            out.append((f"{gi}.window", 2 * Lg * nw * H * D * item))
+        return out
+
+    def _open(self, blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list]:
+        try:
+            h, recs = parse_blob(blob)
+        except DecodeError:
+            raise
+        except Exception as e:  # never let a malformed blob escape as anything but DecodeError
+            raise CorruptBlobError(f"malformed blob: {type(e).__name__}: {e}") from None
+        self._check_header(h)
+        expected = self._expected_sizes(h)
+        if [(r.name, r.raw_len) for r in recs] != expected:
+            raise CorruptBlobError("blob section table does not match the sizes its header and calibration imply")
+        for r in recs:
+            if r.name.endswith(("sinks", "window")) and r.tag != "store":
+                raise CorruptBlobError(f"section {r.name} must be stored, has tag {r.tag!r}")
+            check_readable(r.tag, self.device)
+        return h, recs
+
+    def decode_layers(self, blob: bytes | bytearray | memoryview) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Yield ``(layer, keys [T, H, D], values [T, H, D])`` in layer order as each becomes ready.
+
+        The whole blob is validated (structure and every section checksum) before the first layer is produced.
+        """
+        h, recs = self._open(blob)
+        for r in recs:
+            section_chunks(blob, r, verify=True)  # checksums up front: never yield layers of a corrupt blob
+        return self._layers(blob, h, recs)
+
+    def _layers(self, blob, h, recs) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        T, H, D = h["tokens"], h["heads"], h["head_dim"]
+        ns, nw = h["sinks"], h["window"]
+        nc = T - ns - nw
+        dtype = DTYPES[h["dtype"]]
+        dev = self.device
+        pos = torch.tensor(runs_to_positions(h["positions"]), dtype=torch.int64)
+        pos_c = pos[ns : ns + nc].to(dev)
+        ratio = float(h["ratio"]) if h["ratio"] is not None else None
+        tim = {"entropy": 0.0, "quantize": 0.0, "project": 0.0}
+        by_name = {r.name: r for r in recs}
+        rope_cache: dict = {}
+        t_start = time.perf_counter()
+        for gi, tab in enumerate(self._tables):
+            l0, l1 = tab.layers
+            Lg = l1 - l0
+            t0 = time.perf_counter()
+            raw = {}
+            for part in ("sinks", "k", "v", "window"):
+                r = by_name[f"{gi}.{part}"]
+                raw[part] = self._coder(r.tag).decompress(section_chunks(blob, r, verify=False), r.raw_len)
+            t1 = time.perf_counter()
+            sink_k = sink_v = None
+            if ns:
+                sink_k, sink_v = _decode_sinks(raw["sinks"].to(dev), Lg, ns, H, D)
+            coeffs = {}
+            if nc:
+                coeffs["k"] = decode_coefficients(raw["k"].to(dev), tab.k_plans[ratio], nc)
+                coeffs["v"] = decode_coefficients(raw["v"].to(dev), tab.v_plans[ratio], nc)
+            win_k = win_v = None
+            if nw:
+                w = raw["window"].to(dev)
+                half = w.numel() // 2
+                win_k = w[:half].view(dtype).view(Lg, nw, H, D)
+                win_v = w[half:].view(dtype).view(Lg, nw, H, D)
+            t2 = time.perf_counter()
+            tim["entropy"] += t1 - t0
+            tim["quantize"] += t2 - t1
+            for i in range(Lg):
+                t3 = time.perf_counter()
+                k_out = torch.empty(T, H, D, dtype=dtype, device=dev)
+                v_out = torch.empty(T, H, D, dtype=dtype, device=dev)
+                if ns:
+                    k_out[:ns] = sink_k[i]
+                    v_out[:ns] = sink_v[i]
+                if nc:
+                    cols = slice(i * H * D, (i + 1) * H * D)
+                    for kind, out, mean, basis, plan in (
+                        ("k", k_out, tab.k_mean, tab.k_basis, tab.k_plans[ratio]),
+                        ("v", v_out, tab.v_mean, tab.v_basis, tab.v_plans[ratio]),
+                    ):
+                        x = coeffs[kind] @ basis[cols, : plan.rank].t() + mean[cols]
+                        x = x.view(nc, H, D)
+                        if kind == "k" and self.rope_removed:
+                            x = self._rope_layer(x, pos_c, l0 + i, rope_cache, inverse=False)
+                        out[ns : ns + nc] = x
+                if nw:
+                    k_out[T - nw :] = win_k[i]
+                    v_out[T - nw :] = win_v[i]
+                tim["project"] += time.perf_counter() - t3
+                yield l0 + i, k_out, v_out
+        tim["total"] = time.perf_counter() - t_start
+        self.last_timings.update({f"decode_{k}_s": v for k, v in tim.items()})
+
+    def decode(self, blob: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode a blob into ``(keys, values)`` ``[L, T, H, D]`` in the encoded dtype, RoPE re-applied."""
+        ks, vs = [], []
+        for _, k, v in self.decode_layers(blob):
+            ks.append(k)
+            vs.append(v)
+        return torch.stack(ks), torch.stack(vs)
+
+    def positions(self, blob: bytes | bytearray | memoryview) -> torch.Tensor:
+        """The absolute token positions recorded in a blob."""
+        h, _ = self._open(blob)
+        return torch.tensor(runs_to_positions(h["positions"]), dtype=torch.int64)
+
+    # ================================================================== stats
+    def stats(self, blob: bytes | bytearray | memoryview) -> dict[str, Any]:
+        """Sizes, ratios (paper accounting and others), plan summary and the last encode/decode timings."""
+        h, recs = self._open(blob)
+        T, H, D, L = h["tokens"], h["heads"], h["head_dim"], h["layers"]
+        ns, nw = h["sinks"], h["window"]
+        nc = T - ns - nw
+        per_tok16 = 2 * L * H * D * 2  # K+V bytes per token at 16 bits
+        stored = {"sinks": 0, "k": 0, "v": 0, "window": 0}
+        for r in recs:
+            stored[r.name.split(".", 1)[1]] += r.stored_len
+        sections_total = sum(stored.values())
+        compressed_stored = stored["sinks"] + stored["k"] + stored["v"]
+        out: dict[str, Any] = {
+            "mode": h["mode"],
+            "ratio_target": h["ratio"],
+            "tokens": T,
+            "sink_tokens": ns,
+            "coded_tokens": nc,
+            "window_tokens": nw,
+            "raw_bytes_16bit": per_tok16 * T,
+            "input_bytes": 2 * L * H * D * T * DTYPES[h["dtype"]].itemsize,
+            "blob_bytes": len(memoryview(blob)),
+            "header_bytes": len(memoryview(blob)) - sections_total,
+            "stored_bytes": stored,
+            "ratio": (per_tok16 * (ns + nc) / compressed_stored) if compressed_stored else None,
+            "ratio_with_window": per_tok16 * T / sections_total if sections_total else None,
+            "ratio_blob": per_tok16 * T / len(memoryview(blob)),
+            "codec_tag": sorted({r.tag for r in recs if r.name.endswith((".k", ".v"))}),
+        }
+        if h["mode"] == "kvtc":
+            ratio = float(h["ratio"])
+            out["plan"] = {
+                kind: {
+                    "rank": sum(getattr(t, f"{kind}_plans")[ratio].rank for t in self._tables),
+                    "bits_per_token": sum(getattr(t, f"{kind}_plans")[ratio].bits_per_token for t in self._tables),
+                    "budget_bits": sum(getattr(t, f"{kind}_plans")[ratio].budget_bits for t in self._tables),
+                    "coordinates_by_type": _sum_dicts(getattr(t, f"{kind}_plans")[ratio].kind_counts() for t in self._tables),
+                }
+                for kind in ("k", "v")
+            }
+            out["ratio_before_entropy"] = (
+                per_tok16 * nc / sum(r.raw_len for r in recs if r.name.endswith((".k", ".v"))) if nc else None
+            )
+        out["timings"] = dict(self.last_timings)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+def _sum_dicts(ds) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in ds:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _encode_sinks(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp8 E4M3 codes [Lg, ns, H, D] + fp16 scales [Lg, ns, H] for K, then the same for V."""
+    parts = []
+    for x in (k, v):
+        xf = x.float()
+        scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(max=65504.0).to(torch.float16)
+        sf = scale.float()
+        inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
+        codes = (xf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        parts += [codes.reshape(-1), scale.contiguous().view(torch.uint8).reshape(-1)]
+    return torch.cat(parts).cpu()
+
+
+def _decode_sinks(buf: torch.Tensor, Lg: int, ns: int, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n_codes, n_scale = Lg * ns * H * D, Lg * ns * H * 2
+    out = []
+    off = 0
+    for _ in range(2):
+        codes = buf[off : off + n_codes].view(torch.float8_e4m3fn).float().view(Lg, ns, H, D)
+        off += n_codes
+        scale = buf[off : off + n_scale].view(torch.float16).float().view(Lg, ns, H, 1)
+        off += n_scale
+        out.append(codes * scale)
+    return out[0], out[1]

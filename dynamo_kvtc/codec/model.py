@@ -1,0 +1,134 @@
+"""What the codec needs to know about a model shard and its calibrated bases (no I/O here).
+
+- :class:`ModelFingerprint` identifies the KV layout a calibration was made for: architecture, layers, KV heads of the
+  shard, head_dim, dtype, per-layer rotary configuration, tokenizer, tensor-parallel rank and size.
+- :class:`BasisGroup` holds one layer group's PCA means and bases for K and V and the DP plans per ratio.
+
+:class:`~dynamo_kvtc.calibration.Calibration` composes these with provenance and persistence; the codec accepts any
+object that has ``id``, ``fingerprint``, ``groups`` and ``ratios`` (:class:`CalibrationLike`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import CalibrationError, CalibrationMismatchError
+from .plan import Plan
+from .rope import RotaryConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for k, v in DTYPES.items():
+        if v == dtype:
+            return k
+    raise KeyError(dtype)
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    architecture: str
+    num_layers: int
+    num_kv_heads: int  # KV heads held by this shard
+    head_dim: int
+    dtype: str
+    rotary: tuple[RotaryConfig, ...]  # one per layer
+    tokenizer: str = ""
+    model_name: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    total_kv_heads: int = 0  # KV heads of the whole model (0 = same as num_kv_heads)
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise CalibrationError("fingerprint needs positive num_layers, num_kv_heads and head_dim")
+        if len(self.rotary) != self.num_layers:
+            raise CalibrationError(f"fingerprint has {len(self.rotary)} rotary configs for {self.num_layers} layers")
+        if self.dtype not in DTYPES:
+            raise CalibrationError(f"fingerprint dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if not (0 <= self.tp_rank < self.tp_size):
+            raise CalibrationError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    @property
+    def features(self) -> int:
+        """p: features per token for K (and for V) across all layers and KV heads of the shard."""
+        return self.num_layers * self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "rotary": [r.to_dict() for r in self.rotary],
+            "tokenizer": self.tokenizer,
+            "model_name": self.model_name,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "total_kv_heads": self.total_kv_heads,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelFingerprint:
+        try:
+            d = dict(d)
+            d["rotary"] = tuple(RotaryConfig.from_dict(r) for r in d["rotary"])
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise CalibrationError(f"malformed model fingerprint: {e}") from e
+
+    def mismatches(self, other: ModelFingerprint, *, strict: bool = True) -> list[str]:
+        """Human-readable differences that make a calibration unusable for ``other``."""
+        keys = ["architecture", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_size"]
+        if strict:
+            keys += ["tokenizer"]
+        out = []
+        for k in keys:
+            a, b = getattr(self, k), getattr(other, k)
+            if a != b and not (k == "tokenizer" and (not a or not b)):
+                out.append(f"{k}: calibration has {a!r}, model has {b!r}")
+        if self.rotary != other.rotary:
+            diff = next(i for i, (a, b) in enumerate(zip(self.rotary, other.rotary)) if a != b) if len(
+                self.rotary
+            ) == len(other.rotary) else 0
+            out.append(f"rotary config differs (first at layer {diff})")
+        return out
+
+    def check_matches(self, other: ModelFingerprint) -> None:
+        problems = self.mismatches(other)
+        if problems:
+            raise CalibrationMismatchError(
+                f"calibration for {self.model_name or self.architecture} does not fit "
+                f"{other.model_name or other.architecture}: " + "; ".join(problems)
+            )
+
+
+@dataclass
+class BasisGroup:
+    """One layer group ``[start, stop)``: means [p_g], bases [p_g, r] (columns = components) and plans for K and V."""
+
+    layers: tuple[int, int]
+    k_mean: torch.Tensor
+    k_basis: torch.Tensor
+    v_mean: torch.Tensor
+    v_basis: torch.Tensor
+    k_plans: dict[float, Plan] = field(default_factory=dict)
+    v_plans: dict[float, Plan] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
+class CalibrationLike(Protocol):
+    id: str
+    fingerprint: ModelFingerprint
+    groups: list[BasisGroup]
+
+    @property
+    def ratios(self) -> list[float]: ...

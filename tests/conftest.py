@@ -1,0 +1,100 @@
+"""Shared fixtures: a small synthetic model shard with real RoPE, and the real SmolLM2-135M model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dynamo_kvtc import calibrate
+from dynamo_kvtc.codec import ModelFingerprint, RotaryConfig
+from dynamo_kvtc.codec.rope import apply_rope
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synthetic KV
+
+
+def make_fp(layers: int = L, heads: int = H, head_dim: int = D, name: str = "synthetic") -> ModelFingerprint:
+    return ModelFingerprint(
+        "SyntheticForCausalLM", layers, heads, head_dim, "bfloat16",
+        tuple(RotaryConfig(head_dim, theta=10000.0) for _ in range(layers)), model_name=name, total_kv_heads=heads,
+    )
+
+
+class SyntheticKV:
+    """Low-rank KV with a real RoPE on keys: x = z W (+ noise), keys rotated at their positions."""
+
+    def __init__(self, fp: ModelFingerprint, rank: int = R, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.fp = fp
+        p = fp.features
+        self.wk = torch.randn(p, rank, generator=g) / rank**0.5
+        self.wv = torch.randn(p, rank, generator=g) / rank**0.5
+        self.mean = torch.randn(p, generator=g) * 0.3
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def sample(self, tokens: int, start: int = 0, dtype: torch.dtype = torch.bfloat16):
+        fp = self.fp
+        Lf, Hf, Df = fp.num_layers, fp.num_kv_heads, fp.head_dim
+        z = torch.randn(tokens, self.wk.shape[1], generator=self.gen) * torch.linspace(3, 0.2, self.wk.shape[1])
+        noise = 0.02 * torch.randn(tokens, fp.features, generator=self.gen)
+        k = (z @ self.wk.T + self.mean + noise).view(tokens, Lf, Hf, Df).permute(1, 0, 2, 3)
+        v = (z @ self.wv.T - self.mean + noise).view(tokens, Lf, Hf, Df).permute(1, 0, 2, 3)
+        pos = torch.arange(start, start + tokens)
+        k = torch.stack([apply_rope(k[i], pos, fp.rotary[i]) for i in range(Lf)])
+        return k.to(dtype).contiguous(), v.to(dtype).contiguous(), pos
+
+
+@pytest.fixture(scope="session")
+def synth():
+    return SyntheticKV(make_fp())
+
+
+@pytest.fixture(scope="session")
+def synth_cal(synth):
+    samples = [synth.sample(512, start=i * 37) for i in range(8)]
+    return calibrate(samples, synth.fp, ratios=(4, 8, 16), dp_tokens=2048, progress=False, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------- real model
+@pytest.fixture(scope="session")
+def smollm2():
+    pytest.importorskip("transformers")
+    from dynamo_kvtc.calibration.models import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smol_samples(smollm2):
+    """KV of ~16K calibration tokens (2048-token windows of the calibration essays)."""
+    from dynamo_kvtc.calibration.data import calibration_texts
+    from dynamo_kvtc.calibration.models import iter_model_kv
+
+    model, tok = smollm2
+    return list(iter_model_kv(model, tok, calibration_texts(), seq_len=2048, max_tokens=16384))
+
+
+@pytest.fixture(scope="session")
+def smol_fp(smollm2):
+    from dynamo_kvtc.calibration.models import fingerprint_of
+
+    return fingerprint_of(*smollm2)
+
+
+@pytest.fixture(scope="session")
+def smol_cal(smol_samples, smol_fp):
+    return calibrate(smol_samples, smol_fp, ratios=(8, 16, 32, 64), dp_tokens=8192, progress=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smol_heldout(smollm2):
+    """KV of 2048 held-out tokens (an essay calibration never saw)."""
+    from dynamo_kvtc.calibration.data import heldout_texts
+    from dynamo_kvtc.calibration.models import capture_kv
+
+    model, tok = smollm2
+    ids = tok(heldout_texts()[1], return_tensors="pt", add_special_tokens=False)["input_ids"][0][:2048]
+    return capture_kv(model, ids)
