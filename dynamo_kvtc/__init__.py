@@ -26,7 +26,21 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Calibration", "CalibrationConfig", "CalibrationError", "CalibrationMismatchError", "ConfigError",
-    "CorruptBlobError", "DecodeError", "InputError", "KvSample", "KvtcCodec", "KvtcError", "ModelError",
-    "ModelFingerprint", "RotaryConfig", "UnsupportedCodecError", "WrongCalibrationError", "calibrate",
+    "Calibration",
+    "CalibrationConfig",
+    "CalibrationError",
+    "CalibrationMismatchError",
+    "ConfigError",
+    "CorruptBlobError",
+    "DecodeError",
+    "InputError",
+    "KvSample",
+    "KvtcCodec",
+    "KvtcError",
+    "ModelError",
+    "ModelFingerprint",
+    "RotaryConfig",
+    "UnsupportedCodecError",
+    "WrongCalibrationError",
+    "calibrate",
 ]

@@ -18,8 +18,14 @@ L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synt
 
 def make_fp(layers: int = L, heads: int = H, head_dim: int = D, name: str = "synthetic") -> ModelFingerprint:
     return ModelFingerprint(
-        "SyntheticForCausalLM", layers, heads, head_dim, "bfloat16",
-        tuple(RotaryConfig(head_dim, theta=10000.0) for _ in range(layers)), model_name=name, total_kv_heads=heads,
+        "SyntheticForCausalLM",
+        layers,
+        heads,
+        head_dim,
+        "bfloat16",
+        tuple(RotaryConfig(head_dim, theta=10000.0) for _ in range(layers)),
+        model_name=name,
+        total_kv_heads=heads,
     )
 
 

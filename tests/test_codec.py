@@ -127,8 +127,9 @@ def test_bad_config(synth_cal):
 
 
 def test_wrong_calibration_refused(synth, synth_cal):
-    other = calibrate([synth.sample(256, start=i * 3) for i in range(4)], synth.fp, ratios=(8,), dp_tokens=512,
-                      progress=False, seed=1)
+    other = calibrate(
+        [synth.sample(256, start=i * 3) for i in range(4)], synth.fp, ratios=(8,), dp_tokens=512, progress=False, seed=1
+    )
     assert other.id != synth_cal.id
     k, v, pos = synth.sample(200)
     blob = KvtcCodec(synth_cal, ratio=8).encode(k, v, pos)
@@ -183,7 +184,9 @@ def test_calibration_save_load_and_damage(tmp_path, synth, synth_cal):
     # edited metadata changes the id
     synth_cal.save(path)
     meta = json.loads((path / "calibration.json").read_text())
-    meta["groups"][0]["k_plans"][0]["runs"][0][2] = "int2" if meta["groups"][0]["k_plans"][0]["runs"][0][2] != "int2" else "int4"
+    meta["groups"][0]["k_plans"][0]["runs"][0][2] = (
+        "int2" if meta["groups"][0]["k_plans"][0]["runs"][0][2] != "int2" else "int4"
+    )
     (path / "calibration.json").write_text(json.dumps(meta))
     with pytest.raises(CalibrationError, match="id mismatch"):
         Calibration.load(path)

@@ -12,8 +12,15 @@ CONFIGS = [
     RotaryConfig(64, theta=1e5),
     RotaryConfig(64, theta=1e4, style="interleaved"),
     RotaryConfig(64, theta=1e4, rotary_dim=32),
-    RotaryConfig(128, theta=5e5, scaling="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                 original_max_position_embeddings=8192),
+    RotaryConfig(
+        128,
+        theta=5e5,
+        scaling="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
     RotaryConfig(64, theta=1e4, scaling="linear", factor=4.0),
     RotaryConfig(64, theta=1e4, scaling="yarn", factor=4.0, original_max_position_embeddings=4096),
 ]
@@ -40,8 +47,14 @@ def test_position_zero_is_identity():
 @pytest.mark.parametrize(
     "params",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192, "rope_theta": 500000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
         {"rope_type": "default", "rope_theta": 100000.0},
@@ -53,8 +66,13 @@ def test_inv_freq_matches_transformers(params):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    cfg = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=16384,
-                      rope_parameters=dict(params))
+    cfg = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=16384,
+        rope_parameters=dict(params),
+    )
     ours = RotaryConfig.from_hf_config(cfg)
     if params["rope_type"] == "default":
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

@@ -232,8 +232,12 @@ class Calibration:
                 groups.append(
                     BasisGroup(
                         (int(gm["layers"][0]), int(gm["layers"][1])),
-                        tensors[f"g{i}.k_mean"], tensors[f"g{i}.k_basis"],
-                        tensors[f"g{i}.v_mean"], tensors[f"g{i}.v_basis"], kp, vp,
+                        tensors[f"g{i}.k_mean"],
+                        tensors[f"g{i}.k_basis"],
+                        tensors[f"g{i}.v_mean"],
+                        tensors[f"g{i}.v_basis"],
+                        kp,
+                        vp,
                     )
                 )
             cal = cls(fp, groups, bool(meta["rope_removed"]), dict(meta.get("provenance") or {}), id="")
@@ -244,4 +248,3 @@ class Calibration:
         if cal.id != meta.get("id"):
             raise CalibrationError(f"{path}: calibration id mismatch (metadata {meta.get('id')}, content {cal.id})")
         return cal
-

@@ -140,18 +140,30 @@ def _iter_samples(samples: Iterable) -> Iterator[KvSample]:
         elif isinstance(s, (tuple, list)) and len(s) == 3:
             yield KvSample(*s)
         else:
-            raise InputError(f"calibration samples must be KvSample or (keys, values, positions), got {type(s).__name__}")
+            raise InputError(
+                f"calibration samples must be KvSample or (keys, values, positions), got {type(s).__name__}"
+            )
 
 
-def _calibrate(samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationConfig, prov: dict[str, Any]) -> Calibration:
+def _calibrate(
+    samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationConfig, prov: dict[str, Any]
+) -> Calibration:
     t_start = time.time()
     total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
     heads = shard_heads(total_heads, cfg.tp_rank, cfg.tp_size)
     H = heads.stop - heads.start
-    fp = ModelFingerprint(**{
-        **{k: getattr(full_fp, k) for k in ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")},
-        "num_kv_heads": H, "tp_rank": cfg.tp_rank, "tp_size": cfg.tp_size, "total_kv_heads": total_heads,
-    })
+    fp = ModelFingerprint(
+        **{
+            **{
+                k: getattr(full_fp, k)
+                for k in ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")
+            },
+            "num_kv_heads": H,
+            "tp_rank": cfg.tp_rank,
+            "tp_size": cfg.tp_size,
+            "total_kv_heads": total_heads,
+        }
+    )
     L, D = fp.num_layers, fp.head_dim
     slices = _layer_slices(L, cfg.layer_groups)
     dev = torch.device(cfg.device)
@@ -164,7 +176,9 @@ def _calibrate(samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationCon
     for s in _iter_samples(samples):
         keys, values, pos = s.keys, s.values, torch.as_tensor(s.positions, dtype=torch.int64)
         if keys.dim() != 4 or keys.shape != values.shape:
-            raise InputError(f"calibration sample keys {tuple(keys.shape)} / values {tuple(values.shape)} must be [L,T,H,D]")
+            raise InputError(
+                f"calibration sample keys {tuple(keys.shape)} / values {tuple(values.shape)} must be [L,T,H,D]"
+            )
         if (keys.shape[0], keys.shape[2], keys.shape[3]) != (L, total_heads, D):
             raise InputError(
                 f"calibration sample shape {tuple(keys.shape)} does not match the model (layers={L}, "
@@ -254,7 +268,9 @@ def _calibrate(samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationCon
             stats[f"g{g}.{kind}.variance_captured_by_width"] = float(ev[:width].sum() / max(pca.total_variance, 1e-30))
             parts[kind] = (pca.mean.cpu().float(), basis16[:, :width].cpu(), plans)
             log.info("group %d %s: width %d of %d", g, kind, width, p)
-        groups.append(BasisGroup((a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2]))
+        groups.append(
+            BasisGroup((a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2])
+        )
     prov = {
         **prov,
         "tokens": n_tokens,
@@ -264,10 +280,19 @@ def _calibrate(samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationCon
         "sinks_excluded": cfg.sinks,
         "rank_cap": cfg.rank,
         "pca": {"method": cfg.pca_method, "niter": cfg.niter},
-        "seconds": {"capture": round(t_capture, 2), "pca": round(t_pca, 2), "dp": round(t_dp, 2),
-                    "total": round(time.time() - t_start, 2)},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": __import__("os").cpu_count(), "device": str(dev), "torch": torch.__version__},
+        "seconds": {
+            "capture": round(t_capture, 2),
+            "pca": round(t_pca, 2),
+            "dp": round(t_dp, 2),
+            "total": round(time.time() - t_start, 2),
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": __import__("os").cpu_count(),
+            "device": str(dev),
+            "torch": torch.__version__,
+        },
         "stats": stats,
         **cfg.extra,
     }

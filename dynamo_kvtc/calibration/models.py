@@ -131,8 +131,15 @@ def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = to
         tok_name = f"{type(tokenizer).__name__}:{len(tokenizer)}"
     name = Path(str(getattr(model, "name_or_path", "") or getattr(c, "_name_or_path", ""))).name
     return ModelFingerprint(
-        architecture=arch, num_layers=layers, num_kv_heads=heads, head_dim=head_dim, dtype=dtype_name(kv_dtype),
-        rotary=rotary, tokenizer=tok_name, model_name=name, total_kv_heads=heads,
+        architecture=arch,
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        dtype=dtype_name(kv_dtype),
+        rotary=rotary,
+        tokenizer=tok_name,
+        model_name=name,
+        total_kv_heads=heads,
     )
 
 
@@ -146,7 +153,9 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @torch.no_grad()
-def capture_kv(model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def capture_kv(
+    model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T]."""
     ids = input_ids.reshape(1, -1)
     out = model(input_ids=ids, use_cache=True)

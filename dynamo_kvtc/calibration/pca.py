@@ -66,7 +66,13 @@ class PcaResult:
 
 
 def fit_pca(
-    m: Moments, rank: int | None = None, *, niter: int = 8, oversample: int = 64, seed: int = 0, method: str = "randomized"
+    m: Moments,
+    rank: int | None = None,
+    *,
+    niter: int = 8,
+    oversample: int = 64,
+    seed: int = 0,
+    method: str = "randomized",
 ) -> PcaResult:
     """Principal components of the accumulated rows, ``rank`` capped at p."""
     if m.n < 2:

@@ -96,7 +96,9 @@ def _need(cond: bool, what: str) -> None:
 
 def _int(h: dict, key: str, lo: int, hi: int) -> int:
     v = h.get(key)
-    _need(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key}={v!r} not an integer in [{lo}, {hi}]")
+    _need(
+        isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key}={v!r} not an integer in [{lo}, {hi}]"
+    )
     return v
 
 
@@ -121,8 +123,15 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
         raise CorruptBlobError("header checksum mismatch")
     try:
         h = msgpack.unpackb(
-            bytes(hbytes), raw=False, strict_map_key=True, use_list=True,
-            max_str_len=1024, max_bin_len=0, max_ext_len=0, max_array_len=MAX_TOKENS, max_map_len=64,
+            bytes(hbytes),
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=1024,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=MAX_TOKENS,
+            max_map_len=64,
         )
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise CorruptBlobError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
@@ -143,7 +152,12 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     _need(isinstance(runs, list) and 0 < len(runs) <= tokens, "positions must be a non-empty run list")
     total, last = 0, -1
     for run in runs:
-        _need(isinstance(run, list) and len(run) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in run), "position run")
+        _need(
+            isinstance(run, list)
+            and len(run) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in run),
+            "position run",
+        )
         start, length = run
         _need(start > last and length >= 1 and start + length <= (1 << 40), "positions must be strictly increasing")
         last = start + length - 1
@@ -153,7 +167,10 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     _need(isinstance(groups, list) and 0 < len(groups) <= layers, "groups")
     prev = 0
     for g in groups:
-        _need(isinstance(g, list) and len(g) == 2 and g[0] == prev and isinstance(g[1], int) and g[1] > g[0], "layer groups must tile the layers")
+        _need(
+            isinstance(g, list) and len(g) == 2 and g[0] == prev and isinstance(g[1], int) and g[1] > g[0],
+            "layer groups must tile the layers",
+        )
         prev = g[1]
     _need(prev == layers, "layer groups must cover every layer")
     table = h.get("sections")

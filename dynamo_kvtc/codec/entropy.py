@@ -162,7 +162,8 @@ class EntropyCoder:
             off += s
         try:
             dec = codec.decode(
-                nvcomp.as_arrays(views, cuda_stream=stream), data_type="|u1",
+                nvcomp.as_arrays(views, cuda_stream=stream),
+                data_type="|u1",
                 out=nvcomp.as_arrays(outs, cuda_stream=stream),
             )
             got = [int(x) for x in getattr(dec, "buffer_sizes", sizes)]

@@ -29,10 +29,10 @@ from ..errors import (
     InputError,
     WrongCalibrationError,
 )
-from .container import parse_blob, positions_to_runs, runs_to_positions, section_chunks, pack_blob
+from .container import pack_blob, parse_blob, positions_to_runs, runs_to_positions, section_chunks
 from .entropy import TAGS, EntropyCoder, check_readable
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
-from .plan import Plan, decode_coefficients, encode_coefficients
+from .plan import decode_coefficients, encode_coefficients
 from .quant import FP8_MAX
 from .rope import RotaryConfig, rotate
 
@@ -88,8 +88,10 @@ class KvtcCodec:
         window: int = 128,
         min_tokens: int = 16,
         tag: str = "deflate",
+        profile: bool = False,
     ) -> None:
         self.cal = calibration
+        self.profile = profile
         self.config = CodecConfig(float(ratio), sinks, window, min_tokens, tag)
         if float(ratio) not in [float(r) for r in calibration.ratios]:
             raise ConfigError(
@@ -109,15 +111,19 @@ class KvtcCodec:
     def ratio(self) -> float:
         return self.config.ratio
 
+    def _now(self) -> float:
+        """Wall clock for stage timings; waits for queued GPU work when ``profile`` is set."""
+        if self.profile and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def _coder(self, tag: str) -> EntropyCoder:
         if tag not in self._coders:
             self._coders[tag] = EntropyCoder(tag, self.device)
         return self._coders[tag]
 
     # ================================================================== validation
-    def _check_inputs(
-        self, keys: Any, values: Any, positions: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _check_inputs(self, keys: Any, values: Any, positions: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -148,7 +154,9 @@ class KvtcCodec:
             except (TypeError, ValueError, RuntimeError) as e:
                 raise InputError(f"positions must be a sequence of integers: {e}") from None
         if positions.dim() != 1 or positions.numel() != T:
-            raise InputError(f"positions must be 1-D with one entry per token ({T}), got shape {tuple(positions.shape)}")
+            raise InputError(
+                f"positions must be 1-D with one entry per token ({T}), got shape {tuple(positions.shape)}"
+            )
         if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.is_complex():
             raise InputError(f"positions must be integers, got {positions.dtype}")
         positions = positions.to("cpu", torch.int64)
@@ -166,7 +174,7 @@ class KvtcCodec:
     # ================================================================== encode
     def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: Any) -> bytes:
         """Encode ``keys``/``values`` ``[L, T, H, D]`` (keys post-RoPE) at absolute ``positions`` ``[T]``."""
-        t_start = time.perf_counter()
+        t_start = self._now()
         keys, values, pos = self._check_inputs(keys, values, positions)
         L, T, H, D = keys.shape
         cfg = self.config
@@ -186,9 +194,9 @@ class KvtcCodec:
             raw_parts: dict[str, tuple[str, torch.Tensor]] = {}
             # sinks: fp8 per (layer, token, head) vector
             if ns:
-                t0 = time.perf_counter()
+                t0 = self._now()
                 raw_parts["sinks"] = ("store", _encode_sinks(keys[l0:l1, :ns].to(dev), values[l0:l1, :ns].to(dev)))
-                tim["quantize"] += time.perf_counter() - t0
+                tim["quantize"] += self._now() - t0
             else:
                 raw_parts["sinks"] = ("store", torch.empty(0, dtype=torch.uint8))
             for kind, x, mean, basis, plans in (
@@ -199,30 +207,28 @@ class KvtcCodec:
                     raw_parts[kind] = (cfg.tag, torch.empty(0, dtype=torch.uint8))
                     continue
                 plan = plans[cfg.ratio]
-                t0 = time.perf_counter()
+                t0 = self._now()
                 xs = x[l0:l1, ns : ns + nc].to(dev, torch.float32)
                 if kind == "k" and self.rope_removed:
                     xs = self._rope(xs, pos_c, l0, rope_cache, inverse=True)
                 rows = xs.permute(1, 0, 2, 3).reshape(nc, -1)
                 coeffs = (rows - mean) @ basis[:, : plan.rank]
-                t1 = time.perf_counter()
+                t1 = self._now()
                 payload = encode_coefficients(coeffs, plan)
-                t2 = time.perf_counter()
+                t2 = self._now()
                 tim["project"] += t1 - t0
                 tim["quantize"] += t2 - t1
                 raw_parts[kind] = (cfg.tag, payload)
             if nw:
-                win = torch.cat(
-                    (_bytes_of(keys[l0:l1, T - nw :]), _bytes_of(values[l0:l1, T - nw :]))
-                )
+                win = torch.cat((_bytes_of(keys[l0:l1, T - nw :]), _bytes_of(values[l0:l1, T - nw :])))
             else:
                 win = torch.empty(0, dtype=torch.uint8)
             raw_parts["window"] = ("store", win)
-            t0 = time.perf_counter()
+            t0 = self._now()
             for part in ("sinks", "k", "v", "window"):
                 tag, data = raw_parts[part]
                 sections.append((f"{gi}.{part}", tag, data.numel(), self._coder(tag).compress(data)))
-            tim["entropy"] += time.perf_counter() - t0
+            tim["entropy"] += self._now() - t0
         header = {
             "cal": self.cal.id,
             "layers": L,
@@ -238,7 +244,7 @@ class KvtcCodec:
             "groups": [list(t.layers) for t in self._tables],
         }
         blob = pack_blob(header, sections)
-        tim["total"] = time.perf_counter() - t_start
+        tim["total"] = self._now() - t_start
         self.last_timings.update({f"encode_{k}_s": v for k, v in tim.items()})
         return blob
 
@@ -334,16 +340,16 @@ class KvtcCodec:
         tim = {"entropy": 0.0, "quantize": 0.0, "project": 0.0}
         by_name = {r.name: r for r in recs}
         rope_cache: dict = {}
-        t_start = time.perf_counter()
+        t_start = self._now()
         for gi, tab in enumerate(self._tables):
             l0, l1 = tab.layers
             Lg = l1 - l0
-            t0 = time.perf_counter()
+            t0 = self._now()
             raw = {}
             for part in ("sinks", "k", "v", "window"):
                 r = by_name[f"{gi}.{part}"]
                 raw[part] = self._coder(r.tag).decompress(section_chunks(blob, r, verify=False), r.raw_len)
-            t1 = time.perf_counter()
+            t1 = self._now()
             sink_k = sink_v = None
             if ns:
                 sink_k, sink_v = _decode_sinks(raw["sinks"].to(dev), Lg, ns, H, D)
@@ -357,11 +363,11 @@ class KvtcCodec:
                 half = w.numel() // 2
                 win_k = w[:half].view(dtype).view(Lg, nw, H, D)
                 win_v = w[half:].view(dtype).view(Lg, nw, H, D)
-            t2 = time.perf_counter()
+            t2 = self._now()
             tim["entropy"] += t1 - t0
             tim["quantize"] += t2 - t1
             for i in range(Lg):
-                t3 = time.perf_counter()
+                t3 = self._now()
                 k_out = torch.empty(T, H, D, dtype=dtype, device=dev)
                 v_out = torch.empty(T, H, D, dtype=dtype, device=dev)
                 if ns:
@@ -381,9 +387,9 @@ class KvtcCodec:
                 if nw:
                     k_out[T - nw :] = win_k[i]
                     v_out[T - nw :] = win_v[i]
-                tim["project"] += time.perf_counter() - t3
+                tim["project"] += self._now() - t3
                 yield l0 + i, k_out, v_out
-        tim["total"] = time.perf_counter() - t_start
+        tim["total"] = self._now() - t_start
         self.last_timings.update({f"decode_{k}_s": v for k, v in tim.items()})
 
     def decode(self, blob: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
@@ -436,7 +442,9 @@ class KvtcCodec:
                     "rank": sum(getattr(t, f"{kind}_plans")[ratio].rank for t in self._tables),
                     "bits_per_token": sum(getattr(t, f"{kind}_plans")[ratio].bits_per_token for t in self._tables),
                     "budget_bits": sum(getattr(t, f"{kind}_plans")[ratio].budget_bits for t in self._tables),
-                    "coordinates_by_type": _sum_dicts(getattr(t, f"{kind}_plans")[ratio].kind_counts() for t in self._tables),
+                    "coordinates_by_type": _sum_dicts(
+                        getattr(t, f"{kind}_plans")[ratio].kind_counts() for t in self._tables
+                    ),
                 }
                 for kind in ("k", "v")
             }

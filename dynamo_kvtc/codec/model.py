@@ -93,9 +93,11 @@ class ModelFingerprint:
             if a != b and not (k == "tokenizer" and (not a or not b)):
                 out.append(f"{k}: calibration has {a!r}, model has {b!r}")
         if self.rotary != other.rotary:
-            diff = next(i for i, (a, b) in enumerate(zip(self.rotary, other.rotary)) if a != b) if len(
-                self.rotary
-            ) == len(other.rotary) else 0
+            diff = (
+                next(i for i, (a, b) in enumerate(zip(self.rotary, other.rotary)) if a != b)
+                if len(self.rotary) == len(other.rotary)
+                else 0
+            )
             out.append(f"rotary config differs (first at layer {diff})")
         return out
 

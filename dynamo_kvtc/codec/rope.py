@@ -55,7 +55,8 @@ class RotaryConfig:
         if self.scaling not in SCALINGS:
             raise ConfigError(
                 f"rotary scaling {self.scaling!r} is not supported (supported: {', '.join(SCALINGS)}); "
-                "dynamic-NTK and longrope depend on the run-time sequence length and cannot be undone from positions alone"
+                "dynamic-NTK and longrope depend on the run-time sequence length "
+                "and cannot be undone from positions alone"
             )
         if not (self.theta > 0 and math.isfinite(self.theta)):
             raise ConfigError(f"rope theta must be positive and finite, got {self.theta}")
@@ -119,7 +120,9 @@ class RotaryConfig:
             return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
         return get_mscale(self.factor)
 
-    def cos_sin(self, positions: torch.Tensor, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [T, rotary_dim] (float32), laid out for this config's pairing style."""
         inv = self.inv_freq().to(device=device or positions.device)
         ang = positions.to(device=inv.device, dtype=torch.float32)[:, None] * inv[None, :]
@@ -146,7 +149,7 @@ class RotaryConfig:
 
     @classmethod
     def from_hf_config(cls, config: Any, layer: int | None = None) -> RotaryConfig:
-        """Build from a Hugging Face ``PretrainedConfig`` (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``).
+        """Build from a Hugging Face config (transformers 4.x ``rope_scaling`` or 5.x ``rope_parameters``).
 
         ``layer`` selects per-layer parameters for models that mix local and global attention (Gemma 3).
         """
@@ -193,7 +196,7 @@ class RotaryConfig:
             kw["high_freq_factor"] = float(params["high_freq_factor"])
             kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
         if rope_type == "yarn":
-            omp = params.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings")
+            omp = params.get("original_max_position_embeddings") or config.max_position_embeddings
             kw["original_max_position_embeddings"] = int(omp)
             for key in ("beta_fast", "beta_slow"):
                 if params.get(key) is not None:

@@ -1,0 +1,1 @@
+"""Command-line interface: ``dynamo-kvtc demo | calibrate | bench codec | inspect``."""

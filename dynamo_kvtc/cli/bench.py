@@ -1,0 +1,161 @@
+"""``dynamo-kvtc bench codec``: encode/decode throughput per stage, ratio by the paper's accounting, error."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..calibration.artifact import Calibration
+from ..codec.kvtc import KvtcCodec
+from ..errors import ConfigError
+from .common import find_calibration, machine, write_json
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _real_inputs(args) -> tuple[Calibration, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, Any]]:
+    path = args.calibration or find_calibration(args.model)
+    if path is None:
+        raise ConfigError(
+            f"no calibration for {args.model}: pass --calibration DIR (make one with `dynamo-kvtc calibrate`)"
+        )
+    cal = Calibration.load(path)
+    if args.kv:
+        from safetensors.torch import load_file
+
+        t = load_file(args.kv)
+        spans = [(t["keys"], t["values"], t["positions"])]
+        src = {"kv": str(args.kv)}
+    else:
+        from ..calibration.data import heldout_texts
+        from ..calibration.models import capture_kv, load_model
+
+        model, tok = load_model(args.model)
+        ids = tok("\n\n".join(heldout_texts()), return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        spans = [capture_kv(model, ids[: args.tokens])]
+        src = {"model": args.model, "text": "held-out Paul Graham essays", "tokens": int(spans[0][2].numel())}
+    return cal, spans, {"calibration": str(path), "calibration_id": cal.id, **src}
+
+
+def _synthetic_inputs(args):
+    from ..calibration.synthetic import synthetic_calibration, synthetic_kv
+    from .shapes import SHAPES
+
+    if args.synthetic not in SHAPES:
+        raise ConfigError(f"unknown synthetic shape {args.synthetic!r}; choose one of {sorted(SHAPES)}")
+    s = SHAPES[args.synthetic]
+    cal = synthetic_calibration(
+        s.layers,
+        s.kv_heads,
+        s.head_dim,
+        s.theta,
+        device=args.device,
+        name=args.synthetic,
+        ratios=args.ratios or (8, 16, 32, 64),
+    )
+    spans = [synthetic_kv(cal, args.tokens, start=0, device=args.device, seed=1 + b) for b in range(args.batch)]
+    return (
+        cal,
+        spans,
+        {
+            "synthetic": args.synthetic,
+            "tokens": args.tokens,
+            "batch": args.batch,
+            "note": "synthetic calibration and KV: throughput only, errors are not meaningful",
+        },
+    )
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_bench_codec(args) -> int:
+    dev = args.device
+    if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but CUDA is not available")
+    cal, spans, source = _synthetic_inputs(args) if args.synthetic else _real_inputs(args)
+    spans = [(k.to(dev), v.to(dev), p) for k, v, p in spans]
+    raw_bytes = sum(k.numel() * k.element_size() * 2 for k, _, _ in spans)
+    results = []
+    for ratio in args.ratios or cal.ratios:
+        codec = KvtcCodec(cal, ratio=ratio, device=dev, tag=args.tag, profile=True)
+        blobs = [codec.encode(k, v, p) for k, v, p in spans]  # warm-up
+        for b in blobs:
+            codec.decode(b)
+        enc, dec, enc_st, dec_st = [], [], [], []
+        for _ in range(max(1, args.repeat)):
+            stages: dict[str, float] = {}
+            _sync(dev)
+            t0 = time.perf_counter()
+            blobs = []
+            for k, v, p in spans:
+                blobs.append(codec.encode(k, v, p))
+                for key, val in codec.last_timings.items():
+                    if key.startswith("encode_"):
+                        stages[key] = stages.get(key, 0.0) + val
+            _sync(dev)
+            enc.append(time.perf_counter() - t0)
+            enc_st.append(stages)
+            stages = {}
+            t0 = time.perf_counter()
+            outs = []
+            for b in blobs:
+                outs.append(codec.decode(b))
+                for key, val in codec.last_timings.items():
+                    if key.startswith("decode_"):
+                        stages[key] = stages.get(key, 0.0) + val
+            _sync(dev)
+            dec.append(time.perf_counter() - t0)
+            dec_st.append(stages)
+        st = [codec.stats(b) for b in blobs]
+        coded = [(s["sink_tokens"], s["sink_tokens"] + s["coded_tokens"]) for s in st]
+        ek = statistics.fmean(_rel(o[0][:, a:b], s[0][:, a:b]) for o, s, (a, b) in zip(outs, spans, coded) if b > a)
+        ev = statistics.fmean(_rel(o[1][:, a:b], s[1][:, a:b]) for o, s, (a, b) in zip(outs, spans, coded) if b > a)
+        te, td = statistics.median(enc), statistics.median(dec)
+        stage_med = {k: statistics.median(d[k] for d in enc_st) for k in enc_st[0]}
+        stage_med.update({k: statistics.median(d[k] for d in dec_st) for k in dec_st[0]})
+        results.append(
+            {
+                "ratio_target": float(ratio),
+                "ratio": statistics.fmean(s["ratio"] for s in st if s["ratio"]),
+                "ratio_before_entropy": statistics.fmean(
+                    s["ratio_before_entropy"] for s in st if s.get("ratio_before_entropy")
+                ),
+                "ratio_with_window": statistics.fmean(s["ratio_with_window"] for s in st),
+                "encode_s": te,
+                "decode_s": td,
+                "encode_GBps": raw_bytes / te / 1e9,
+                "decode_GBps": raw_bytes / td / 1e9,
+                "stages_s": stage_med,
+                "rel_error_k": ek,
+                "rel_error_v": ev,
+                "blob_bytes": sum(s["blob_bytes"] for s in st),
+                "plan": st[0].get("plan"),
+            }
+        )
+    out = {
+        "benchmark": "codec",
+        "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
+        "device": dev,
+        "tag": args.tag,
+        "machine": machine(),
+        "source": source,
+        "raw_bytes": raw_bytes,
+        "results": results,
+    }
+    print(f"{'ratio':>6} {'measured':>9} {'w/ window':>9} {'enc GB/s':>9} {'dec GB/s':>9} {'err K':>7} {'err V':>7}")
+    for r in results:
+        print(
+            f"{r['ratio_target']:>6g} {r['ratio']:>9.2f} {r['ratio_with_window']:>9.2f} {r['encode_GBps']:>9.3f} "
+            f"{r['decode_GBps']:>9.3f} {r['rel_error_k']:>7.4f} {r['rel_error_v']:>7.4f}"
+        )
+    write_json(args.json_path, out)
+    return 0

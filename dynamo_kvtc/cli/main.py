@@ -1,0 +1,105 @@
+"""``dynamo-kvtc``: entry point and argument parsing (each command lives in its own module)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import KvtcError
+
+
+def _ratios(s: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ratios must be comma-separated numbers, got {s!r}") from None
+    if not out or any(r <= 0 for r in out):
+        raise argparse.ArgumentTypeError(f"ratios must be positive, got {s!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dynamo-kvtc", description="KV Cache Transform Coding for NVIDIA Dynamo")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="calibrate -> encode -> decode on the embedded default model and report")
+    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--calibration", help="calibration directory (default: shipped or cached, else calibrated now)")
+    d.add_argument("--tokens", type=int, default=2048, help="held-out context length to compress")
+    d.add_argument("--ratios", type=_ratios, default=None, help="ratios to show (default: all in the calibration)")
+    d.add_argument("--json", dest="json_path", help="also write the results as JSON")
+
+    c = sub.add_parser("calibrate", help="calibrate a model: cross-layer PCA + DP plans")
+    c.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, HF directory or GGUF file")
+    c.add_argument("--data", nargs="*", default=None, help="text files (default: the embedded calibration split)")
+    c.add_argument("--tokens", type=int, default=65536, help="calibration tokens (sinks excluded)")
+    c.add_argument("--ratios", type=_ratios, default=(8, 16, 32, 64))
+    c.add_argument("--layer-groups", type=int, default=1)
+    c.add_argument("--rank", type=int, default=None, help="cap on retained PCA components")
+    c.add_argument("--dp-tokens", type=int, default=16384)
+    c.add_argument("--seq-len", type=int, default=2048)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--tp-rank", type=int, default=0)
+    c.add_argument("--tp-size", type=int, default=1)
+    c.add_argument("--keep-rope", action="store_true", help="ablation: do not remove RoPE from keys")
+    c.add_argument("--out", required=True, help="output calibration directory")
+
+    b = sub.add_parser("bench", help="benchmarks (JSON output)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bc = bsub.add_parser("codec", help="encode/decode throughput per stage, ratio and reconstruction error")
+    bc.add_argument("--device", default="cpu")
+    bc.add_argument("--calibration", help="calibration directory (real data: needs --kv or the model)")
+    bc.add_argument("--kv", help="safetensors file with keys, values, positions (default: capture from --model)")
+    bc.add_argument("--model", default="smollm2-135m-instruct")
+    bc.add_argument("--synthetic", help="synthetic shape instead of a real model: " + ", ".join(_synthetic_names()))
+    bc.add_argument("--tokens", type=int, default=2048)
+    bc.add_argument("--batch", type=int, default=1, help="spans per measurement (synthetic only)")
+    bc.add_argument("--ratios", type=_ratios, default=None)
+    bc.add_argument("--tag", default="deflate")
+    bc.add_argument("--repeat", type=int, default=3)
+    bc.add_argument("--json", dest="json_path", help="write results as JSON")
+
+    i = sub.add_parser("inspect", help="describe a calibration directory or a blob file")
+    i.add_argument("path")
+    return p
+
+
+def _synthetic_names() -> list[str]:
+    from .shapes import SHAPES
+
+    return sorted(SHAPES)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+        if args.command == "calibrate":
+            from .calibrate import run_calibrate
+
+            return run_calibrate(args)
+        if args.command == "bench" and args.bench == "codec":
+            from .bench import run_bench_codec
+
+            return run_bench_codec(args)
+        if args.command == "inspect":
+            from .inspect import run_inspect
+
+            return run_inspect(args)
+    except KvtcError as e:
+        print(f"dynamo-kvtc: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
