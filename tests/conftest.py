@@ -92,7 +92,9 @@ def smol_fp(smollm2):
 
 @pytest.fixture(scope="session")
 def smol_cal(smol_samples, smol_fp):
-    return calibrate(smol_samples, smol_fp, ratios=(8, 16, 32, 64), dp_tokens=8192, progress=False, seed=0)
+    return calibrate(
+        smol_samples, smol_fp, ratios=(8, 16, 32, 64), rank=2048, niter=4, dp_tokens=8192, progress=False, seed=0
+    )
 
 
 @pytest.fixture(scope="session")

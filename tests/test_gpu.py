@@ -1,0 +1,63 @@
+"""CPU <-> GPU parity and nvCOMP interoperability. Skipped cleanly where CUDA is absent."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from dynamo_kvtc import KvtcCodec
+from dynamo_kvtc.codec.entropy import EntropyCoder, nvcomp_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+needs_nvcomp = pytest.mark.skipif(not nvcomp_available(), reason="needs nvidia-nvcomp-cu13")
+
+
+def rel(a, b):
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+def test_cpu_blob_decodes_on_gpu_and_back(synth, synth_cal):
+    k, v, pos = synth.sample(700, start=3)
+    cpu = KvtcCodec(synth_cal, ratio=8, device="cpu")
+    gpu = KvtcCodec(synth_cal, ratio=8, device="cuda")
+    blob_cpu = cpu.encode(k, v, pos)
+    blob_gpu = gpu.encode(k.cuda(), v.cuda(), pos)
+    for blob in (blob_cpu, blob_gpu):
+        kc, vc = cpu.decode(blob)
+        kg, vg = gpu.decode(blob)
+        assert kg.is_cuda
+        assert rel(kg, kc) <= 1e-3 and rel(vg, vc) <= 1e-3
+    # both devices reconstruct the input equally well
+    kc, _ = cpu.decode(blob_cpu)
+    kg, _ = gpu.decode(blob_gpu)
+    assert abs(rel(kc[:, 4:-128], k[:, 4:-128]) - rel(kg[:, 4:-128], k[:, 4:-128])) < 1e-3
+
+
+@needs_nvcomp
+def test_nvcomp_deflate_and_zlib_read_each_other():
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(300_000, generator=g) * 6).round().clamp(-8, 7).to(torch.int8).view(torch.uint8)
+    gpu = EntropyCoder("deflate", "cuda")
+    cpu = EntropyCoder("deflate", "cpu")
+    assert gpu.gpu
+    chunks_gpu = gpu.compress(data.cuda())
+    assert bytes(cpu.decompress(chunks_gpu, data.numel()).numpy()) == bytes(data.numpy())
+    chunks_cpu = cpu.compress(data)
+    assert zlib.decompress(chunks_cpu[0], -15) == bytes(data[: 1 << 16].numpy())
+    assert torch.equal(gpu.decompress(chunks_cpu, data.numel()).cpu(), data)
+
+
+@needs_nvcomp
+@pytest.mark.parametrize("tag", ["ans", "gdeflate"])
+def test_gpu_only_codecs_roundtrip(synth, synth_cal, tag):
+    k, v, pos = synth.sample(500)
+    codec = KvtcCodec(synth_cal, ratio=8, device="cuda", tag=tag)
+    blob = codec.encode(k.cuda(), v.cuda(), pos)
+    k2, v2 = codec.decode(blob)
+    ref = KvtcCodec(synth_cal, ratio=8, device="cuda").decode(KvtcCodec(synth_cal, ratio=8).encode(k, v, pos))
+    assert rel(k2, ref[0]) <= 1e-3 and rel(v2, ref[1]) <= 1e-3
