@@ -140,21 +140,43 @@ class EntropyCoder:
 
     def _nvcomp_compress(self, data: torch.Tensor) -> list[bytes]:
         nvcomp, codec = self._codec()
+        stream = torch.cuda.current_stream(self.device).cuda_stream
         data = data.to(self.device).contiguous()
         views = [data[i : i + CHUNK_BYTES] for i in range(0, data.numel(), CHUNK_BYTES)]
-        batch = nvcomp.as_arrays(views, cuda_stream=torch.cuda.current_stream(self.device).cuda_stream)
-        enc = codec.encode(batch)
-        return [bytes(enc[i].cpu()) for i in range(len(views))]
+        batch = nvcomp.as_arrays(views, cuda_stream=stream)
+        # preallocated outputs owned by torch (worst case per chunk), so the compressed bytes can be gathered on the
+        # device and copied to the host once
+        cap = 2 * CHUNK_BYTES + 4096
+        out = torch.empty(len(views), cap, dtype=torch.uint8, device=self.device)
+        try:
+            enc = codec.encode(batch, out=nvcomp.as_arrays(list(out), cuda_stream=stream))
+        except (TypeError, ValueError):
+            enc = codec.encode(batch)
+            sizes = [int(s) for s in enc.buffer_sizes]
+            return [bytes(enc[i].cpu())[: sizes[i]] for i in range(len(views))]
+        sizes = [int(s) for s in enc.buffer_sizes]
+        if any(s > cap for s in sizes):
+            raise RuntimeError(f"nvCOMP {self.tag} output exceeded its {cap}-byte buffer")
+        host = torch.cat([out[i, : sizes[i]] for i in range(len(views))]).cpu().numpy().tobytes()
+        chunks, off = [], 0
+        for n in sizes:
+            chunks.append(host[off : off + n])
+            off += n
+        return chunks
 
     def _nvcomp_decompress(self, chunks: Sequence[bytes], sizes: list[int]) -> torch.Tensor:
         nvcomp, codec = self._codec()
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        host = torch.frombuffer(bytearray().join(chunks), dtype=torch.uint8)
-        dev = host.pin_memory().to(self.device, non_blocking=True)
-        views, off = [], 0
+        # nvCOMP needs each compressed input aligned (4 bytes for Deflate, 16 for ANS): lay chunks out on 16 B
+        offsets, off = [], 0
         for c in chunks:
-            views.append(dev[off : off + len(c)])
-            off += len(c)
+            offsets.append(off)
+            off += (len(c) + 15) // 16 * 16
+        host = torch.zeros(off, dtype=torch.uint8)
+        for o, c in zip(offsets, chunks):
+            host[o : o + len(c)] = torch.frombuffer(bytearray(c), dtype=torch.uint8)
+        dev = host.pin_memory().to(self.device, non_blocking=True)
+        views = [dev[o : o + len(c)] for o, c in zip(offsets, chunks)]
         out = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         outs, off = [], 0
         for s in sizes:
