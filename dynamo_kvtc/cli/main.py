@@ -62,6 +62,22 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--repeat", type=int, default=3)
     bc.add_argument("--json", dest="json_path", help="write results as JSON")
 
+    e = sub.add_parser("eval", help="offline accuracy: kvtc vs baselines on held-out tasks (JSON, Markdown, PNG)")
+    e.add_argument("--model", default="smollm2-135m-instruct")
+    e.add_argument("--calibration", help="calibration directory (default: the shipped one)")
+    e.add_argument("--preset", choices=("quick", "full"), default="quick")
+    e.add_argument("--tasks", nargs="*", choices=("ppl", "passkey", "copy", "kv", "vt"))
+    e.add_argument("--ratios", type=_ratios, default=None, help="kvtc ratios (default: every plan in the calibration)")
+    e.add_argument("--ablation", action="append", metavar="NAME=DIR", help="extra calibration evaluated at 16x")
+    e.add_argument(
+        "--ablations",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sinks-compressed and window-16 rows (default: on for the full preset)",
+    )
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", required=True, help="output folder")
+
     i = sub.add_parser("inspect", help="describe a calibration directory or a blob file")
     i.add_argument("path")
     return p
@@ -91,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench_codec
 
             return run_bench_codec(args)
+        if args.command == "eval":
+            from .eval import run_eval
+
+            return run_eval(args)
         if args.command == "inspect":
             from .inspect import run_inspect
 
