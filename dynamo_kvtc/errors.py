@@ -55,3 +55,15 @@ class WrongCalibrationError(DecodeError, CalibrationMismatchError):
 
 class ModelError(KvtcError):
     """A model cannot be located, loaded or is not supported."""
+
+
+class TierError(KvtcError):
+    """A storage tier could not store or return a blob (full, I/O error, NIXL failure, torn file)."""
+
+
+class TierFullError(TierError):
+    """Not enough room in a tier even after eviction."""
+
+
+class TransferError(TierError):
+    """A NIXL transfer failed, timed out or the peer disappeared."""

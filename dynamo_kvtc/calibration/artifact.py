@@ -95,6 +95,24 @@ class Calibration:
             }
         return out
 
+    def subset(self, ratios: list[float]) -> Calibration:
+        """A calibration with only these ratios' plans and the bases trimmed to what they code (for shipping)."""
+        keep = sorted(float(r) for r in ratios)
+        missing = [r for r in keep if r not in self.ratios]
+        if missing or not keep:
+            raise CalibrationError(f"cannot keep ratios {missing or keep}; available: {self.ratios}")
+        groups = []
+        for g in self.groups:
+            kp = {r: g.k_plans[r] for r in keep}
+            vp = {r: g.v_plans[r] for r in keep}
+            kw = max(p.rank for p in kp.values())
+            vw = max(p.rank for p in vp.values())
+            groups.append(
+                BasisGroup(g.layers, g.k_mean, g.k_basis[:, :kw].clone(), g.v_mean, g.v_basis[:, :vw].clone(), kp, vp)
+            )
+        prov = {**self.provenance, "subset_of": {"id": self.id, "ratios": self.ratios}}
+        return Calibration(self.fingerprint, groups, self.rope_removed, prov)
+
     def check_model(self, fingerprint: ModelFingerprint) -> None:
         """Refuse (CalibrationMismatchError) if this calibration was made for another model or shard."""
         self.fingerprint.check_matches(fingerprint)

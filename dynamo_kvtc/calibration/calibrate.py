@@ -148,55 +148,79 @@ def _iter_samples(samples: Iterable) -> Iterator[KvSample]:
 def _calibrate(
     samples: Iterable, full_fp: ModelFingerprint, cfg: CalibrationConfig, prov: dict[str, Any]
 ) -> Calibration:
-    t_start = time.time()
-    total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
-    heads = shard_heads(total_heads, cfg.tp_rank, cfg.tp_size)
-    H = heads.stop - heads.start
-    fp = ModelFingerprint(
-        **{
-            **{
-                k: getattr(full_fp, k)
-                for k in ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")
-            },
-            "num_kv_heads": H,
-            "tp_rank": cfg.tp_rank,
-            "tp_size": cfg.tp_size,
-            "total_kv_heads": total_heads,
-        }
-    )
-    L, D = fp.num_layers, fp.head_dim
-    slices = _layer_slices(L, cfg.layer_groups)
-    dev = torch.device(cfg.device)
-    mom = {(g, kind): Moments((b - a) * H * D, dev) for g, (a, b) in enumerate(slices) for kind in "kv"}
-    gen = torch.Generator().manual_seed(cfg.seed)
-    res_u: list[torch.Tensor] = []
-    res_rows: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
-    n_tokens, n_seqs = 0, 0
-    bar = _bar(cfg.max_tokens, "calibrate: capture + moments", cfg.progress, unit="tok")
+    cal = Calibrator(full_fp, cfg)
     for s in _iter_samples(samples):
+        if cal.full:
+            break
+        cal.add(s)
+    return cal.finish(prov)
+
+
+class Calibrator:
+    """Streaming calibration state: feed samples with :meth:`add`, checkpoint with :meth:`state_dict`, then
+    :meth:`finish` runs the PCA and the DP. Resuming from a state and feeding the remaining samples gives the same
+    calibration (same id) as an uninterrupted run with the same seed."""
+
+    def __init__(self, full_fp: ModelFingerprint, cfg: CalibrationConfig) -> None:
+        self.cfg = cfg
+        self.total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
+        self.heads = shard_heads(self.total_heads, cfg.tp_rank, cfg.tp_size)
+        H = self.heads.stop - self.heads.start
+        keep = ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")
+        self.fp = ModelFingerprint(
+            **{k: getattr(full_fp, k) for k in keep},
+            num_kv_heads=H,
+            tp_rank=cfg.tp_rank,
+            tp_size=cfg.tp_size,
+            total_kv_heads=self.total_heads,
+        )
+        self.slices = _layer_slices(self.fp.num_layers, cfg.layer_groups)
+        self.dev = torch.device(cfg.device)
+        D = self.fp.head_dim
+        self.mom = {
+            (g, kind): Moments((b - a) * H * D, self.dev) for g, (a, b) in enumerate(self.slices) for kind in "kv"
+        }
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.res_u: list[torch.Tensor] = []
+        self.res_rows: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+        self.tokens = 0
+        self.sequences = 0
+        self.seconds = 0.0  # wall time spent producing and consuming samples (capture), across resumptions
+        self._last = time.time()
+        self._bar = _bar(cfg.max_tokens, "calibrate: capture + moments", cfg.progress, unit="tok")
+
+    @property
+    def full(self) -> bool:
+        return self.cfg.max_tokens is not None and self.tokens >= self.cfg.max_tokens
+
+    def add(self, s: KvSample) -> None:
+        cfg, fp = self.cfg, self.fp
+        L, D = fp.num_layers, fp.head_dim
+        H = fp.num_kv_heads
         keys, values, pos = s.keys, s.values, torch.as_tensor(s.positions, dtype=torch.int64)
         if keys.dim() != 4 or keys.shape != values.shape:
             raise InputError(
                 f"calibration sample keys {tuple(keys.shape)} / values {tuple(values.shape)} must be [L,T,H,D]"
             )
-        if (keys.shape[0], keys.shape[2], keys.shape[3]) != (L, total_heads, D):
+        if (keys.shape[0], keys.shape[2], keys.shape[3]) != (L, self.total_heads, D):
             raise InputError(
                 f"calibration sample shape {tuple(keys.shape)} does not match the model (layers={L}, "
-                f"kv_heads={total_heads}, head_dim={D})"
+                f"kv_heads={self.total_heads}, head_dim={D})"
             )
         keep = pos >= cfg.sinks
         if cfg.max_tokens is not None:
-            room = cfg.max_tokens - n_tokens
+            room = cfg.max_tokens - self.tokens
             if room <= 0:
-                break
+                return
             idx = torch.nonzero(keep).flatten()[:room]
             keep = torch.zeros_like(keep)
             keep[idx] = True
         n = int(keep.sum())
         if n == 0:
-            continue
-        k = keys[:, keep][:, :, heads].to(dev, torch.float32)
-        v = values[:, keep][:, :, heads].to(dev, torch.float32)
+            return
+        dev = self.dev
+        k = keys[:, keep][:, :, self.heads].to(dev, torch.float32)
+        v = values[:, keep][:, :, self.heads].to(dev, torch.float32)
         if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             raise InputError("calibration sample contains NaN or Inf")
         if cfg.remove_rope:
@@ -208,95 +232,146 @@ def _calibrate(
                     cache[rc] = rc.cos_sin(p, device=dev)
                 k[layer] = rotate(k[layer], *cache[rc], rc, inverse=True)
         rows = {"k": k.permute(1, 0, 2, 3).reshape(n, -1), "v": v.permute(1, 0, 2, 3).reshape(n, -1)}
-        for g, (a, b) in enumerate(slices):
+        for g, (a, b) in enumerate(self.slices):
             cols = slice(a * H * D, b * H * D)
             for kind in "kv":
-                mom[(g, kind)].add(rows[kind][:, cols])
-        u = torch.rand(n, generator=gen)
-        res_u.append(u)
+                self.mom[(g, kind)].add(rows[kind][:, cols])
+        self.res_u.append(torch.rand(n, generator=self.gen))
         for kind in "kv":
-            res_rows[kind].append(rows[kind].cpu())
-        if sum(x.numel() for x in res_u) > 2 * cfg.dp_tokens:
-            _compact(res_u, res_rows, cfg.dp_tokens)
-        n_tokens += n
-        n_seqs += 1
-        bar.update(n)
-    bar.close()
-    if n_tokens < max(64, 2 * cfg.sinks):
-        raise CalibrationError(f"calibration data too short: {n_tokens} usable tokens (need at least 64)")
-    _compact(res_u, res_rows, cfg.dp_tokens)
-    t_capture = time.time() - t_start
-    groups: list[BasisGroup] = []
-    stats: dict[str, Any] = {}
-    t_pca = t_dp = 0.0
-    for g, (a, b) in enumerate(slices):
-        p = (b - a) * H * D
-        cols = slice(a * H * D, b * H * D)
-        parts: dict[str, Any] = {}
-        for kind in "kv":
-            t0 = time.time()
-            pca = fit_pca(mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
-            basis16 = pca.basis.to(torch.float16)
-            t1 = time.time()
-            sample = res_rows[kind][0][:, cols].to(dev)
-            coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
-            bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
+            self.res_rows[kind].append(rows[kind].cpu())
+        if sum(x.numel() for x in self.res_u) > 2 * cfg.dp_tokens:
+            _compact(self.res_u, self.res_rows, cfg.dp_tokens)
+        self.tokens += n
+        self.sequences += 1
+        now = time.time()
+        self.seconds += now - self._last
+        self._last = now
+        self._bar.update(n)
 
-            def _tick(i: int, n: int, bar=bar) -> None:
-                bar.total = n
-                bar.update(1)
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors of the whole state (for safetensors)."""
+        if self.res_u:
+            _compact(self.res_u, self.res_rows, self.cfg.dp_tokens)
+        out = {
+            "counters": torch.tensor([self.tokens, self.sequences], dtype=torch.int64),
+            "seconds": torch.tensor([self.seconds], dtype=torch.float64),
+            "rng": self.gen.get_state(),
+        }
+        if self.res_u:
+            out["reservoir.u"] = self.res_u[0]
+            for kind in "kv":
+                out[f"reservoir.{kind}"] = self.res_rows[kind][0]
+        for (g, kind), m in self.mom.items():
+            if m.n:
+                for name, t in m.state_dict().items():
+                    out[f"moments.{g}.{kind}.{name}"] = t.cpu()
+        return out
 
-            zero, errs = block_errors(coeffs, progress=_tick)
-            bar.close()
-            budgets = [int(16 * p / float(r)) for r in cfg.ratios]
-            allocs = allocate(zero, errs, budgets)
-            t2 = time.time()
-            t_pca += t1 - t0
-            t_dp += t2 - t1
-            energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
-            plans = {}
-            for r, bud, al in zip(cfg.ratios, budgets, allocs):
-                plans[float(r)] = Plan(p, float(r), bud, al.groups)
-                stats[f"g{g}.{kind}.{float(r):g}x"] = {
-                    "rank": plans[float(r)].rank,
-                    "bits_per_token": al.bits,
-                    "budget_bits": bud,
-                    "relative_error_dp_sample": (al.error + max(0.0, energy - float(zero.sum()))) / energy,
-                }
-            width = max(pl.rank for pl in plans.values())
-            ev = pca.variances
-            stats[f"g{g}.{kind}.variance_captured_by_width"] = float(ev[:width].sum() / max(pca.total_variance, 1e-30))
-            parts[kind] = (pca.mean.cpu().float(), basis16[:, :width].cpu(), plans)
-            log.info("group %d %s: width %d of %d", g, kind, width, p)
-        groups.append(
-            BasisGroup((a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2])
-        )
-    prov = {
-        **prov,
-        "tokens": n_tokens,
-        "sequences": n_seqs,
-        "dp_tokens": int(res_u[0].numel()),
-        "seed": cfg.seed,
-        "sinks_excluded": cfg.sinks,
-        "rank_cap": cfg.rank,
-        "pca": {"method": cfg.pca_method, "niter": cfg.niter},
-        "seconds": {
-            "capture": round(t_capture, 2),
-            "pca": round(t_pca, 2),
-            "dp": round(t_dp, 2),
-            "total": round(time.time() - t_start, 2),
-        },
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": __import__("os").cpu_count(),
-            "device": str(dev),
-            "torch": torch.__version__,
-        },
-        "stats": stats,
-        **cfg.extra,
-    }
-    return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov)
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        self.tokens, self.sequences = (int(x) for x in d["counters"])
+        self.seconds = float(d["seconds"][0])
+        self.gen.set_state(d["rng"])
+        if "reservoir.u" in d:
+            self.res_u[:] = [d["reservoir.u"]]
+            for kind in "kv":
+                self.res_rows[kind][:] = [d[f"reservoir.{kind}"]]
+        for (g, kind), m in self.mom.items():
+            prefix = f"moments.{g}.{kind}."
+            if prefix + "n" in d:
+                m.load_state_dict({k[len(prefix) :]: v for k, v in d.items() if k.startswith(prefix)})
+        self._bar.update(self.tokens)
+        self._last = time.time()
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, prov: dict[str, Any] | None = None) -> Calibration:
+        self._bar.close()
+        cfg, fp, dev = self.cfg, self.fp, self.dev
+        H, D = fp.num_kv_heads, fp.head_dim
+        slices, mom, res_u, res_rows = self.slices, self.mom, self.res_u, self.res_rows
+        n_tokens, n_seqs = self.tokens, self.sequences
+        prov = dict(prov or {})
+        self.seconds += time.time() - self._last
+        t_start = time.time() - self.seconds
+        if n_tokens < max(64, 2 * cfg.sinks):
+            raise CalibrationError(f"calibration data too short: {n_tokens} usable tokens (need at least 64)")
+        _compact(res_u, res_rows, cfg.dp_tokens)
+        t_capture = time.time() - t_start
+        groups: list[BasisGroup] = []
+        stats: dict[str, Any] = {}
+        t_pca = t_dp = 0.0
+        for g, (a, b) in enumerate(slices):
+            p = (b - a) * H * D
+            cols = slice(a * H * D, b * H * D)
+            parts: dict[str, Any] = {}
+            for kind in "kv":
+                t0 = time.time()
+                pca = fit_pca(mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
+                basis16 = pca.basis.to(torch.float16)
+                t1 = time.time()
+                sample = res_rows[kind][0][:, cols].to(dev)
+                coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
+                bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
+
+                def _tick(i: int, n: int, bar=bar) -> None:
+                    bar.total = n
+                    bar.update(1)
+
+                zero, errs = block_errors(coeffs, progress=_tick)
+                bar.close()
+                budgets = [int(16 * p / float(r)) for r in cfg.ratios]
+                allocs = allocate(zero, errs, budgets)
+                t2 = time.time()
+                t_pca += t1 - t0
+                t_dp += t2 - t1
+                energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
+                plans = {}
+                for r, bud, al in zip(cfg.ratios, budgets, allocs):
+                    plans[float(r)] = Plan(p, float(r), bud, al.groups)
+                    stats[f"g{g}.{kind}.{float(r):g}x"] = {
+                        "rank": plans[float(r)].rank,
+                        "bits_per_token": al.bits,
+                        "budget_bits": bud,
+                        "relative_error_dp_sample": (al.error + max(0.0, energy - float(zero.sum()))) / energy,
+                    }
+                width = max(pl.rank for pl in plans.values())
+                ev = pca.variances
+                stats[f"g{g}.{kind}.variance_captured_by_width"] = float(
+                    ev[:width].sum() / max(pca.total_variance, 1e-30)
+                )
+                parts[kind] = (pca.mean.cpu().float(), basis16[:, :width].cpu(), plans)
+                log.info("group %d %s: width %d of %d", g, kind, width, p)
+            groups.append(
+                BasisGroup(
+                    (a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2]
+                )
+            )
+        prov = {
+            **prov,
+            "tokens": n_tokens,
+            "sequences": n_seqs,
+            "dp_tokens": int(res_u[0].numel()),
+            "seed": cfg.seed,
+            "sinks_excluded": cfg.sinks,
+            "rank_cap": cfg.rank,
+            "pca": {"method": cfg.pca_method, "niter": cfg.niter},
+            "seconds": {
+                "capture": round(t_capture, 2),
+                "pca": round(t_pca, 2),
+                "dp": round(t_dp, 2),
+                "total": round(time.time() - t_start, 2),
+            },
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor() or platform.machine(),
+                "cpus": __import__("os").cpu_count(),
+                "device": str(dev),
+                "torch": torch.__version__,
+            },
+            "stats": stats,
+            **cfg.extra,
+        }
+        return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov)
 
 
 def _compact(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]], keep: int) -> None:

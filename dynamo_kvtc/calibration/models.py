@@ -168,18 +168,23 @@ def capture_kv(
     return keys, values, torch.arange(T)
 
 
-def iter_model_kv(
-    model: Any, tokenizer: Any, texts: Iterable[str], *, seq_len: int = 2048, max_tokens: int | None = None
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """KV of each text (documents longer than ``seq_len`` tokens are cut into windows; shorter ones kept whole)."""
-    seen = 0
+def iter_windows(tokenizer: Any, texts: Iterable[str], seq_len: int = 2048) -> Iterator[torch.Tensor]:
+    """Token windows of each text: documents longer than ``seq_len`` tokens are cut, shorter ones kept whole (>= 64)."""
     for text in texts:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
         for i in range(0, len(ids), seq_len):
             window = ids[i : i + seq_len]
-            if len(window) < 64:
-                continue
-            yield capture_kv(model, window)
-            seen += len(window)
-            if max_tokens is not None and seen >= max_tokens:
-                return
+            if len(window) >= 64:
+                yield window
+
+
+def iter_model_kv(
+    model: Any, tokenizer: Any, texts: Iterable[str], *, seq_len: int = 2048, max_tokens: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """KV of each token window of the texts (see :func:`iter_windows`), up to ``max_tokens`` tokens."""
+    seen = 0
+    for window in iter_windows(tokenizer, texts, seq_len):
+        yield capture_kv(model, window)
+        seen += len(window)
+        if max_tokens is not None and seen >= max_tokens:
+            return

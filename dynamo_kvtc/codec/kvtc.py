@@ -172,14 +172,20 @@ class KvtcCodec:
         return keys, values, positions
 
     # ================================================================== encode
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: Any) -> bytes:
-        """Encode ``keys``/``values`` ``[L, T, H, D]`` (keys post-RoPE) at absolute ``positions`` ``[T]``."""
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: Any, *, window: int | None = None) -> bytes:
+        """Encode ``keys``/``values`` ``[L, T, H, D]`` (keys post-RoPE) at absolute ``positions`` ``[T]``.
+
+        ``window`` overrides the configured number of trailing tokens kept raw for this span (a storage tier keeps
+        the raw window only on a sequence's last span).
+        """
         t_start = self._now()
         keys, values, pos = self._check_inputs(keys, values, positions)
         L, T, H, D = keys.shape
         cfg = self.config
         ns = int((pos < cfg.sinks).sum())
-        nw = min(cfg.window, T - ns)
+        if window is not None and window < 0:
+            raise InputError(f"window must be >= 0, got {window}")
+        nw = min(cfg.window if window is None else window, T - ns)
         nc = T - ns - nw
         mode = "kvtc"
         if nc < cfg.min_tokens:

@@ -1,0 +1,121 @@
+"""Host tier (G2c): compressed blobs in one pinned arena, LRU, eviction hands blobs to the caller (for demotion).
+
+The arena is cut into fixed pages (``page_bytes``, default 16 KiB); a blob takes ``ceil(size / page)`` pages that need
+not be contiguous. There is no external fragmentation, so the tier never "collapses" into unusable holes, and at most
+one partial page is wasted per blob. Pages are pinned when CUDA is present (fast H2D), plain memory otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import TierFullError
+
+
+@dataclass
+class HostEntry:
+    pages: list[int]
+    nbytes: int
+    meta: Any
+
+
+class HostTier:
+    def __init__(self, capacity_bytes: int, page_bytes: int = 16384, pinned: bool | None = None) -> None:
+        self.page = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        if pinned is None:
+            pinned = torch.cuda.is_available()
+        self.arena = torch.empty(self.num_pages * page_bytes, dtype=torch.uint8, pin_memory=bool(pinned))
+        self.pinned = bool(pinned)
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._entries: OrderedDict[str, HostEntry] = OrderedDict()
+        self._lock = threading.RLock()
+        self.used_bytes = 0  # payload bytes (not page-rounded)
+
+    # ------------------------------------------------------------------ capacity
+    @property
+    def capacity(self) -> int:
+        return self.num_pages * self.page
+
+    @property
+    def fill(self) -> float:
+        with self._lock:
+            return 1.0 - len(self._free) / self.num_pages if self.num_pages else 1.0
+
+    def pages_for(self, nbytes: int) -> int:
+        return max(1, -(-nbytes // self.page))
+
+    def __contains__(self, blob_id: str) -> bool:
+        with self._lock:
+            return blob_id in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    # ------------------------------------------------------------------ operations
+    def put(self, blob_id: str, data: bytes | bytearray | memoryview, meta: Any = None) -> list[tuple[str, bytes, Any]]:
+        """Store a blob; evict least-recently-used blobs to make room and return them (id, bytes, meta)."""
+        data = memoryview(data).cast("B")
+        need = self.pages_for(len(data))
+        if need > self.num_pages:
+            raise TierFullError(f"blob of {len(data)} bytes exceeds the host tier ({self.capacity} bytes)")
+        evicted: list[tuple[str, bytes, Any]] = []
+        with self._lock:
+            if blob_id in self._entries:
+                self._entries.move_to_end(blob_id)
+                return evicted
+            while len(self._free) < need:
+                old_id, old = self._entries.popitem(last=False)
+                evicted.append((old_id, self._read(old), old.meta))
+                self._release(old)
+            pages = [self._free.pop() for _ in range(need)]
+            src = (
+                torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+            )
+            for i, p in enumerate(pages):
+                chunk = src[i * self.page : (i + 1) * self.page]
+                self.arena[p * self.page : p * self.page + chunk.numel()].copy_(chunk)
+            self._entries[blob_id] = HostEntry(pages, len(data), meta)
+            self.used_bytes += len(data)
+        return evicted
+
+    def _read(self, e: HostEntry) -> bytes:
+        parts = []
+        left = e.nbytes
+        for p in e.pages:
+            n = min(self.page, left)
+            parts.append(self.arena[p * self.page : p * self.page + n].numpy().tobytes())
+            left -= n
+        return b"".join(parts)
+
+    def _release(self, e: HostEntry) -> None:
+        self._free.extend(e.pages)
+        self.used_bytes -= e.nbytes
+
+    def get(self, blob_id: str) -> tuple[bytes, Any] | None:
+        """The blob's bytes and meta (marks it most recently used), or None."""
+        with self._lock:
+            e = self._entries.get(blob_id)
+            if e is None:
+                return None
+            self._entries.move_to_end(blob_id)
+            return self._read(e), e.meta
+
+    def pop(self, blob_id: str) -> tuple[bytes, Any] | None:
+        with self._lock:
+            e = self._entries.pop(blob_id, None)
+            if e is None:
+                return None
+            data = self._read(e)
+            self._release(e)
+            return data, e.meta
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)

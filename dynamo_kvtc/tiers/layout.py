@@ -1,0 +1,99 @@
+"""Engines' paged KV caches: gather a span of blocks into [L, T, H, D] and scatter decoded layers back.
+
+Layouts (per layer unless noted):
+
+- ``flash``      vLLM FlashAttention: ``[2, num_blocks, block_size, H, D]``
+- ``flashinfer`` vLLM FlashInfer: ``[num_blocks, 2, block_size, H, D]``
+- ``cpu``        vLLM CPU backend: ``[num_blocks, H, block_size, 2*D]``, each ``[block, head]`` slab viewed as
+                 ``(2*block_size, D)``: the K rows of all tokens, then the V rows
+- ``trtllm``     TensorRT-LLM: one tensor for all layers, ``[num_blocks, L, 2, H, block_size, D]``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ConfigError
+
+LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm")
+
+
+class PagedKV:
+    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str, block_size: int | None = None):
+        if layout not in LAYOUTS:
+            raise ConfigError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
+        self.layout = layout
+        if layout == "trtllm":
+            if not isinstance(caches, torch.Tensor) or caches.dim() != 6 or caches.shape[2] != 2:
+                raise ConfigError("trtllm layout needs one tensor [num_blocks, L, 2, H, block_size, D]")
+            nb, L, _, H, bs, D = caches.shape
+            self.caches = [caches]
+        else:
+            caches = list(caches)
+            if not caches:
+                raise ConfigError("no KV cache tensors given")
+            shapes = {tuple(c.shape) for c in caches}
+            if len(shapes) != 1:
+                raise ConfigError(f"layers have different KV shapes: {sorted(shapes)[:3]}")
+            shape = caches[0].shape
+            if caches[0].dim() != 5 and layout != "cpu" or layout == "cpu" and caches[0].dim() != 4:
+                raise ConfigError(f"layout {layout} expects {'4' if layout == 'cpu' else '5'}-D tensors, got {shape}")
+            if layout == "flash":
+                if shape[0] != 2:
+                    raise ConfigError(f"flash layout needs [2, num_blocks, block_size, H, D], got {tuple(shape)}")
+                _, nb, bs, H, D = shape
+            elif layout == "flashinfer":
+                if shape[1] != 2:
+                    raise ConfigError(f"flashinfer layout needs [num_blocks, 2, block_size, H, D], got {tuple(shape)}")
+                nb, _, bs, H, D = shape
+            else:
+                nb, H, bs, d2 = shape
+                if d2 % 2:
+                    raise ConfigError(f"cpu layout needs an even last dim (2*head_dim), got {tuple(shape)}")
+                D = d2 // 2
+            L = len(caches)
+            self.caches = caches
+        if block_size is not None and block_size != bs:
+            raise ConfigError(f"engine block size {bs} differs from the configured {block_size}")
+        self.num_layers, self.num_blocks, self.block_size, self.num_heads, self.head_dim = L, nb, bs, H, D
+        self.dtype = self.caches[0].dtype
+        self.device = self.caches[0].device
+
+    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous)."""
+        c = self.caches[0] if self.layout == "trtllm" else self.caches[layer]
+        if self.layout == "flash":
+            return c[0], c[1]
+        if self.layout == "flashinfer":
+            return c[:, 0], c[:, 1]
+        if self.layout == "trtllm":
+            return c[:, layer, 0].transpose(1, 2), c[:, layer, 1].transpose(1, 2)
+        nb, H, bs, _ = c.shape
+        slab = c.view(nb, H, 2 * bs, self.head_dim)
+        return slab[:, :, :bs].transpose(1, 2), slab[:, :, bs:].transpose(1, 2)
+
+    def check_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ConfigError(f"block ids outside [0, {self.num_blocks})")
+        return ids
+
+    def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [L, n*block_size, H, D] of these blocks, in order."""
+        ids = self.check_blocks(block_ids).to(self.device)
+        ks, vs = [], []
+        for layer in range(self.num_layers):
+            k, v = self._kv(layer)
+            ks.append(k.index_select(0, ids).reshape(-1, self.num_heads, self.head_dim))
+            vs.append(v.index_select(0, ids).reshape(-1, self.num_heads, self.head_dim))
+        return torch.stack(ks), torch.stack(vs)
+
+    def scatter_layer(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K, V [n*block_size, H, D] of one layer into these blocks."""
+        ids = self.check_blocks(block_ids).to(self.device)
+        shape = (len(ids), self.block_size, self.num_heads, self.head_dim)
+        dk, dv = self._kv(layer)
+        dk.index_copy_(0, ids, k.to(self.device, self.dtype).reshape(shape))
+        dv.index_copy_(0, ids, v.to(self.device, self.dtype).reshape(shape))

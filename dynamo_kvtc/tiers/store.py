@@ -1,0 +1,505 @@
+"""KvtcStore: compressed host (G2c) and disk (G3c) tiers of KVTC blobs, keyed by Dynamo-compatible block hashes.
+
+- **Offload** (GPU -> host): a sequence's full blocks not yet stored are gathered (from the engine's paged cache or
+  given tensors), encoded on a dedicated worker with its own CUDA stream (ordered after the producer by an event), and
+  only the compressed bytes land in host memory. Spans are cut into blobs of at most ``span_tokens``; the raw window
+  is kept only on the sequence's last blob. The host tier's LRU victims are demoted to disk (or dropped).
+- **Onboard** (host/disk -> GPU): the blobs covering the requested blocks are read (NIXL for disk) and decoded layer
+  by layer *in order*, each layer scattered into the engine's blocks (or handed to a sink) and marked ready with one
+  event per layer, so attention on layer 0 can start while later layers are still being restored.
+- Anything that fails (unknown calibration, corrupt blob, NIXL error, ENOSPC) is logged, counted, removed from the
+  index, and surfaces as a miss: :meth:`OnboardHandle.wait_layer` raises :class:`~dynamo_kvtc.errors.TierError` and
+  the engine recomputes. Nothing wrong is ever scattered: every blob is fully verified before its first layer.
+
+The public methods are asyncio coroutines and the store is thread-safe (an engine may call from other threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..codec.kvtc import KvtcCodec
+from ..errors import DecodeError, KvtcError, TierError, TierFullError
+from .config import TierConfig
+from .disk import DiskTier
+from .host import HostTier
+from .keys import sequence_hashes
+from .layout import PagedKV
+from .policy import OffloadFilter, RatioPolicy
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (layer, first token index, k, v)
+
+
+@dataclass
+class BlobMeta:
+    id: str
+    hashes: list[int]
+    block_size: int
+    first_position: int
+    ratio: float | None
+    cal: str
+    raw_bytes: int
+    stored_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BlobMeta:
+        return cls(**d)
+
+
+@dataclass
+class OffloadResult:
+    stored_blocks: int = 0
+    skipped: str | None = None  # why nothing (more) was stored: "short", "filtered", "present", "error: ..."
+    blobs: list[str] = field(default_factory=list)
+    ratio: float | None = None
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    seconds: float = 0.0
+
+
+class OnboardHandle:
+    """Per-layer readiness of one restore. ``wait_layer(i)`` returns once layer i is in place (on CUDA the current
+    stream is also made to wait on the layer's event), or raises TierError if the restore failed."""
+
+    def __init__(self, num_layers: int, hashes: Sequence[int], device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.hashes = list(hashes)
+        self.device = device
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self._cuda = [None] * num_layers
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.ready_times: list[float | None] = [None] * num_layers
+        self.started = time.perf_counter()
+        self.future: Future | None = None
+
+    def _layer_ready(self, i: int) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._cuda[i] = ev
+        self.ready_times[i] = time.perf_counter() - self.started
+        self._ready[i].set()
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        for ev in self._ready:
+            ev.set()
+        self._done.set()
+
+    def _finish(self) -> None:
+        self._done.set()
+
+    def wait_layer(self, i: int, timeout: float | None = None) -> None:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} outside [0, {self.num_layers})")
+        if not self._ready[i].wait(timeout):
+            raise TierError(f"layer {i} not restored within {timeout} s")
+        if self.ready_times[i] is None:
+            raise TierError(f"restore failed before layer {i}: {self.error}")
+        if self._cuda[i] is not None:
+            torch.cuda.current_stream().wait_event(self._cuda[i])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the whole restore finished; True if every layer is in place."""
+        self._done.wait(timeout)
+        return self.ok
+
+    @property
+    def ok(self) -> bool:
+        return self._done.is_set() and self.error is None
+
+    async def done(self) -> bool:
+        await asyncio.get_running_loop().run_in_executor(None, self._done.wait)
+        return self.ok
+
+
+class KvtcStore:
+    def __init__(
+        self,
+        calibration: Any,
+        config: TierConfig | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        span_tokens: int = 1024,
+        kv: PagedKV | None = None,
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.cfg = config or TierConfig.from_env()
+        self.cal = calibration
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.span_blocks = max(1, span_tokens // block_size)
+        self.kv = kv
+        self.num_layers = calibration.fingerprint.num_layers
+        self.policy = RatioPolicy(calibration.ratios, self.cfg.ratio, self.cfg.max_ratio, self.cfg.pressure_high)
+        self.filter = OffloadFilter(self.cfg.min_frequency)
+        self.host = HostTier(self.cfg.host_bytes, self.cfg.page_bytes)
+        if disk is None and self.cfg.disk_bytes:
+            disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_bytes, fsync=self.cfg.fsync)
+        self.disk = disk
+        self._codecs: dict[float, KvtcCodec] = {}
+        self._lock = threading.RLock()
+        self._index: dict[int, tuple[str, int]] = {}  # sequence hash -> (blob id, block index in blob)
+        self._blobs: dict[str, BlobMeta] = {}
+        self.stats: Counter[str] = Counter()
+        self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
+        self._onboard_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
+        cuda = self.device.type == "cuda"
+        self._offload_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._onboard_stream = torch.cuda.Stream(self.device) if cuda else None
+        if self.disk is not None:
+            self._adopt_disk()
+
+    # ------------------------------------------------------------------ plumbing
+    def codec(self, ratio: float) -> KvtcCodec:
+        with self._lock:
+            if ratio not in self._codecs:
+                self._codecs[ratio] = KvtcCodec(
+                    self.cal, ratio=ratio, device=self.device, sinks=self.cfg.sinks, window=self.cfg.window
+                )
+            return self._codecs[ratio]
+
+    def _adopt_disk(self) -> None:
+        """Index blobs that survived a restart (only those of this calibration)."""
+        for blob_id in self.disk.ids():
+            try:
+                meta = BlobMeta.from_dict(self.disk.meta(blob_id))
+            except (TypeError, KeyError):
+                self.disk.delete(blob_id)
+                continue
+            if meta.cal != self.cal.id or meta.block_size != self.block_size:
+                self.stats["disk_foreign_blobs"] += 1
+                continue
+            self._index_blob(meta)
+        self.stats["disk_recovered_blobs"] += len(self._blobs)
+
+    def _index_blob(self, meta: BlobMeta) -> None:
+        with self._lock:
+            self._blobs[meta.id] = meta
+            for i, h in enumerate(meta.hashes):
+                self._index[h] = (meta.id, i)
+
+    def _unindex_blob(self, blob_id: str) -> None:
+        with self._lock:
+            meta = self._blobs.pop(blob_id, None)
+            if meta is None:
+                return
+            for h in meta.hashes:
+                if self._index.get(h, (None,))[0] == blob_id:
+                    del self._index[h]
+
+    async def _run(self, pool: ThreadPoolExecutor, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def close(self) -> None:
+        self._offload_pool.shutdown(wait=True)
+        self._onboard_pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ lookup
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return sequence_hashes(token_ids, self.block_size)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` either tier holds."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._index:
+                    break
+                n += 1
+        return n
+
+    def lookup(self, token_ids: Sequence[int]) -> int:
+        return self.match(self.hashes(token_ids))
+
+    def where(self, h: int) -> str | None:
+        with self._lock:
+            e = self._index.get(h)
+        if e is None:
+            return None
+        return "host" if e[0] in self.host else ("disk" if self.disk is not None and e[0] in self.disk else None)
+
+    # ------------------------------------------------------------------ offload
+    async def offload(
+        self,
+        token_ids: Sequence[int],
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        *,
+        block_ids: Sequence[int] | None = None,
+        ready_event: Any = None,
+        tail: bool = True,
+    ) -> OffloadResult:
+        """Store the sequence's full blocks that no tier holds yet. Give either ``keys``/``values``
+        [L, >= n_full*block_size, H, D] for ``token_ids`` from position 0, or the engine ``block_ids`` (one per full
+        block) of the registered paged cache. ``ready_event`` (a CUDA event) orders the encode after the producer."""
+        bs = self.block_size
+        res = OffloadResult()
+        n_full = len(token_ids) // bs
+        if len(token_ids) < self.cfg.min_tokens or n_full == 0:
+            res.skipped = "short"
+            self.stats["offload_bypass_short"] += 1
+            return res
+        hashes = self.hashes(token_ids[: n_full * bs])
+        admitted = self.filter.admit(hashes)
+        with self._lock:
+            missing = [i for i, h in enumerate(hashes) if h not in self._index]
+        if not missing:
+            res.skipped = "present"
+            return res
+        start = missing[0]
+        end = start
+        while end < n_full and admitted[end]:
+            end += 1
+        if end == start:
+            res.skipped = "filtered"
+            self.stats["offload_filtered"] += 1
+            return res
+        if keys is None and (block_ids is None or self.kv is None):
+            raise TierError("offload needs keys/values or block_ids with a registered paged KV cache")
+        if block_ids is not None and len(block_ids) < end:
+            raise TierError(f"offload got {len(block_ids)} block ids for {end} full blocks")
+        ratio = self.policy.choose(self.host.fill)
+        try:
+            await self._run(
+                self._offload_pool,
+                self._offload_sync,
+                hashes,
+                start,
+                end,
+                n_full,
+                keys,
+                values,
+                block_ids,
+                ready_event,
+                tail,
+                ratio,
+                res,
+            )
+        except KvtcError as e:
+            log.warning("kvtc offload failed: %s", e)
+            self.stats[f"offload_error_{type(e).__name__}"] += 1
+            res.skipped = f"error: {e}"
+        return res
+
+    def _offload_sync(self, hashes, start, end, n_full, keys, values, block_ids, ready_event, tail, ratio, res):
+        t0 = time.perf_counter()
+        bs = self.block_size
+        codec = self.codec(ratio)
+        ctx = torch.cuda.stream(self._offload_stream) if self._offload_stream is not None else _null()
+        with ctx:
+            if ready_event is not None and self._offload_stream is not None:
+                self._offload_stream.wait_event(ready_event)
+            a = start
+            while a < end:
+                b = min(end, a + self.span_blocks)
+                if tail and end == n_full and (end - b) * bs <= self.cfg.window:
+                    b = end  # the last blob holds the whole raw window of the sequence
+                if keys is not None:
+                    k, v = keys[:, a * bs : b * bs], values[:, a * bs : b * bs]
+                else:
+                    k, v = self.kv.gather(block_ids[a:b])
+                pos = torch.arange(a * bs, b * bs)
+                window = self.cfg.window if (tail and b == n_full) else 0
+                blob = codec.encode(k, v, pos, window=window)
+                raw = k.numel() * k.element_size() * 2
+                meta = BlobMeta(
+                    f"{hashes[a]:016x}{hashes[b - 1]:016x}",
+                    list(hashes[a:b]),
+                    bs,
+                    a * bs,
+                    ratio,
+                    self.cal.id,
+                    raw,
+                    len(blob),
+                )
+                self._put_host(meta, blob)
+                res.blobs.append(meta.id)
+                res.stored_blocks += b - a
+                res.raw_bytes += raw
+                res.stored_bytes += len(blob)
+                a = b
+        res.ratio = ratio
+        res.seconds = time.perf_counter() - t0
+        self.stats["offload_blocks"] += res.stored_blocks
+        self.stats["offload_raw_bytes"] += res.raw_bytes
+        self.stats["offload_stored_bytes"] += res.stored_bytes
+        self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
+
+    def _put_host(self, meta: BlobMeta, blob: bytes) -> None:
+        self._index_blob(meta)
+        try:
+            evicted = self.host.put(meta.id, blob, meta)
+        except TierFullError:
+            if self.disk is None:
+                self._unindex_blob(meta.id)
+                raise
+            self._demote(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
+            return
+        for old_id, data, old_meta in evicted:
+            self.stats["host_evictions"] += 1
+            self._demote(old_id, data, old_meta)
+
+    def _demote(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
+        if self.disk is None:
+            self._unindex_blob(blob_id)
+            return
+        try:
+            for gone in self.disk.put(blob_id, data, meta.to_dict()):
+                self.stats["disk_evictions"] += 1
+                self._unindex_blob(gone)
+            self.stats["disk_demotions"] += 1
+        except TierError as e:
+            log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
+            self.stats[f"disk_write_error_{type(e).__name__}"] += 1
+            self._unindex_blob(blob_id)
+
+    # ------------------------------------------------------------------ onboard
+    def _plan(self, hashes: Sequence[int]) -> list[tuple[str, int, int, int]]:
+        """(blob id, first block in blob, number of blocks, first requested block) runs covering ``hashes``."""
+        runs: list[tuple[str, int, int, int]] = []
+        with self._lock:
+            for j, h in enumerate(hashes):
+                e = self._index.get(h)
+                if e is None:
+                    raise TierError(f"block {j} ({h:016x}) is in no tier")
+                blob_id, i = e
+                if runs and runs[-1][0] == blob_id and runs[-1][1] + runs[-1][2] == i:
+                    r = runs[-1]
+                    runs[-1] = (r[0], r[1], r[2] + 1, r[3])
+                else:
+                    runs.append((blob_id, i, 1, j))
+        return runs
+
+    async def onboard(
+        self, hashes: Sequence[int], dst_blocks: Sequence[int] | None = None, *, sink: Sink | None = None
+    ) -> OnboardHandle:
+        """Start restoring ``hashes`` (a matched prefix) into engine blocks ``dst_blocks`` (or a ``sink``); returns
+        at once with a handle whose ``wait_layer(i)`` returns when layer i is in place."""
+        if sink is None and (dst_blocks is None or self.kv is None):
+            raise TierError("onboard needs dst_blocks with a registered paged KV cache, or a sink")
+        if dst_blocks is not None and len(dst_blocks) != len(hashes):
+            raise TierError(f"{len(dst_blocks)} destination blocks for {len(hashes)} hashes")
+        handle = OnboardHandle(self.num_layers, hashes, self.device)
+        loop_pool = self._onboard_pool
+        handle.future = loop_pool.submit(
+            self._onboard_sync, handle, list(hashes), None if dst_blocks is None else list(dst_blocks), sink
+        )
+        return handle
+
+    def _fetch(self, blob_id: str) -> bytes:
+        got = self.host.get(blob_id)
+        if got is not None:
+            self.stats["onboard_host_hits"] += 1
+            return got[0]
+        if self.disk is not None and blob_id in self.disk:
+            blob, meta = self.disk.get(blob_id)
+            self.stats["onboard_disk_hits"] += 1
+            try:  # promote: the next turn finds it in memory
+                self._put_host(BlobMeta.from_dict(meta), blob)
+            except TierError:
+                pass
+            return blob
+        raise TierError(f"blob {blob_id} vanished from every tier")
+
+    def _onboard_sync(self, handle: OnboardHandle, hashes, dst_blocks, sink) -> None:
+        bs = self.block_size
+        try:
+            runs = self._plan(hashes)
+            decoder = self.codec(self.policy.default)
+            gens = []
+            for blob_id, first, count, j in runs:
+                try:
+                    blob = self._fetch(blob_id)
+                    gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
+                except (TierError, DecodeError) as e:
+                    self._drop(blob_id, e)
+                    raise
+            ctx = torch.cuda.stream(self._onboard_stream) if self._onboard_stream is not None else _null()
+            with ctx:
+                for layer in range(self.num_layers):
+                    for gen, first, count, j in gens:
+                        got_layer, k, v = next(gen)
+                        if got_layer != layer:
+                            raise TierError(f"decoder produced layer {got_layer}, expected {layer}")
+                        k = k[first * bs : (first + count) * bs]
+                        v = v[first * bs : (first + count) * bs]
+                        if sink is not None:
+                            sink(layer, j * bs, k, v)
+                        else:
+                            self.kv.scatter_layer(layer, dst_blocks[j : j + count], k, v)
+                    handle._layer_ready(layer)
+            self.stats["onboard_blocks"] += len(hashes)
+            self.stats["onboards"] += 1
+            handle._finish()
+        except BaseException as e:  # any failure is a miss: the engine recomputes
+            self.stats[f"onboard_error_{type(e).__name__}"] += 1
+            log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
+            handle._fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
+
+    def _drop(self, blob_id: str, why: BaseException) -> None:
+        log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
+        self.stats["blobs_dropped"] += 1
+        self.host.pop(blob_id)
+        if self.disk is not None and blob_id in self.disk:
+            self.disk.delete(blob_id)
+        self._unindex_blob(blob_id)
+
+    async def prefetch(self, hashes: Sequence[int]) -> int:
+        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard; returns blobs moved."""
+
+        def work() -> int:
+            moved = 0
+            for blob_id, *_ in self._plan(hashes[: self.match(hashes)]):
+                if blob_id not in self.host and self.disk is not None and blob_id in self.disk:
+                    try:
+                        self._fetch(blob_id)
+                        moved += 1
+                    except TierError as e:
+                        self._drop(blob_id, e)
+            return moved
+
+        return await self._run(self._onboard_pool, work)
+
+    # ------------------------------------------------------------------ stats
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            host_blobs = [m for m in self._blobs.values() if m.id in self.host]
+            disk_blobs = [m for m in self._blobs.values() if self.disk is not None and m.id in self.disk]
+        out: dict[str, Any] = dict(self.stats)
+        for name, blobs in (("host", host_blobs), ("disk", disk_blobs)):
+            out[f"{name}_blobs"] = len(blobs)
+            out[f"{name}_blocks"] = sum(len(m.hashes) for m in blobs)
+            out[f"{name}_raw_bytes"] = sum(m.raw_bytes for m in blobs)
+            out[f"{name}_stored_bytes"] = sum(m.stored_bytes for m in blobs)
+        out["host_capacity_bytes"] = self.host.capacity
+        out["host_fill"] = self.host.fill
+        if self.disk is not None:
+            out["disk_capacity_bytes"] = self.disk.capacity
+            out["disk_used_bytes"] = self.disk.used_bytes
+        return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

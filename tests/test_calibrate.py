@@ -1,0 +1,89 @@
+"""Calibration runs: resumable and deterministic under a seed; subsets for shipping; the CLI on the real model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dynamo_kvtc import Calibration, KvtcCodec, calibrate
+from dynamo_kvtc.calibration.calibrate import CalibrationConfig, Calibrator, KvSample
+from dynamo_kvtc.errors import CalibrationError
+
+
+def test_resume_from_checkpoint_gives_the_same_calibration(synth):
+    samples = [KvSample(*synth.sample(300, start=i * 300)) for i in range(8)]
+    cfg = CalibrationConfig(ratios=(8, 16), dp_tokens=600, progress=False, seed=3)
+    whole = Calibrator(synth.fp, cfg)
+    for s in samples:
+        whole.add(s)
+    first = Calibrator(synth.fp, cfg)
+    for s in samples[:5]:
+        first.add(s)
+    state = {k: v.clone() for k, v in first.state_dict().items()}
+    resumed = Calibrator(synth.fp, cfg)
+    resumed.load_state_dict(state)
+    for s in samples[5:]:
+        resumed.add(s)
+    a, b = whole.finish(), resumed.finish()
+    assert (
+        a.id == b.id and a.provenance["tokens"] == b.provenance["tokens"] == 8 * 300 - 4
+    )  # sinks of the first sample excluded
+    assert torch.equal(whole.res_rows["k"][0], resumed.res_rows["k"][0])  # the same seeded DP sample
+
+
+def test_subset_keeps_plans_and_trims(tmp_path, synth, synth_cal):
+    sub = synth_cal.subset([8, 16])
+    assert sub.ratios == [8.0, 16.0]
+    assert sub.groups[0].k_basis.shape[1] == max(sub.plan(r).rank for r in (8, 16))
+    k, v, pos = synth.sample(300)
+    a = KvtcCodec(synth_cal, ratio=16).encode(k, v, pos)
+    b = KvtcCodec(Calibration.load(sub.save(tmp_path / "s")), ratio=16)
+    assert torch.equal(b.decode(b.encode(k, v, pos))[0], KvtcCodec(synth_cal, ratio=16).decode(a)[0])
+    with pytest.raises(CalibrationError, match="available"):
+        synth_cal.subset([12])
+
+
+def test_layer_groups_bounds(synth):
+    with pytest.raises(Exception, match="layer_groups"):
+        calibrate([synth.sample(200)], synth.fp, ratios=(8,), layer_groups=99, progress=False)
+
+
+@pytest.mark.model
+def test_cli_calibrate_resumes_after_interruption(tmp_path, smollm2):
+    args = [
+        "--tokens",
+        "768",
+        "--seq-len",
+        "256",
+        "--ratios",
+        "16,32",
+        "--rank",
+        "256",
+        "--dp-tokens",
+        "512",
+        "--checkpoint-every",
+        "256",
+    ]
+    cli = [sys.executable, "-m", "dynamo_kvtc.cli.main", "calibrate"]
+    stop = subprocess.run(
+        cli + args + ["--stop-after-tokens", "300", "--out", str(tmp_path / "a")], capture_output=True, text=True
+    )
+    assert stop.returncode == 3, stop.stderr[-2000:]
+    assert (tmp_path / "a.partial" / "state.json").is_file() and not (tmp_path / "a").exists()
+    with pytest.raises(CalibrationError, match="not exist"):
+        Calibration.load(tmp_path / "a")  # an interrupted run is never mistaken for a finished one
+    resumed = subprocess.run(cli + args + ["--out", str(tmp_path / "a")], capture_output=True, text=True)
+    assert resumed.returncode == 0 and "resuming" in resumed.stdout, resumed.stderr[-2000:]
+    assert not (tmp_path / "a.partial").exists()
+    straight = subprocess.run(cli + args + ["--out", str(tmp_path / "b")], capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    a, b = Calibration.load(tmp_path / "a"), Calibration.load(tmp_path / "b")
+    assert a.id == b.id and a.ratios == [16.0, 32.0]
+    assert a.provenance["data"].startswith("Paul Graham essays")
+    bad = subprocess.run(
+        cli + ["--model", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "c")], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "unknown model" in bad.stderr
