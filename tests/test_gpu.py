@@ -61,3 +61,41 @@ def test_gpu_only_codecs_roundtrip(synth, synth_cal, tag):
     k2, v2 = codec.decode(blob)
     ref = KvtcCodec(synth_cal, ratio=8, device="cuda").decode(KvtcCodec(synth_cal, ratio=8).encode(k, v, pos))
     assert rel(k2, ref[0]) <= 1e-3 and rel(v2, ref[1]) <= 1e-3
+
+
+async def test_store_on_cuda_orders_after_producer_and_signals_layers(synth, synth_cal):
+    from dynamo_kvtc.tiers import KvtcStore, TierConfig
+
+    cfg = TierConfig(host_bytes=1 << 20, ratio=8, min_tokens=0, window=32, page_bytes=1024)
+    store = KvtcStore(synth_cal, cfg, device="cuda", block_size=16, span_tokens=128)
+    assert store.host.pinned
+    k, v, _ = synth.sample(256)
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):  # the "forward pass" writes the KV on its own stream
+        kc, vc = k.cuda(non_blocking=True) * 1, v.cuda(non_blocking=True) * 1
+        ready = torch.cuda.Event()
+        ready.record()
+    toks = list(range(256))
+    res = await store.offload(toks, kc, vc, ready_event=ready)
+    assert res.stored_blocks == 16
+    out = torch.zeros_like(kc)
+
+    def sink(layer, start, kk, vv):
+        out[layer, start : start + kk.shape[0]] = kk
+
+    h = await store.onboard(store.hashes(toks), sink=sink)
+    for layer in range(k.shape[0]):
+        h.wait_layer(layer, timeout=30)
+    assert h.wait(30)
+    torch.cuda.synchronize()
+    cpu = KvtcStore(synth_cal, cfg, device="cpu", block_size=16, span_tokens=128)
+    await cpu.offload(toks, k, v)
+    ref = torch.zeros_like(k)
+
+    def sink_cpu(layer, start, kk, vv):
+        ref[layer, start : start + kk.shape[0]] = kk
+
+    assert await (await cpu.onboard(cpu.hashes(toks), sink=sink_cpu)).done()
+    assert rel(out, ref) <= 1e-3
+    store.close()
+    cpu.close()

@@ -354,3 +354,32 @@ async def test_many_concurrent_offloads_and_onboards_bounded(tmp_path, synth, sy
     for restored, ref in refs.values():
         assert (restored[:, 4:].float() - ref[:, 4:].float()).norm() / ref[:, 4:].float().norm() < 0.25
     store.close()
+
+
+class ShortReadFiles(NixlFiles):
+    """The real NIXL agent asked to read past the end of the file: NIXL itself fails the transfer."""
+
+    def read(self, fd, nbytes, offset=0):
+        return super().read(fd, nbytes + 4096, offset)
+
+
+class ClosedFdFiles(NixlFiles):
+    """The real NIXL agent handed a closed descriptor: the POSIX backend fails the write."""
+
+    def write(self, fd, data, offset=0):
+        bad = os.dup(fd)
+        os.close(bad)
+        return super().write(bad, data, offset)
+
+
+def test_nixl_failures_become_tier_errors(tmp_path):
+    good = DiskTier(tmp_path / "a", 1 << 20, io=NixlFiles())
+    good.put("x", os.urandom(5000), {})
+    reader = DiskTier(tmp_path / "a", 1 << 20, io=ShortReadFiles())
+    with pytest.raises(TierError, match="NIXL READ failed"):
+        reader.get("x")
+    assert "x" in reader and good.get("x")  # a failed transfer is a miss; the committed blob is kept
+    writer = DiskTier(tmp_path / "b", 1 << 20, io=ClosedFdFiles())
+    with pytest.raises(TierError, match="NIXL WRITE failed"):
+        writer.put("y", os.urandom(5000), {})
+    assert "y" not in writer and not list((tmp_path / "b").iterdir())  # nothing torn left behind

@@ -80,6 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", required=True, help="output folder")
 
+    bt = bsub.add_parser("tiers", help="offload/onboard throughput, time to first layer vs all layers")
+    bt.add_argument("--device", default="cpu")
+    bt.add_argument("--calibration")
+    bt.add_argument("--kv")
+    bt.add_argument("--model", default="smollm2-135m-instruct")
+    bt.add_argument("--synthetic")
+    bt.add_argument("--tokens", type=int, default=2048)
+    bt.add_argument("--batch", type=int, default=1)
+    bt.add_argument("--ratios", type=_ratios, default=None, help="the ratio to store at (first value)")
+    bt.add_argument("--block-size", type=int, default=16)
+    bt.add_argument("--span-tokens", type=int, default=1024)
+    bt.add_argument("--window", type=int, default=128)
+    bt.add_argument("--disk-dir", default=None, help="where the disk tier's temporary directory goes")
+    bt.add_argument("--repeat", type=int, default=3)
+    bt.add_argument("--json", dest="json_path")
+
     i = sub.add_parser("inspect", help="describe a calibration directory or a blob file")
     i.add_argument("path")
     return p
@@ -105,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             from .calibrate import run_calibrate
 
             return run_calibrate(args)
+        if args.command == "bench" and args.bench == "tiers":
+            from .bench import run_bench_tiers
+
+            return run_bench_tiers(args)
         if args.command == "bench" and args.bench == "codec":
             from .bench import run_bench_codec
 

@@ -193,6 +193,8 @@ class DiskTier:
             if size != entry[0]:
                 raise TierError(f"file size {size} differs from the committed {entry[0]}")
             data = self.io.read(fd, size).numpy().tobytes()
+        except TransferError as e:  # a failed transfer is not a damaged file: keep it, report a miss
+            raise TierError(f"blob {blob_id}: {e}") from e
         except (TierError, OSError) as e:
             self._forget(blob_id, str(e), delete=True)
             raise TierError(f"blob {blob_id}: {e}") from e

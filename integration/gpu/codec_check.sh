@@ -11,10 +11,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch; from nvidia import nvcomp; print('torch', torch.__version__, 'nvcomp', nvcomp.__version__)"
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_codec.py tests/test_container.py -rs 2>&1 \
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_codec.py tests/test_container.py tests/test_tiers.py -rs 2>&1 \
   | tee "$OUT/pytest-gpu.log" | tail -15
 kvtc() { python3 -m dynamo_kvtc.cli.main "$@"; }
-for tag in deflate gdeflate ans; do
+for tag in ${CODEC_TAGS:-deflate gdeflate ans}; do
   kvtc bench codec --device cuda --synthetic smollm2-135m --tokens 8192 --tag "$tag" \
     --json "$OUT/bench-codec-cuda-smollm2-$tag.json" 2>&1 | tail -6
 done
@@ -22,3 +22,7 @@ kvtc bench codec --device cuda --synthetic mistral-nemo-12b --tokens 8192 --rati
   --json "$OUT/bench-codec-cuda-nemo-ans.json" 2>&1 | tail -4
 kvtc bench codec --device cpu --synthetic smollm2-135m --tokens 8192 --ratios 16 --repeat 1 \
   --json "$OUT/bench-codec-h200host-cpu-smollm2.json" 2>&1 | tail -3
+for shape in smollm2-135m mistral-nemo-12b; do
+  kvtc bench tiers --device cuda --synthetic "$shape" --tokens 8192 --ratios 16 --repeat 2 --disk-dir /tmp \
+    --json "$OUT/bench-tiers-cuda-$shape.json" 2>&1 | grep -v NIXL | tail -3
+done
