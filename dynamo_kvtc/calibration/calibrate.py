@@ -354,7 +354,10 @@ class Calibrator:
             "seed": cfg.seed,
             "sinks_excluded": cfg.sinks,
             "rank_cap": cfg.rank,
-            "pca": {"method": cfg.pca_method, "niter": cfg.niter},
+            "pca": {
+                "method": "exact" if any((cfg.rank or m.p) + 64 >= m.p for m in mom.values()) else cfg.pca_method,
+                "niter": cfg.niter,
+            },
             "seconds": {
                 "capture": round(t_capture, 2),
                 "pca": round(t_pca, 2),

@@ -157,11 +157,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vt": [1024],
     },
     "full": {
-        "ppl": [(n, i) for n in (1024, 2048, 4096, 8000) for i in range(3)],
+        "ppl": [(n, i) for n in (1024, 2048, 4096, 8000) for i in range(2)],
         "passkey": [(n, d) for n in (1024, 2048, 4096, 7500) for d in (0.1, 0.5, 0.9)],
-        "copy": [(n, d) for n in (2048, 4096) for d in (0.1, 0.4, 0.7)],
-        "kv": [6000] * 4 + [3000] * 4,
-        "vt": [2048] * 4 + [4096] * 4,
+        "copy": [(n, d) for n in (2048, 4096) for d in (0.2, 0.6)],
+        "kv": [6000, 6000, 3000, 3000],
+        "vt": [2048, 2048, 4096, 4096],
     },
 }
 
