@@ -152,7 +152,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "ppl": [(1024, i) for i in range(2)],
         "passkey": [(n, d) for n in (1024, 2048) for d in (0.2, 0.8)],
-        "copy": [(2048, d) for d in (0.2, 0.45, 0.7)],
+        "copy": [(2048, d) for d in (0.25, 0.6)],
         "kv": [1536],
         "vt": [1024],
     },
