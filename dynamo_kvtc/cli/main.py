@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="offline accuracy: kvtc vs baselines on held-out tasks (JSON, Markdown, PNG)")
     e.add_argument("--model", default="smollm2-135m-instruct")
     e.add_argument("--calibration", help="calibration directory (default: the shipped one)")
-    e.add_argument("--preset", choices=("quick", "full"), default="quick")
+    e.add_argument("--preset", choices=("quick", "short", "full"), default="quick")
     e.add_argument("--tasks", nargs="*", choices=("ppl", "passkey", "copy", "kv", "vt"))
     e.add_argument("--ratios", type=_ratios, default=None, help="kvtc ratios (default: every plan in the calibration)")
     e.add_argument("--ablation", action="append", metavar="NAME=DIR", help="extra calibration evaluated at 16x")

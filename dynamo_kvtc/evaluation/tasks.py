@@ -48,10 +48,13 @@ class Builder:
             self.wiki = heldout_texts("wiki")
         except Exception:  # the Wikipedia sample is optional; fall back to essays
             self.wiki = heldout_texts("essays")
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "@@@"}], add_generation_prompt=True, tokenize=False
-        )
-        self.chat_pre, self.chat_post = chat.split("@@@")
+        if getattr(tokenizer, "chat_template", None):
+            chat = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "@@@"}], add_generation_prompt=True, tokenize=False
+            )
+            self.chat_pre, self.chat_post = chat.split("@@@")
+        else:  # base models: plain text with the same instructions and answer prefixes
+            self.chat_pre, self.chat_post = "", "\n\n"
 
     def ids(self, text: str) -> torch.Tensor:
         return self.tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
@@ -155,6 +158,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "copy": [(2048, d) for d in (0.25, 0.6)],
         "kv": [1536],
         "vt": [1024],
+    },
+    # contexts within a 512-token sliding window (Gemma 3's local layers keep only the last 512 positions)
+    "short": {
+        "ppl": [(480, i) for i in range(4)],
+        "passkey": [(500, d) for d in (0.2, 0.5, 0.8)],
+        "copy": [(500, d) for d in (0.2, 0.5)],
     },
     "full": {
         "ppl": [(n, i) for n in (1024, 2048, 4096, 8000) for i in range(2)],
