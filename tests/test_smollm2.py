@@ -49,7 +49,7 @@ def test_rope_removal_recovers_the_models_pre_rope_keys(smollm2, smol_fp):
 
 
 def test_heldout_roundtrip_ratio_error_and_predictions(smollm2, smol_cal, smol_heldout):
-    from dynamo_kvtc.cli.demo import _score
+    from dynamo_kvtc.evaluation.harness import score
 
     model, tok = smollm2
     k, v, pos = smol_heldout
@@ -57,11 +57,11 @@ def test_heldout_roundtrip_ratio_error_and_predictions(smollm2, smol_cal, smol_h
 
     ids = tok(heldout_texts()[1], return_tensors="pt", add_special_tokens=False)["input_ids"][0]
     cont = ids[2048:2112]
-    ref = _score(model, cont, k, v, 2048)
+    ref = score(model, cont, k, v, 2048)
     report = {}
     for ratio in (16, 64):
         ek, ev, st, (k2, v2) = coded_errors(KvtcCodec(smol_cal, ratio=ratio), k, v, pos)
-        lp = _score(model, cont, k2, v2, 2048)
+        lp = score(model, cont, k2, v2, 2048)
         report[ratio] = {
             "ratio": st["ratio"],
             "err_k": ek,

@@ -18,28 +18,11 @@ from ..calibration.calibrate import calibrate
 from ..calibration.data import calibration_texts, heldout_texts
 from ..calibration.models import cache_dir, capture_kv, load_model
 from ..codec.kvtc import KvtcCodec
+from ..evaluation.harness import score
 from .common import find_calibration, machine, write_json
 
 log = logging.getLogger(__name__)
 CONTINUATION = 128
-
-
-def _cache(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    from transformers import DynamicCache
-
-    c = DynamicCache()
-    for layer in range(k.shape[0]):
-        c.update(k[layer].transpose(0, 1)[None].to(dtype), v[layer].transpose(0, 1)[None].to(dtype), layer)
-    return c
-
-
-@torch.no_grad()
-def _score(model, cont: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """Log-probs of the next token at each continuation position, reading KV (k, v) for the context."""
-    dtype = next(model.parameters()).dtype
-    pos = torch.arange(start, start + cont.numel())[None]
-    out = model(input_ids=cont[None], past_key_values=_cache(k, v, dtype), position_ids=pos, use_cache=True)
-    return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
 def run_demo(args) -> int:
@@ -63,7 +46,7 @@ def run_demo(args) -> int:
     n = args.tokens
     ctx, cont = ids[:n], ids[n : n + CONTINUATION]
     k, v, pos = capture_kv(model, ctx)
-    ref = _score(model, cont, k, v, n)
+    ref = score(model, cont, k, v, n)
     tgt = cont[1:]
     ref_nll = float(-ref[:-1].gather(1, tgt[:, None]).mean())
     rows: list[dict[str, Any]] = []
@@ -80,7 +63,7 @@ def run_demo(args) -> int:
         blob = codec.encode(k, v, pos)
         k2, v2 = codec.decode(blob)
         st = codec.stats(blob)
-        lp = _score(model, cont, k2, v2, n)
+        lp = score(model, cont, k2, v2, n)
         a, b = st["sink_tokens"], st["sink_tokens"] + st["coded_tokens"]
         err_k = float((k2[:, a:b].float() - k[:, a:b].float()).norm() / k[:, a:b].float().norm())
         err_v = float((v2[:, a:b].float() - v[:, a:b].float()).norm() / v[:, a:b].float().norm())
