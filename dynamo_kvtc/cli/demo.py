@@ -11,8 +11,6 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from ..calibration.artifact import Calibration
 from ..calibration.calibrate import calibrate
 from ..calibration.data import calibration_texts, heldout_texts
