@@ -165,6 +165,7 @@ def run_bench_tiers(args) -> int:
     """Offload/onboard throughput and time to first layer vs all layers, for host and disk hits."""
     import asyncio
     import tempfile
+    from pathlib import Path
 
     from ..tiers import KvtcStore, TierConfig
 
@@ -189,18 +190,12 @@ def run_bench_tiers(args) -> int:
         res: dict[str, Any] = {}
         times, first, total = [], [], []
         for rep in range(max(1, args.repeat)):
-            fresh = (
-                KvtcStore(
-                    cal,
-                    store.cfg,
-                    device=dev,
-                    block_size=args.block_size,
-                    span_tokens=args.span_tokens,
-                    disk=store.disk,
-                )
-                if rep
-                else store
-            )
+            fresh = store
+            if rep:  # a fresh store (and disk directory) each time: every repetition stores from scratch
+                cfg = store.cfg
+                if cfg.disk_bytes:
+                    cfg = cfg.with_(disk_dir=Path(tempfile.mkdtemp(dir=store.cfg.disk_dir)))
+                fresh = KvtcStore(cal, cfg, device=dev, block_size=args.block_size, span_tokens=args.span_tokens)
             _sync(dev)
             t0 = time.perf_counter()
             r = await fresh.offload(tokens, k, v)
@@ -222,7 +217,9 @@ def run_bench_tiers(args) -> int:
             total.append(time.perf_counter() - t0)
             if not ok:
                 raise RuntimeError(f"onboard failed: {h.error}")
-            res.update(blocks=n, stored_bytes=r.stored_bytes, ratio_with_window=raw / max(1, r.stored_bytes))
+            if r.stored_blocks == 0:
+                raise RuntimeError(f"offload stored nothing ({r.skipped})")
+            res.update(blocks=n, stored_bytes=r.stored_bytes, ratio_with_window=raw / r.stored_bytes)
             if rep:
                 fresh.close()
         res.update(
