@@ -90,6 +90,8 @@ def run(
         for m in methods:
             bar.set_postfix_str(f"{s.task} {s.meta.get('length', '')} {m.name}")
             rec = m.reconstruct(k, v, pos)
+            if m.lossless and not (torch.equal(rec.keys, k) and torch.equal(rec.values, v)):
+                raise RuntimeError(f"{m.name} claims to be lossless but changed the cache")
             r: dict[str, Any] = {
                 "sample": si,
                 "task": s.task,
@@ -100,7 +102,10 @@ def run(
                 "ratio_with_window": rec.ratio_with_window,
                 "tokens": T,
             }
-            if s.target is not None:
+            ref = next((x for x in reversed(records) if x["sample"] == si and x["method"] == "vanilla"), None)
+            if m.lossless and ref is not None and m.name != "vanilla":  # identical cache, identical scores
+                r.update({key: ref[key] for key in ("nll", "accuracy", "kl", "top1_agreement", "output") if key in ref})
+            elif s.target is not None:
                 inputs = torch.cat((last, s.target[:-1]))
                 lp = score(model, inputs, rec.keys, rec.values, T)
                 tgt = s.target

@@ -10,6 +10,7 @@ from .base import Method
 
 
 class DeflateRaw(Method):
+    lossless = True
     name = "deflate-raw-bf16"
 
     def compress(self, keys, values):

@@ -6,6 +6,7 @@ from .base import Method
 
 
 class Vanilla(Method):
+    lossless = True
     name = "vanilla"
     family = "vanilla"
 
