@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from functools import partial
 import sys
 import time
 from typing import Any
@@ -73,6 +74,21 @@ def _synthetic_inputs(args):
     )
 
 
+def _timed(dev: str, codec: KvtcCodec, prefix: str, calls: list) -> tuple[list, float, dict[str, float]]:
+    """Run the calls; return their results, the wall time, and the codec's stage timings summed over the calls."""
+    stages: dict[str, float] = {}
+    out = []
+    _sync(dev)
+    t0 = time.perf_counter()
+    for call in calls:
+        out.append(call())
+        for key, val in codec.last_timings.items():
+            if key.startswith(prefix + "_"):
+                stages[key] = stages.get(key, 0.0) + val
+    _sync(dev)
+    return out, time.perf_counter() - t0, stages
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -92,28 +108,11 @@ def run_bench_codec(args) -> int:
             codec.decode(b)
         enc, dec, enc_st, dec_st = [], [], [], []
         for _ in range(max(1, args.repeat)):
-            stages: dict[str, float] = {}
-            _sync(dev)
-            t0 = time.perf_counter()
-            blobs = []
-            for k, v, p in spans:
-                blobs.append(codec.encode(k, v, p))
-                for key, val in codec.last_timings.items():
-                    if key.startswith("encode_"):
-                        stages[key] = stages.get(key, 0.0) + val
-            _sync(dev)
-            enc.append(time.perf_counter() - t0)
+            blobs, seconds, stages = _timed(dev, codec, "encode", [partial(codec.encode, k, v, p) for k, v, p in spans])
+            enc.append(seconds)
             enc_st.append(stages)
-            stages = {}
-            t0 = time.perf_counter()
-            outs = []
-            for b in blobs:
-                outs.append(codec.decode(b))
-                for key, val in codec.last_timings.items():
-                    if key.startswith("decode_"):
-                        stages[key] = stages.get(key, 0.0) + val
-            _sync(dev)
-            dec.append(time.perf_counter() - t0)
+            outs, seconds, stages = _timed(dev, codec, "decode", [partial(codec.decode, b) for b in blobs])
+            dec.append(seconds)
             dec_st.append(stages)
         st = [codec.stats(b) for b in blobs]
         coded = [(s["sink_tokens"], s["sink_tokens"] + s["coded_tokens"]) for s in st]
