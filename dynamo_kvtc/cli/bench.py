@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import statistics
-from functools import partial
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import torch
