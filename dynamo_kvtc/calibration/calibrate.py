@@ -9,6 +9,7 @@ attention-sink positions excluded. PCA is fitted on all calibration tokens; the 
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import time
 from collections.abc import Iterable, Iterator
@@ -367,7 +368,7 @@ class Calibrator:
             "machine": {
                 "platform": platform.platform(),
                 "processor": platform.processor() or platform.machine(),
-                "cpus": __import__("os").cpu_count(),
+                "cpus": os.cpu_count(),
                 "device": str(dev),
                 "torch": torch.__version__,
             },

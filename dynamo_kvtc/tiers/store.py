@@ -23,6 +23,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -317,7 +318,7 @@ class KvtcStore:
         t0 = time.perf_counter()
         bs = self.block_size
         codec = self.codec(ratio)
-        ctx = torch.cuda.stream(self._offload_stream) if self._offload_stream is not None else _null()
+        ctx = torch.cuda.stream(self._offload_stream) if self._offload_stream is not None else nullcontext()
         with ctx:
             if ready_event is not None and self._offload_stream is not None:
                 self._offload_stream.wait_event(ready_event)
@@ -449,7 +450,7 @@ class KvtcStore:
                 except (TierError, DecodeError) as e:
                     self._drop(blob_id, e)
                     raise
-            ctx = torch.cuda.stream(self._onboard_stream) if self._onboard_stream is not None else _null()
+            ctx = torch.cuda.stream(self._onboard_stream) if self._onboard_stream is not None else nullcontext()
             with ctx:
                 for layer in range(self.num_layers):
                     for gen, first, count, j in gens:
@@ -514,11 +515,3 @@ class KvtcStore:
             out["disk_capacity_bytes"] = self.disk.capacity
             out["disk_used_bytes"] = self.disk.used_bytes
         return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
