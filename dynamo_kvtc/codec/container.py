@@ -197,12 +197,18 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     return h, recs
 
 
+def check_section(blob: bytes | memoryview, rec: SectionRecord) -> None:
+    """Raise CorruptBlobError if a section's stored bytes do not match its CRC (no copy)."""
+    data = memoryview(blob)[rec.offset : rec.offset + rec.stored_len]
+    if zlib.crc32(data) != rec.crc:
+        raise CorruptBlobError(f"section {rec.name!r} checksum mismatch (corrupted bytes)")
+
+
 def section_chunks(blob: bytes | memoryview, rec: SectionRecord, verify: bool = True) -> list[bytes]:
     """The stored chunks of one section, after checking its CRC."""
-    mv = memoryview(blob)
-    data = mv[rec.offset : rec.offset + rec.stored_len]
-    if verify and zlib.crc32(data) != rec.crc:
-        raise CorruptBlobError(f"section {rec.name!r} checksum mismatch (corrupted bytes)")
+    if verify:
+        check_section(blob, rec)
+    data = memoryview(blob)[rec.offset : rec.offset + rec.stored_len]
     out, off = [], 0
     for n in rec.chunks:
         out.append(bytes(data[off : off + n]))

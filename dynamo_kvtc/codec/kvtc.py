@@ -29,7 +29,7 @@ from ..errors import (
     InputError,
     WrongCalibrationError,
 )
-from .container import pack_blob, parse_blob, positions_to_runs, runs_to_positions, section_chunks
+from .container import check_section, pack_blob, parse_blob, positions_to_runs, runs_to_positions, section_chunks
 from .entropy import TAGS, EntropyCoder, check_readable
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
 from .plan import decode_coefficients, encode_coefficients
@@ -331,7 +331,7 @@ class KvtcCodec:
         """
         h, recs = self._open(blob)
         for r in recs:
-            section_chunks(blob, r, verify=True)  # checksums up front: never yield layers of a corrupt blob
+            check_section(blob, r)  # checksums up front: never yield layers of a corrupt blob
         return self._layers(blob, h, recs)
 
     def _layers(self, blob, h, recs) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
