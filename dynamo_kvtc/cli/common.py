@@ -10,20 +10,9 @@ from typing import Any
 
 import torch
 
-from ..calibration.models import cache_dir
+from ..calibration.catalog import find_calibration, shipped_calibrations
 
-
-def shipped_calibrations() -> Path:
-    """The repository's calibrations/ folder (or $DYN_KVTC_CALIBRATIONS)."""
-    env = os.environ.get("DYN_KVTC_CALIBRATIONS")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "calibrations"
-
-
-def find_calibration(model: str) -> Path | None:
-    for base in (shipped_calibrations(), cache_dir() / "calibrations"):
-        if (base / model / "calibration.json").is_file():
-            return base / model
-    return None
+__all__ = ["find_calibration", "machine", "shipped_calibrations", "write_json"]
 
 
 def machine() -> dict[str, Any]:

@@ -63,6 +63,8 @@ class TierConfig:
             raise ConfigError("pressure_high must be in (0, 1]")
         if self.min_frequency < 1 or self.min_tokens < 0:
             raise ConfigError("min_frequency must be >= 1 and min_tokens >= 0")
+        if self.window < 0 or self.sinks < 0:
+            raise ConfigError(f"window ({self.window}) and sinks ({self.sinks}) must be >= 0")
         if self.page_bytes < 512 or self.page_bytes & (self.page_bytes - 1):
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")
 

@@ -4,8 +4,12 @@ Layouts (per layer unless noted):
 
 - ``flash``      vLLM FlashAttention: ``[2, num_blocks, block_size, H, D]``
 - ``flashinfer`` vLLM FlashInfer: ``[num_blocks, 2, block_size, H, D]``
-- ``cpu``        vLLM CPU backend: ``[num_blocks, H, block_size, 2*D]``, each ``[block, head]`` slab viewed as
-                 ``(2*block_size, D)``: the K rows of all tokens, then the V rows
+- ``cpu``        vLLM CPU backend: ``[num_blocks, H, block_size, 2*D]``; each ``[block, head]`` slab holds a K half
+                 then a V half of ``block_size*D`` elements each, whose element order is the attention kernel's own
+                 (ISA-dependent: the AVX2 "vec" kernel stores K transposed, ``[D, block_size]``, and V as
+                 ``[block_size, D]``). ``k_offsets``/``v_offsets`` give, for logical element ``t*D + d``, its offset
+                 inside the half; the connector learns them by writing a probe through the engine's own kernel.
+                 Without them both halves are ``[block_size, D]``.
 - ``trtllm``     TensorRT-LLM: one tensor for all layers, ``[num_blocks, L, 2, H, block_size, D]``
 """
 
@@ -21,7 +25,15 @@ LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm")
 
 
 class PagedKV:
-    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str, block_size: int | None = None):
+    def __init__(
+        self,
+        caches: Sequence[torch.Tensor] | torch.Tensor,
+        layout: str,
+        block_size: int | None = None,
+        *,
+        k_offsets: torch.Tensor | None = None,
+        v_offsets: torch.Tensor | None = None,
+    ):
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
         self.layout = layout
@@ -60,19 +72,29 @@ class PagedKV:
         self.num_layers, self.num_blocks, self.block_size, self.num_heads, self.head_dim = L, nb, bs, H, D
         self.dtype = self.caches[0].dtype
         self.device = self.caches[0].device
+        self._offsets = None
+        if layout == "cpu":
+            half = bs * D
+            offs = []
+            for name, o in (("k_offsets", k_offsets), ("v_offsets", v_offsets)):
+                o = torch.arange(half) if o is None else torch.as_tensor(o, dtype=torch.int64).flatten()
+                if o.numel() != half or not torch.equal(torch.sort(o).values, torch.arange(half)):
+                    raise ConfigError(f"{name} must be a permutation of range({half})")
+                offs.append(o.to(self.device))
+            self._offsets = (offs[0], offs[1] + half)
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous)."""
+        """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous; not for ``cpu``)."""
         c = self.caches[0] if self.layout == "trtllm" else self.caches[layer]
         if self.layout == "flash":
             return c[0], c[1]
         if self.layout == "flashinfer":
             return c[:, 0], c[:, 1]
-        if self.layout == "trtllm":
-            return c[:, layer, 0].transpose(1, 2), c[:, layer, 1].transpose(1, 2)
-        nb, H, bs, _ = c.shape
-        slab = c.view(nb, H, 2 * bs, self.head_dim)
-        return slab[:, :, :bs].transpose(1, 2), slab[:, :, bs:].transpose(1, 2)
+        return c[:, layer, 0].transpose(1, 2), c[:, layer, 1].transpose(1, 2)
+
+    def _slabs(self, layer: int) -> torch.Tensor:
+        nb, H, bs, _ = self.caches[layer].shape
+        return self.caches[layer].view(nb, H, 2 * bs * self.head_dim)
 
     def check_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
@@ -83,17 +105,33 @@ class PagedKV:
     def gather(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [L, n*block_size, H, D] of these blocks, in order."""
         ids = self.check_blocks(block_ids).to(self.device)
+        n, bs, H, D = len(ids), self.block_size, self.num_heads, self.head_dim
         ks, vs = [], []
         for layer in range(self.num_layers):
-            k, v = self._kv(layer)
-            ks.append(k.index_select(0, ids).reshape(-1, self.num_heads, self.head_dim))
-            vs.append(v.index_select(0, ids).reshape(-1, self.num_heads, self.head_dim))
+            if self._offsets is not None:
+                rows = self._slabs(layer).index_select(0, ids)  # [n, H, 2*bs*D]
+                k = rows[..., self._offsets[0]].view(n, H, bs, D).transpose(1, 2)
+                v = rows[..., self._offsets[1]].view(n, H, bs, D).transpose(1, 2)
+            else:
+                k, v = self._kv(layer)
+                k, v = k.index_select(0, ids), v.index_select(0, ids)
+            ks.append(k.reshape(-1, H, D))
+            vs.append(v.reshape(-1, H, D))
         return torch.stack(ks), torch.stack(vs)
 
     def scatter_layer(self, layer: int, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K, V [n*block_size, H, D] of one layer into these blocks."""
         ids = self.check_blocks(block_ids).to(self.device)
-        shape = (len(ids), self.block_size, self.num_heads, self.head_dim)
+        n, bs, H, D = len(ids), self.block_size, self.num_heads, self.head_dim
+        k = k.to(self.device, self.dtype).reshape(n, bs, H, D)
+        v = v.to(self.device, self.dtype).reshape(n, bs, H, D)
+        if self._offsets is not None:
+            slabs = self._slabs(layer)
+            rows = slabs.index_select(0, ids)
+            rows[..., self._offsets[0]] = k.transpose(1, 2).reshape(n, H, bs * D)
+            rows[..., self._offsets[1]] = v.transpose(1, 2).reshape(n, H, bs * D)
+            slabs.index_copy_(0, ids, rows)
+            return
         dk, dv = self._kv(layer)
-        dk.index_copy_(0, ids, k.to(self.device, self.dtype).reshape(shape))
-        dv.index_copy_(0, ids, v.to(self.device, self.dtype).reshape(shape))
+        dk.index_copy_(0, ids, k)
+        dv.index_copy_(0, ids, v)

@@ -88,6 +88,8 @@ class OnboardHandle:
         self.ready_times: list[float | None] = [None] * num_layers
         self.started = time.perf_counter()
         self.future: Future | None = None
+        self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
+        self.raw_bytes = 0  # 16-bit bytes of the KV it restores
 
     def _layer_ready(self, i: int) -> None:
         if self.device.type == "cuda":
@@ -238,6 +240,19 @@ class KvtcStore:
                 n += 1
         return n
 
+    def match_tiers(self, hashes: Sequence[int]) -> tuple[int, int]:
+        """(leading blocks held by either tier, leading blocks held in host memory)."""
+        n = n_host = 0
+        with self._lock:
+            for h in hashes:
+                e = self._index.get(h)
+                if e is None:
+                    break
+                n += 1
+                if n_host == n - 1 and e[0] in self.host:
+                    n_host = n
+        return n, n_host
+
     def lookup(self, token_ids: Sequence[int]) -> int:
         return self.match(self.hashes(token_ids))
 
@@ -263,57 +278,104 @@ class KvtcStore:
         [L, >= n_full*block_size, H, D] for ``token_ids`` from position 0, or the engine ``block_ids`` (one per full
         block) of the registered paged cache. ``ready_event`` (a CUDA event) orders the encode after the producer."""
         bs = self.block_size
-        res = OffloadResult()
         n_full = len(token_ids) // bs
         if len(token_ids) < self.cfg.min_tokens or n_full == 0:
-            res.skipped = "short"
             self.stats["offload_bypass_short"] += 1
-            return res
+            return OffloadResult(skipped="short")
+        if keys is None and (block_ids is None or self.kv is None):
+            raise TierError("offload needs keys/values or block_ids with a registered paged KV cache")
+        if block_ids is not None and len(block_ids) < n_full:
+            raise TierError(f"offload got {len(block_ids)} block ids for {n_full} full blocks")
         hashes = self.hashes(token_ids[: n_full * bs])
+        fut = self.submit_offload(
+            hashes,
+            list(token_ids[: n_full * bs]),
+            keys=keys,
+            values=values,
+            block_ids=block_ids,
+            ready_event=ready_event,
+            tail=tail,
+        )
+        return await asyncio.wrap_future(fut)
+
+    def submit_offload(
+        self,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        first_block: int = 0,
+        parent: int | None = None,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        block_ids: Sequence[int] | None = None,
+        ready_event: Any = None,
+        tail: bool = True,
+    ) -> Future:
+        """Queue the encode of blocks ``first_block .. first_block + len(hashes)`` of a sequence on the offload worker
+        and return a Future of the :class:`OffloadResult` (errors are caught and reported in it, never raised).
+
+        ``hashes``/``token_ids`` cover just these blocks; ``parent`` is the sequence hash of the block before them.
+        K/V come from ``keys``/``values`` [L, len(hashes)*block_size, H, D] (already copied out of the engine's
+        blocks) or are gathered from the registered paged cache at ``block_ids`` (one per hash) on the worker."""
+        bs = self.block_size
+        n = len(hashes)
+        res = OffloadResult()
+        done: Future = Future()
+        if len(token_ids) != n * bs:
+            raise TierError(f"{len(token_ids)} token ids for {n} blocks of {bs}")
+        if keys is not None and (values is None or keys.shape[1] != n * bs or values.shape != keys.shape):
+            raise TierError(f"keys/values must be [L, {n * bs}, H, D], got {tuple(keys.shape)}")
+        if keys is None and (block_ids is None or self.kv is None or len(block_ids) != n):
+            raise TierError("offload needs keys/values, or one engine block id per hash with a registered KV cache")
         admitted = self.filter.admit(hashes)
         with self._lock:
             missing = [i for i, h in enumerate(hashes) if h not in self._index]
         if not missing:
             res.skipped = "present"
-            return res
+            done.set_result(res)
+            return done
         start = missing[0]
         end = start
-        while end < n_full and admitted[end]:
+        while end < n and admitted[end]:
             end += 1
         if end == start:
             res.skipped = "filtered"
             self.stats["offload_filtered"] += 1
-            return res
-        if keys is None and (block_ids is None or self.kv is None):
-            raise TierError("offload needs keys/values or block_ids with a registered paged KV cache")
-        if block_ids is not None and len(block_ids) < end:
-            raise TierError(f"offload got {len(block_ids)} block ids for {end} full blocks")
+            done.set_result(res)
+            return done
         ratio = self.policy.choose(self.host.fill)
+        args = (hashes, token_ids, first_block, parent, start, end, n, keys, values, block_ids, ready_event, tail)
+        return self._offload_pool.submit(self._offload_guarded, args, ratio, res)
+
+    def _offload_guarded(self, args, ratio: float, res: OffloadResult) -> OffloadResult:
         try:
-            await self._run(
-                self._offload_pool,
-                self._offload_sync,
-                token_ids,
-                hashes,
-                start,
-                end,
-                n_full,
-                keys,
-                values,
-                block_ids,
-                ready_event,
-                tail,
-                ratio,
-                res,
-            )
+            self._offload_sync(*args, ratio, res)
         except KvtcError as e:
             log.warning("kvtc offload failed: %s", e)
             self.stats[f"offload_error_{type(e).__name__}"] += 1
             res.skipped = f"error: {e}"
+        except Exception as e:  # an offload never takes the engine down; it only loses a cache entry
+            log.warning("kvtc offload failed unexpectedly: %s: %s", type(e).__name__, e)
+            self.stats["offload_error_unexpected"] += 1
+            res.skipped = f"error: {type(e).__name__}: {e}"
         return res
 
     def _offload_sync(
-        self, token_ids, hashes, start, end, n_full, keys, values, block_ids, ready_event, tail, ratio, res
+        self,
+        hashes,
+        token_ids,
+        first_block,
+        parent,
+        start,
+        end,
+        n,
+        keys,
+        values,
+        block_ids,
+        ready_event,
+        tail,
+        ratio,
+        res,
     ):
         t0 = time.perf_counter()
         bs = self.block_size
@@ -325,21 +387,21 @@ class KvtcStore:
             a = start
             while a < end:
                 b = min(end, a + self.span_blocks)
-                if tail and end == n_full and (end - b) * bs <= self.cfg.window:
+                if tail and end == n and (end - b) * bs <= self.cfg.window:
                     b = end  # the last blob holds the whole raw window of the sequence
                 if keys is not None:
                     k, v = keys[:, a * bs : b * bs], values[:, a * bs : b * bs]
                 else:
                     k, v = self.kv.gather(block_ids[a:b])
-                pos = torch.arange(a * bs, b * bs)
-                window = self.cfg.window if (tail and b == n_full) else 0
+                pos = torch.arange((first_block + a) * bs, (first_block + b) * bs)
+                window = self.cfg.window if (tail and b == n) else 0
                 blob = codec.encode(k, v, pos, window=window)
                 raw = k.numel() * k.element_size() * 2
                 meta = BlobMeta(
                     f"{hashes[a]:016x}{hashes[b - 1]:016x}",
                     list(hashes[a:b]),
                     bs,
-                    a * bs,
+                    (first_block + a) * bs,
                     ratio,
                     self.cal.id,
                     raw,
@@ -347,7 +409,8 @@ class KvtcStore:
                 )
                 self._put_host(meta, blob)
                 if meta.id in self._blobs:
-                    self._notify("stored", meta.hashes, list(token_ids[a * bs : b * bs]), hashes[a - 1] if a else None)
+                    prev = hashes[a - 1] if a else parent
+                    self._notify("stored", meta.hashes, list(token_ids[a * bs : b * bs]), prev)
                 res.blobs.append(meta.id)
                 res.stored_blocks += b - a
                 res.raw_bytes += raw
@@ -411,13 +474,18 @@ class KvtcStore:
     ) -> OnboardHandle:
         """Start restoring ``hashes`` (a matched prefix) into engine blocks ``dst_blocks`` (or a ``sink``); returns
         at once with a handle whose ``wait_layer(i)`` returns when layer i is in place."""
+        return self.start_onboard(hashes, dst_blocks, sink=sink)
+
+    def start_onboard(
+        self, hashes: Sequence[int], dst_blocks: Sequence[int] | None = None, *, sink: Sink | None = None
+    ) -> OnboardHandle:
+        """Synchronous form of :meth:`onboard` (for engine hooks): queues the restore and returns its handle."""
         if sink is None and (dst_blocks is None or self.kv is None):
             raise TierError("onboard needs dst_blocks with a registered paged KV cache, or a sink")
         if dst_blocks is not None and len(dst_blocks) != len(hashes):
             raise TierError(f"{len(dst_blocks)} destination blocks for {len(hashes)} hashes")
         handle = OnboardHandle(self.num_layers, hashes, self.device)
-        loop_pool = self._onboard_pool
-        handle.future = loop_pool.submit(
+        handle.future = self._onboard_pool.submit(
             self._onboard_sync, handle, list(hashes), None if dst_blocks is None else list(dst_blocks), sink
         )
         return handle
@@ -446,6 +514,7 @@ class KvtcStore:
             for blob_id, first, count, j in runs:
                 try:
                     blob = self._fetch(blob_id)
+                    handle.bytes_read += len(blob)
                     gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
                 except (TierError, DecodeError) as e:
                     self._drop(blob_id, e)
@@ -464,6 +533,8 @@ class KvtcStore:
                         else:
                             self.kv.scatter_layer(layer, dst_blocks[j : j + count], k, v)
                     handle._layer_ready(layer)
+            fp = self.cal.fingerprint
+            handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
             self.stats["onboard_blocks"] += len(hashes)
             self.stats["onboards"] += 1
             self.timings.append(("restore", time.perf_counter() - handle.started))
