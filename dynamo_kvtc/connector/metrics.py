@@ -15,12 +15,13 @@ TIERS = ("host", "disk")
 
 
 class KvtcMetrics:
-    def __init__(self, store: Any, registry: Any = None) -> None:
+    def __init__(self, store: Any, registry: Any = None, connector: Any = None) -> None:
         try:
             from prometheus_client import CollectorRegistry, Histogram
         except ImportError as e:
             raise ConfigError("metrics need prometheus-client: pip install prometheus-client") from e
         self.store = store
+        self.connector = connector  # a KvtcWorker: lookups, hits and fallbacks of the engine connector
         self.registry = registry or CollectorRegistry()
         self.registry.register(_SnapshotCollector(self))  # first: each scrape drains the timings before histograms
         buckets = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -111,4 +112,23 @@ class _SnapshotCollector:
         for k, v in s.items():
             if k.startswith(("onboard_error_", "offload_error_", "disk_write_error_")) or k == "blobs_dropped":
                 fb.add_metric([k], v)
+        c = dict(self.m.connector.stats) if self.m.connector is not None else {}
+        for k, v in c.items():
+            if k.startswith("fallback_"):
+                fb.add_metric([k[len("fallback_") :]], v)
         yield fb
+        ob = CounterMetricFamily("kvtc_offload_bytes", "Bytes offloaded: raw (16-bit KV) and stored", labels=["kind"])
+        ob.add_metric(["raw"], s.get("offload_raw_bytes", 0))
+        ob.add_metric(["stored"], s.get("offload_stored_bytes", 0))
+        yield ob
+        if self.m.connector is not None:
+            looked, hit = c.get("lookup_tokens", 0), c.get("hit_tokens", 0)
+            lt = CounterMetricFamily("kvtc_lookup_tokens", "Prompt tokens looked up in the compressed tiers")
+            lt.add_metric([], looked)
+            yield lt
+            ht = CounterMetricFamily("kvtc_matched_tokens", "Prompt tokens restored from the compressed tiers")
+            ht.add_metric([], hit)
+            yield ht
+            yield GaugeMetricFamily(
+                "kvtc_hit_rate", "Matched / looked-up prompt tokens", value=hit / looked if looked else 0.0
+            )

@@ -1,0 +1,327 @@
+"""The worker half of the connector: owns the compressed tiers and moves KV between them and the engine's blocks.
+
+- **Restore, layer by layer.** ``start_load`` launches one restore per request on the store's onboard worker (its own
+  CUDA stream); ``wait_layer(i)`` returns as soon as layer i of every restore of this step is in place, so attention on
+  layer 0 runs while later layers are still being decoded. A restore that fails at any point (blob evicted, corrupt,
+  wrong calibration, timeout) marks its blocks invalid: vLLM recomputes them; nothing wrong is served because vLLM
+  discards what the step computed from those blocks.
+- **Save without stalling.** After the forward pass, the blocks that just became full are copied out of the paged
+  cache on the current stream (a small device copy, ordered before any later reuse of the blocks), and the encode runs
+  on the store's offload worker behind an event.
+- **Never crash the engine.** A missing or mismatched calibration or an unknown layout disables the connector with
+  one error line (every lookup then misses); every other fault is logged once per occurrence, counted, and becomes a
+  recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..calibration.artifact import Calibration
+from ..calibration.catalog import find_calibration
+from ..calibration.models import fingerprint_of
+from ..errors import KvtcError, TierError
+from ..tiers.layout import PagedKV
+from ..tiers.store import KvtcStore, OnboardHandle
+from .config import ConnectorConfig
+from .protocol import LoadOp, SaveOp, StepPlan
+
+log = logging.getLogger(__name__)
+
+# engine id -> worker, so a scheduler in the same process (TP=1) can match without a socket
+LOCAL_WORKERS: dict[str, KvtcWorker] = {}
+
+
+def layer_index(name: str) -> int:
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", name)
+    if m is None:
+        raise TierError(f"cannot tell the layer index of KV cache {name!r}")
+    return int(m.group(1))
+
+
+def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
+    """vLLM's per-layer KV tensor layouts: CPU [nb, H, bs, 2D], FlashAttention [2, nb, ...], FlashInfer [nb, 2, ...]."""
+    if t.dim() == 4:
+        return "cpu"
+    if t.dim() == 5:
+        if t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks) and t.shape[1] != 2:
+            return "flash"
+        if t.shape[1] == 2 and (num_blocks is None or t.shape[0] == num_blocks):
+            return "flashinfer"
+        if t.shape[0] == 2:
+            return "flash"
+    raise TierError(f"unsupported KV cache layout: shape {tuple(t.shape)} (MLA and hybrid models are not supported)")
+
+
+def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
+    path = cfg.calibration
+    if path is None:
+        path = find_calibration(Path(model).name) or find_calibration(model)
+        if path is None:
+            raise TierError(
+                f"no calibration for model {model!r}: set kv_connector_extra_config.calibration or "
+                "DYN_KVTC_CALIBRATION (make one with `dynamo-kvtc calibrate`)"
+            )
+    path = Path(path)
+    if tp_size > 1 and (path / f"rank{tp_rank}" / "calibration.json").is_file():
+        path = path / f"rank{tp_rank}"
+    if not (path / "calibration.json").is_file():
+        raise TierError(f"calibration directory {path} has no calibration.json")
+    return path
+
+
+class KvtcWorker:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        model: str,
+        hf_config: Any,
+        block_size: int,
+        num_blocks: int | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.cfg = config
+        self.engine_id = engine_id
+        self.model = model
+        self.hf_config = hf_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.store: KvtcStore | None = None
+        self.disabled: str | None = None  # why the connector passes everything through
+        self.layers: dict[str, int] = {}
+        self.stats: Counter[str] = Counter()
+        self._sync: list[tuple[LoadOp, OnboardHandle]] = []
+        self._async: dict[str, tuple[LoadOp, OnboardHandle]] = {}
+        self._failed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._done_sending: set[str] = set()
+        self._lock = threading.Lock()
+        self.metrics = None
+        self.restores: list[dict[str, Any]] = []  # recent restores (tokens, first layer / all layers seconds)
+        self.lookup_server = None
+
+    # ------------------------------------------------------------------ setup
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        self.stats["fallback_disabled"] += 1
+        log.error("KvtcConnector disabled, every request recomputes: %s", why)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
+        """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
+        try:
+            names = sorted(kv_caches, key=layer_index)
+            tensors = [kv_caches[n] for n in names]
+            layout = detect_layout(tensors[0], self.num_blocks)
+            ko, vo = offsets if offsets is not None else (None, None)
+            kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo)
+            cal = self._calibration(kv)
+        except (KvtcError, OSError, ValueError) as e:
+            self._disable(str(e))
+            return
+        self.layers = {n: i for i, n in enumerate(names)}
+        self.store = KvtcStore(cal, self.cfg.tiers, device=kv.device, block_size=self.block_size, kv=kv)
+        LOCAL_WORKERS[self.engine_id] = self
+        log.info(
+            "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB, disk %s",
+            kv.num_layers,
+            layout,
+            cal.id[:12],
+            cal.fingerprint.model_name or cal.fingerprint.architecture,
+            self.cfg.tiers.ratio,
+            self.cfg.tiers.host_bytes / (1 << 30),
+            self.cfg.tiers.disk_dir if self.cfg.tiers.disk_bytes else "off",
+        )
+        if self.tp_rank == 0:
+            self._start_services()
+
+    def _calibration(self, kv: PagedKV) -> Calibration:
+        path = resolve_calibration(self.cfg, self.model, self.tp_rank, self.tp_size)
+        cal = Calibration.load(path)
+        fp = fingerprint_of(self.hf_config)
+        fp = replace(fp, num_kv_heads=kv.num_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        if self.tp_size == 1 and kv.num_heads != fp.total_kv_heads:
+            raise TierError(f"engine KV cache has {kv.num_heads} heads, the model config {fp.total_kv_heads}")
+        if kv.head_dim != fp.head_dim or kv.num_layers != fp.num_layers:
+            raise TierError(
+                f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
+                f"the model config {fp.num_layers} x {fp.head_dim}"
+            )
+        cal.check_model(fp)
+        return cal
+
+    def _start_services(self) -> None:
+        from .lookup import LookupServer
+
+        try:
+            self.lookup_server = LookupServer(self.engine_id, self.match)
+        except Exception as e:  # in-process matching still works
+            log.warning("kvtc lookup channel not started (%s); schedulers in other processes will miss", e)
+        if self.cfg.metrics_port is not None:
+            from .metrics import KvtcMetrics
+
+            self.metrics = KvtcMetrics(self.store, connector=self)
+            port = self.metrics.serve(self.cfg.metrics_port, addr="0.0.0.0")
+            log.info("kvtc metrics on :%d/metrics", port)
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, hashes: list[int]) -> tuple[int, int]:
+        if self.store is None:
+            return 0, 0
+        return self.store.match_tiers(hashes)
+
+    # ------------------------------------------------------------------ per step
+    def start_load(self, plan: StepPlan | None) -> None:
+        if plan is None:
+            return
+        self.stats["lookup_tokens"] += plan.lookup_tokens
+        self.stats["hit_tokens"] += plan.hit_tokens
+        for op in plan.loads:
+            if self.store is None:
+                self._fail_load(op, f"connector disabled: {self.disabled}")
+                continue
+            try:
+                handle = self.store.start_onboard(op.hashes, op.block_ids)
+            except KvtcError as e:
+                self._fail_load(op, str(e))
+                continue
+            if op.asynchronous:
+                self._async[op.req_id] = (op, handle)
+            else:
+                self._sync.append((op, handle))
+
+    def _fail_load(self, op: LoadOp, why: str, reason: str = "load_error") -> None:
+        log.warning("kvtc restore of %d blocks for %s failed, recomputing: %s", len(op.hashes), op.req_id, why)
+        self.stats[f"fallback_{reason}"] += 1
+        with self._lock:
+            if op.asynchronous:
+                self._failed.add(op.req_id)  # vLLM recomputes the whole request
+            else:
+                self._load_errors.update(op.block_ids)  # vLLM recomputes from the first of these blocks
+
+    def wait_layer(self, layer_name: str) -> None:
+        if not self._sync:
+            return
+        i = self.layers.get(layer_name)
+        if i is None:
+            return
+        keep = []
+        for op, handle in self._sync:
+            try:
+                handle.wait_layer(i, timeout=self.cfg.load_timeout_s)
+                keep.append((op, handle))
+            except TierError as e:
+                self._fail_load(op, str(e), "timeout" if "within" in str(e) else "load_error")
+        self._sync = keep
+
+    def save(self, plan: StepPlan | None) -> None:
+        """After the forward pass: finish this step's restores, copy out newly full blocks, queue their encode."""
+        for op, handle in self._sync:
+            if handle.wait(self.cfg.load_timeout_s):
+                self._record_restore(op, handle)
+            else:
+                self._fail_load(op, str(handle.error or "restore did not finish"))
+        self._sync = []
+        if plan is None:
+            return
+        with self._lock:
+            self._done_sending.update(plan.releases)
+        for op in plan.saves:
+            self._save_one(op)
+
+    def _save_one(self, op: SaveOp) -> None:
+        try:
+            if self.store is None:
+                return
+            if len(op.token_ids) < self.cfg.tiers.min_tokens and op.first_block == 0 and op.final:
+                self.stats["offload_bypass_short"] += 1
+                return
+            k, v = self.store.kv.gather(op.block_ids)  # a copy on the current stream: blocks may be reused after
+            ev = None
+            if k.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record()
+            self.store.submit_offload(
+                op.hashes,
+                op.token_ids,
+                first_block=op.first_block,
+                parent=op.parent,
+                keys=k,
+                values=v,
+                ready_event=ev,
+                tail=op.tail,
+            )
+        except Exception as e:  # losing a cache entry is fine; taking the engine down is not
+            log.warning("kvtc save of %d blocks for %s failed: %s", len(op.hashes), op.req_id, e)
+            self.stats["fallback_save_error"] += 1
+        finally:
+            if op.final:
+                with self._lock:
+                    self._done_sending.add(op.req_id)
+
+    def _record_restore(self, op: LoadOp, handle: OnboardHandle) -> None:
+        times = [t for t in handle.ready_times if t is not None]
+        self.restores.append(
+            {
+                "req_id": op.req_id,
+                "blocks": len(op.hashes),
+                "tokens": len(op.hashes) * self.block_size,
+                "first_layer_s": times[0] if times else None,
+                "all_layers_s": times[-1] if times else None,
+                "layer_ready_s": list(handle.ready_times),
+                "block_ids": list(op.block_ids),
+                "raw_bytes": handle.raw_bytes,
+                "stored_bytes": handle.bytes_read,
+                "asynchronous": op.asynchronous,
+            }
+        )
+        del self.restores[:-256]
+
+    def finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(done sending, done receiving, failed receiving) since the last call."""
+        recv, failed = set(), set()
+        for req_id, (op, handle) in list(self._async.items()):
+            if handle._done.is_set():
+                del self._async[req_id]
+                recv.add(req_id)
+                if handle.ok:
+                    self._record_restore(op, handle)
+                else:
+                    self._fail_load(op, str(handle.error))
+        with self._lock:
+            sending, self._done_sending = self._done_sending, set()
+            failed, self._failed = self._failed, set()
+        return sending, recv | failed, failed
+
+    def load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Block until every queued encode finished (tests, shutdown)."""
+        if self.store is None:
+            return True
+        deadline = time.monotonic() + timeout
+        f = self.store._offload_pool.submit(lambda: None)
+        f.result(max(0.0, deadline - time.monotonic()))
+        return True
+
+    def shutdown(self) -> None:
+        LOCAL_WORKERS.pop(self.engine_id, None)
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+        if self.store is not None:
+            self.store.close()
