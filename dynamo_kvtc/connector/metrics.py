@@ -92,11 +92,17 @@ class _SnapshotCollector:
             value=total_raw / total_stored if total_stored else 0.0,
         )
         yield GaugeMetricFamily("kvtc_host_fill", "Share of host-tier pages in use", value=s.get("host_fill", 0.0))
-        off = CounterMetricFamily("kvtc_offload_blocks", "Blocks offloaded (encoded and stored)")
-        off.add_metric([], s.get("offload_blocks", 0))
+        off = CounterMetricFamily(
+            "kvtc_offload_blocks", "Blocks offloaded: encoded into host memory, demoted to disk", labels=["tier"]
+        )
+        off.add_metric(["host"], s.get("offload_blocks", 0))
+        off.add_metric(["disk"], s.get("disk_demoted_blocks", 0))
         yield off
-        on = CounterMetricFamily("kvtc_onboard_blocks", "Blocks restored")
-        on.add_metric([], s.get("onboard_blocks", 0))
+        on = CounterMetricFamily(
+            "kvtc_onboard_blocks", "Blocks restored into the engine, by where they came from", labels=["tier"]
+        )
+        for t in ("host", "disk", "peer"):
+            on.add_metric([t], s.get(f"onboard_{t}_blocks", 0))
         yield on
         hits = CounterMetricFamily("kvtc_onboard_blob_hits", "Blobs read for restores, by tier", labels=["tier"])
         for t in TIERS:

@@ -18,6 +18,7 @@ class LoadOp:
     hashes: list[int]
     block_ids: list[int]
     asynchronous: bool = False
+    remote: tuple[str, int] | None = None  # (host, port) of a prefill worker serving these blocks
 
 
 @dataclass

@@ -160,6 +160,11 @@ class KvtcConnector(KVConnectorBase_V1):
         self._worker: KvtcWorker | None = None
         self._transfer = None
         if role == KVConnectorRole.SCHEDULER:
+            if getattr(tc, "kv_load_failure_policy", None) != self.cfg.load_failure_policy:
+                # vLLM's default "fail" turns a failed restore into a failed request; for a cache tier a failed
+                # restore is a miss. The scheduler reads the policy right after creating this connector.
+                log.info("KvtcConnector: kv_load_failure_policy=%s", self.cfg.load_failure_policy)
+                tc.kv_load_failure_policy = self.cfg.load_failure_policy
             self._lookup_client: LookupClient | None = None
             self._scheduler = KvtcScheduler(self.cfg, self.block_size, self._match)
         else:
@@ -203,6 +208,8 @@ class KvtcConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._transfer is not None and self._transfer.is_remote(request):
             self._transfer.update_state_after_alloc(request, blocks, num_external_tokens, self.block_size)
+            st = self._scheduler._state(request)  # saves of this request on the decode side start after the fetch
+            st.saved = max(st.saved, (request.num_computed_tokens + num_external_tokens) // self.block_size)
             return
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 

@@ -110,11 +110,14 @@ class KvtcWorker:
         self._done_sending: set[str] = set()
         self._lock = threading.Lock()
         self.metrics = None
+        self.metrics_port: int | None = None
         self.restores: list[dict[str, Any]] = []  # recent restores (tokens, first layer / all layers seconds)
         self.lookup_server = None
+        self.transfer = None  # TransferSide when compressed prefill->decode transfer is on
 
     # ------------------------------------------------------------------ setup
     def _disable(self, why: str) -> None:
+        LOCAL_WORKERS[self.engine_id] = self  # still answers lookups (always a miss) and reports its stats
         self.disabled = why
         self.stats["fallback_disabled"] += 1
         log.error("KvtcConnector disabled, every request recomputes: %s", why)
@@ -173,8 +176,8 @@ class KvtcWorker:
             from .metrics import KvtcMetrics
 
             self.metrics = KvtcMetrics(self.store, connector=self)
-            port = self.metrics.serve(self.cfg.metrics_port, addr="0.0.0.0")
-            log.info("kvtc metrics on :%d/metrics", port)
+            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, addr="0.0.0.0")
+            log.info("kvtc metrics on :%d/metrics", self.metrics_port)
 
     # ------------------------------------------------------------------ lookup
     def match(self, hashes: list[int]) -> tuple[int, int]:
@@ -193,7 +196,10 @@ class KvtcWorker:
                 self._fail_load(op, f"connector disabled: {self.disabled}")
                 continue
             try:
-                handle = self.store.start_onboard(op.hashes, op.block_ids)
+                source = self.transfer.source(op) if op.remote is not None and self.transfer is not None else None
+                if op.remote is not None and source is None:
+                    raise TierError("a remote load reached a worker without compressed transfer")
+                handle = self.store.start_onboard(op.hashes, op.block_ids, source=source)
             except KvtcError as e:
                 self._fail_load(op, str(e))
                 continue
@@ -282,6 +288,7 @@ class KvtcWorker:
                 "all_layers_s": times[-1] if times else None,
                 "layer_ready_s": list(handle.ready_times),
                 "block_ids": list(op.block_ids),
+                "hashes": list(op.hashes),
                 "raw_bytes": handle.raw_bytes,
                 "stored_bytes": handle.bytes_read,
                 "asynchronous": op.asynchronous,

@@ -447,6 +447,7 @@ class KvtcStore:
                 self.stats["disk_evictions"] += 1
                 self._unindex_blob(gone)
             self.stats["disk_demotions"] += 1
+            self.stats["disk_demoted_blocks"] += len(meta.hashes)
         except TierError as e:
             log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
             self.stats[f"disk_write_error_{type(e).__name__}"] += 1
@@ -477,16 +478,25 @@ class KvtcStore:
         return self.start_onboard(hashes, dst_blocks, sink=sink)
 
     def start_onboard(
-        self, hashes: Sequence[int], dst_blocks: Sequence[int] | None = None, *, sink: Sink | None = None
+        self,
+        hashes: Sequence[int],
+        dst_blocks: Sequence[int] | None = None,
+        *,
+        sink: Sink | None = None,
+        source: Callable[[], list[tuple[bytes, int, int, int, dict | None]]] | None = None,
     ) -> OnboardHandle:
-        """Synchronous form of :meth:`onboard` (for engine hooks): queues the restore and returns its handle."""
+        """Synchronous form of :meth:`onboard` (for engine hooks): queues the restore and returns its handle.
+
+        ``source`` replaces the tiers as where the blobs come from (a peer, for prefill->decode transfer): called on
+        the onboard worker, it returns (blob, first block in blob, blocks, first requested block, meta) runs covering
+        ``hashes``; blobs that decode and carry a meta of this calibration are kept in the host tier too."""
         if sink is None and (dst_blocks is None or self.kv is None):
             raise TierError("onboard needs dst_blocks with a registered paged KV cache, or a sink")
         if dst_blocks is not None and len(dst_blocks) != len(hashes):
             raise TierError(f"{len(dst_blocks)} destination blocks for {len(hashes)} hashes")
         handle = OnboardHandle(self.num_layers, hashes, self.device)
         handle.future = self._onboard_pool.submit(
-            self._onboard_sync, handle, list(hashes), None if dst_blocks is None else list(dst_blocks), sink
+            self._onboard_sync, handle, list(hashes), None if dst_blocks is None else list(dst_blocks), sink, source
         )
         return handle
 
@@ -505,13 +515,25 @@ class KvtcStore:
             return blob
         raise TierError(f"blob {blob_id} vanished from every tier")
 
-    def _onboard_sync(self, handle: OnboardHandle, hashes, dst_blocks, sink) -> None:
+    def _onboard_sync(self, handle: OnboardHandle, hashes, dst_blocks, sink, source=None) -> None:
         bs = self.block_size
         try:
-            runs = self._plan(hashes)
             decoder = self.codec(self.policy.default)
             gens = []
-            for blob_id, first, count, j in runs:
+            adopt = []
+            if source is not None:
+                runs = source()
+                covered = sum(count for _, _, count, _, _ in runs)
+                if covered != len(hashes):
+                    raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
+                for blob, first, count, j, meta in runs:
+                    handle.bytes_read += len(blob)
+                    gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
+                    if meta is not None:
+                        adopt.append((meta, blob))
+            tiers: Counter[str] = Counter({"peer": len(hashes)} if source is not None else {})
+            for blob_id, first, count, j in self._plan(hashes) if source is None else ():
+                tiers["host" if blob_id in self.host else "disk"] += count
                 try:
                     blob = self._fetch(blob_id)
                     handle.bytes_read += len(blob)
@@ -536,7 +558,16 @@ class KvtcStore:
             fp = self.cal.fingerprint
             handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
             self.stats["onboard_blocks"] += len(hashes)
+            for tier, n in tiers.items():
+                self.stats[f"onboard_{tier}_blocks"] += n
             self.stats["onboards"] += 1
+            for meta, blob in adopt:  # a peer's blobs: keep them for the next turn on this side
+                try:
+                    m = BlobMeta.from_dict(meta)
+                    if m.cal == self.cal.id and m.block_size == bs and m.id not in self._blobs:
+                        self._put_host(m, blob)
+                except (TypeError, KeyError, TierError) as e:
+                    log.info("kvtc: not keeping a transferred blob: %s", e)
             self.timings.append(("restore", time.perf_counter() - handle.started))
             self.timings.append(("first_layer", handle.ready_times[0] or 0.0))
             handle._finish()
@@ -544,6 +575,18 @@ class KvtcStore:
             self.stats[f"onboard_error_{type(e).__name__}"] += 1
             log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
             handle._fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
+
+    def export(self, hashes: Sequence[int]) -> list[tuple[bytes, int, int, int, dict]]:
+        """Blobs covering ``hashes``, for a peer: (blob, first block in blob, blocks, first requested block, meta)."""
+        out = []
+        for blob_id, first, count, j in self._plan(hashes):
+            blob = self._fetch(blob_id)
+            with self._lock:
+                meta = self._blobs.get(blob_id)
+            if meta is None:
+                raise TierError(f"blob {blob_id} left the tiers while being exported")
+            out.append((blob, first, count, j, meta.to_dict()))
+        return out
 
     def _drop(self, blob_id: str, why: BaseException) -> None:
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)

