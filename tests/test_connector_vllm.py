@@ -149,3 +149,20 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     assert r["kept_in_host_tier"] >= restore["blocks"]  # the decode side keeps them for the next turn
     # the peer gone: one fallback, and the reply is the recomputed one
     assert r["gone_fallbacks"] == 1 and r["gone_reply"] == r["gone_reference_reply"]
+
+
+def test_tier_blocks_reach_vllms_kv_event_stream(scenario):
+    """What dynamo.vllm relays to Dynamo's KV router: BlockStored events for every block in the compressed tier."""
+    from dynamo_kvtc.tiers.keys import block_hashes, chain
+
+    r = scenario("events")
+    stored = [e for e in r["events"] if e["kind"] == "BlockStored"]
+    assert stored and all(e["medium"] == "CPU" and e["block_size"] == 32 for e in stored)
+    assert r["stored_hashes"] == r["stored_hashes_in_index"] == r["index_size"] > 0
+    for e in stored:  # each event's hashes are the chained Dynamo hashes of its own tokens
+        assert len(e["tokens"]) == 32 * len(e["hashes"])
+        assert chain(block_hashes(e["tokens"], 32), e["parent"]) == e["hashes"]
+    firsts = [e for e in stored if e["parent"] is None]
+    assert len(firsts) == 1  # one sequence: every other event continues a stored block
+    known = {h for e in stored for h in e["hashes"]}
+    assert all(e["parent"] in known for e in stored if e["parent"] is not None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -157,12 +158,72 @@ def scenario_mismatch(tmp: Path) -> dict:
     return {**_two_turns(llm, w, words=300), "disabled": w.disabled}
 
 
+def scenario_events(tmp: Path) -> dict:
+    """vLLM's own KV event stream (what dynamo.vllm relays to Dynamo's KV router) carries the tier's blocks."""
+    import socket
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cal = find_calibration(MODEL)
+    cfg = EngineConfig(
+        model=str(resolve_model(MODEL)), extra={"calibration": str(cal)}, kv_events_endpoint=f"tcp://127.0.0.1:{port}"
+    )
+    sub = zmq.Context.instance().socket(zmq.SUB)  # vLLM connects to a non-wildcard endpoint: the listener binds
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    got: list = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        while not stop.is_set():
+            if sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                got.extend(dec.decode(payload).events)
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    llm = build_engine(cfg)
+    w = worker_of(llm)
+    out = _two_turns(llm, w)
+    time.sleep(1.0)
+    stop.set()
+    t.join()
+    stored = [e for e in got if type(e).__name__ == "BlockStored"]
+    with w.store._lock:
+        index = {h: bid for h, (bid, _) in w.store._index.items()}
+    return {
+        **out,
+        "events": [
+            {
+                "kind": type(e).__name__,
+                "hashes": list(getattr(e, "block_hashes", [])),
+                "parent": getattr(e, "parent_block_hash", None),
+                "tokens": list(getattr(e, "token_ids", []) or []),
+                "medium": getattr(e, "medium", None),
+                "block_size": getattr(e, "block_size", None),
+            }
+            for e in got
+        ],
+        "stored_hashes_in_index": sum(h in index for e in stored for h in e.block_hashes),
+        "stored_hashes": sum(len(e.block_hashes) for e in stored),
+        "index_size": len(index),
+    }
+
+
 SCENARIOS = {
     "roundtrip-lossless": lambda tmp: scenario_roundtrip(tmp, True),
     "roundtrip-16x": lambda tmp: scenario_roundtrip(tmp, False),
     "disk": scenario_disk,
     "fault": scenario_fault,
     "mismatch": scenario_mismatch,
+    "events": scenario_events,
 }
 
 

@@ -49,6 +49,7 @@ class EngineConfig:
     max_model_len: int = 4096
     kv_role: str = "kv_both"
     connector: bool = True
+    kv_events_endpoint: str | None = None  # publish vLLM's KV events (ours included) on this ZMQ endpoint
 
 
 def build_engine(cfg: EngineConfig):
@@ -62,6 +63,13 @@ def build_engine(cfg: EngineConfig):
             kv_role=cfg.kv_role,
             kv_connector_extra_config=dict(cfg.extra),
         )
+    extra: dict[str, Any] = {}
+    if cfg.kv_events_endpoint:
+        from vllm.config import KVEventsConfig
+
+        extra["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=cfg.kv_events_endpoint, topic="kv-events"
+        )
     return LLM(
         model=str(cfg.model),
         dtype="bfloat16",
@@ -73,6 +81,7 @@ def build_engine(cfg: EngineConfig):
         distributed_executor_backend="uni",
         disable_log_stats=False,  # per-request first-token timestamps
         kv_transfer_config=kvc,
+        **extra,
     )
 
 

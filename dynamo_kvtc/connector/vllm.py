@@ -237,9 +237,9 @@ class KvtcConnector(KVConnectorBase_V1):
 
     def take_events(self):
         if self._kv_events is not None:
-            self._kv_events.aggregate()
-            yield from self._kv_events.get_all_events()
-            self._kv_events.clear_events()
+            events, self._kv_events = self._kv_events, None  # this step's batch (all workers) is consumed here
+            events.aggregate()
+            yield from events.get_all_events()
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
