@@ -357,7 +357,14 @@ class TransferSide:
             port = w.transfer.server.port
         bs = sched.block_size
         n = (request.num_prompt_tokens - 1) // bs
-        if not port or n <= 0:
+        if not port:
+            log.warning(
+                "kvtc: transfer=prefill without transfer_port and no worker in this process; the decode side "
+                "cannot be told where to fetch (set transfer_port). Request %s hands off nothing.",
+                request.request_id,
+            )
+            return held, None
+        if n <= 0:
             return held, None
         return held, {
             "do_remote_prefill": True,
