@@ -61,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = b.add_subparsers(dest="bench", required=True)
+    bt = bsub.add_parser(
+        "transfer", help="prefill->decode hand-off over NIXL: compressed blobs vs raw KV, two processes"
+    )
+    bt.add_argument("--shapes", default="smollm2-135m", help="comma-separated: " + ", ".join(_synthetic_names()))
+    bt.add_argument("--tokens", default="2048", help="comma-separated prompt lengths")
+    bt.add_argument("--prefill-device", default="cpu")
+    bt.add_argument("--decode-device", default="cpu")
+    bt.add_argument("--ratio", type=float, default=16.0)
+    bt.add_argument("--rank", type=int, default=1024, help="PCA components of the synthetic calibration")
+    bt.add_argument("--repeat", type=int, default=3)
+    bt.add_argument("--timeout", type=float, default=120.0)
+    bt.add_argument("--json", dest="json_path", help="write results as JSON")
     bc = bsub.add_parser("codec", help="encode/decode throughput per stage, ratio and reconstruction error")
     bc.add_argument("--device", default="cpu")
     bc.add_argument("--calibration", help="calibration directory (real data: needs --kv or the model)")
@@ -139,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench_tiers
 
             return run_bench_tiers(args)
+        if args.command == "bench" and args.bench == "transfer":
+            from .transfer_bench import run_bench_transfer
+
+            return run_bench_transfer(args)
         if args.command == "bench" and args.bench == "codec":
             from .bench import run_bench_codec
 
