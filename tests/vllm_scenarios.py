@@ -51,6 +51,10 @@ class Originals:
         return self._real(hashes, token_ids, **kw)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def _restored_vs_original(w, orig: Originals) -> dict:
     """Compare the blocks of the last restore (read back from the engine's paged cache) with the originals."""
     r = w.restores[-1]
@@ -61,12 +65,11 @@ def _restored_vs_original(w, orig: Originals) -> dict:
         ks.append(ok)
         vs.append(ov)
     ok, ov = torch.cat(ks, 1).float(), torch.cat(vs, 1).float()
-    rel = lambda a, b: float((a.float() - b).norm() / b.norm())  # noqa: E731
     return {
-        "rel_err_k": rel(k, ok),
-        "rel_err_v": rel(v, ov),
+        "rel_err_k": _rel(k, ok),
+        "rel_err_v": _rel(v, ov),
         "bit_exact": bool(torch.equal(k.float(), ok) and torch.equal(v.float(), ov)),
-        "zero_rel_err_k": rel(torch.zeros_like(ok), ok),
+        "zero_rel_err_k": _rel(torch.zeros_like(ok), ok),
     }
 
 

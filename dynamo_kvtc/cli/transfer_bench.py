@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,10 @@ from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
 BS = 32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _tokens(n: int) -> list[int]:
@@ -215,8 +220,7 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
                 )
         k_ref, v_ref, _ = synthetic_kv(cal, tokens, device=str(dev))
         k_got, v_got = store.kv.gather(dst)
-        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-        err = {"rel_err_k": rel(k_got, k_ref), "rel_err_v": rel(v_got, v_ref)}
+        err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
         dst_k, dst_v = torch.empty_like(k_ref), torch.empty_like(v_ref)
         raw_agent = _Agent(cfg.nixl_backend, "kvtc-bench-raw-decode")
@@ -224,9 +228,8 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
             1:
         ]
         raw_ok = bool(torch.equal(dst_k, k_ref) and torch.equal(dst_v, v_ref))
-        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        comp = {key: med([r[key] for r in runs]) for key in runs[0]}
-        raw_s = med(raw_runs)
+        comp = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        raw_s = statistics.median(raw_runs)
         row = {
             "shape": shape,
             "tokens": tokens,
