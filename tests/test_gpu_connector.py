@@ -31,6 +31,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def _worker(cfg: ConnectorConfig) -> KvtcWorker:
+    """A worker for a model whose config matches the synthetic calibration (what vLLM's hf_config would say)."""
+    hf = SimpleNamespace(
+        architectures=["SyntheticForCausalLM"],
+        num_hidden_layers=L,
+        num_key_value_heads=H,
+        num_attention_heads=H,
+        hidden_size=H * D,
+        head_dim=D,
+        rope_theta=1e4,
+    )
+    return KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4()}", model="synthetic", hf_config=hf, block_size=BS, num_blocks=NB)
+
+
 def _caches(layout: str, device: str) -> dict[str, torch.Tensor]:
     shape = (2, NB, BS, H, D) if layout == "flash" else (NB, 2, BS, H, D)
     return {
@@ -67,16 +81,7 @@ def test_worker_saves_and_restores_layer_by_layer(cal_dir, device, layout, lossl
     if lossless:
         extra["window"] = 1 << 20
     cfg = ConnectorConfig.from_sources(extra, {})
-    hf = SimpleNamespace(
-        architectures=["SyntheticForCausalLM"],
-        num_hidden_layers=L,
-        num_key_value_heads=H,
-        num_attention_heads=H,
-        hidden_size=H * D,
-        head_dim=D,
-        rope_theta=1e4,
-    )
-    w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4()}", model="synthetic", hf_config=hf, block_size=BS, num_blocks=NB)
+    w = _worker(cfg)
     caches = _caches(layout, device)
     w.register_kv_caches(caches)
     try:
@@ -112,16 +117,7 @@ def test_worker_saves_and_restores_layer_by_layer(cal_dir, device, layout, lossl
 
 def test_worker_reports_a_restore_of_a_missing_blob_as_invalid_blocks(cal_dir):
     cfg = ConnectorConfig.from_sources({"calibration": str(cal_dir)}, {})
-    hf = SimpleNamespace(
-        architectures=["SyntheticForCausalLM"],
-        num_hidden_layers=L,
-        num_key_value_heads=H,
-        num_attention_heads=H,
-        hidden_size=H * D,
-        head_dim=D,
-        rope_theta=1e4,
-    )
-    w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4()}", model="synthetic", hf_config=hf, block_size=BS, num_blocks=NB)
+    w = _worker(cfg)
     caches = _caches("flash", "cpu")
     w.register_kv_caches(caches)
     try:
