@@ -283,18 +283,19 @@ def run_bench_transfer(args) -> int:
             ).save(cal_path)
             for tokens in lengths:
                 rows.append(_one(shape, tokens, args, cal_path, work))
-    write_json(
-        args.json_path,
-        {
-            "bench": "transfer",
-            "prefill_device": args.prefill_device,
-            "decode_device": args.decode_device,
-            "ratio": args.ratio,
-            "rows": rows,
-            "machine": machine(),
-            "synthetic": True,
-        },
-    )
+                write_json(  # after every row: a run cut short keeps what it measured
+                    args.json_path,
+                    {
+                        "bench": "transfer",
+                        "prefill_device": args.prefill_device,
+                        "decode_device": args.decode_device,
+                        "ratio": args.ratio,
+                        "rank": args.rank,
+                        "rows": rows,
+                        "machine": machine(),
+                        "synthetic": True,
+                    },
+                )
     return 0
 
 
