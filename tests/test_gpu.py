@@ -1,4 +1,7 @@
-"""CPU <-> GPU parity and nvCOMP interoperability. Skipped cleanly where CUDA is absent."""
+"""CPU <-> GPU parity of the reference path and nvCOMP interoperability. Skipped cleanly where CUDA is absent.
+
+The codecs here are pinned to the reference path (``fused=False``); the fused GPU path is tested in
+test_gpu_fused.py."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ def rel(a, b):
 def test_cpu_blob_decodes_on_gpu_and_back(synth, synth_cal):
     k, v, pos = synth.sample(700, start=3)
     cpu = KvtcCodec(synth_cal, ratio=8, device="cpu")
-    gpu = KvtcCodec(synth_cal, ratio=8, device="cuda")
+    gpu = KvtcCodec(synth_cal, ratio=8, device="cuda", fused=False)
     blob_cpu = cpu.encode(k, v, pos)
     blob_gpu = gpu.encode(k.cuda(), v.cuda(), pos)
     for blob in (blob_cpu, blob_gpu):
@@ -56,10 +59,12 @@ def test_nvcomp_deflate_and_zlib_read_each_other():
 @pytest.mark.parametrize("tag", ["ans", "gdeflate"])
 def test_gpu_only_codecs_roundtrip(synth, synth_cal, tag):
     k, v, pos = synth.sample(500)
-    codec = KvtcCodec(synth_cal, ratio=8, device="cuda", tag=tag)
+    codec = KvtcCodec(synth_cal, ratio=8, device="cuda", tag=tag, fused=False)
     blob = codec.encode(k.cuda(), v.cuda(), pos)
     k2, v2 = codec.decode(blob)
-    ref = KvtcCodec(synth_cal, ratio=8, device="cuda").decode(KvtcCodec(synth_cal, ratio=8).encode(k, v, pos))
+    ref = KvtcCodec(synth_cal, ratio=8, device="cuda", fused=False).decode(
+        KvtcCodec(synth_cal, ratio=8).encode(k, v, pos)
+    )
     assert rel(k2, ref[0]) <= 1e-3 and rel(v2, ref[1]) <= 1e-3
 
 
@@ -96,6 +101,7 @@ async def test_store_on_cuda_orders_after_producer_and_signals_layers(synth, syn
         ref[layer, start : start + kk.shape[0]] = kk
 
     assert await (await cpu.onboard(cpu.hashes(toks), sink=sink_cpu)).done()
-    assert rel(out, ref) <= 1e-3
+    # the CUDA store runs the fused path (fp16 tensor-core projections): within about one bf16 rounding step
+    assert rel(out, ref) <= 5e-3
     store.close()
     cpu.close()

@@ -277,3 +277,10 @@ def run_bench_tiers(args) -> int:
     print(f"  raw copy of the same KV from host memory: {results['raw_copy_from_host_s'] * 1e3:.1f} ms")
     write_json(args.json_path, data)
     return 0
+
+
+def run_bench_gpu(args) -> int:
+    """``dynamo-kvtc bench gpu`` (see :mod:`dynamo_kvtc.cli.bench_gpu`)."""
+    from .bench_gpu import run_bench_gpu as run
+
+    return run(args)

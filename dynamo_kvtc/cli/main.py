@@ -118,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--repeat", type=int, default=3)
     bt.add_argument("--json", dest="json_path")
 
+    bg = bsub.add_parser("gpu", help="GPU speed: fused compress/restore vs raw restore and recompute, one run")
+    bg.add_argument("--shapes", default="mistral-nemo-12b,llama-3.1-8b,llama-3.3-70b-pp20")
+    bg.add_argument("--configs", default="8x8192,2x16384", help="batch x tokens, comma-separated")
+    bg.add_argument("--ratio", type=float, default=16.0)
+    bg.add_argument("--tag", default=None, help="entropy codec (default: the GPU default, see docs/performance.md)")
+    bg.add_argument("--block-size", type=int, default=16)
+    bg.add_argument("--repeat", type=int, default=3)
+    bg.add_argument("--layer-groups", type=int, default=4, help="also run NeMo with this many layer groups (1: no)")
+    bg.add_argument("--cpu-tokens", type=int, default=256, help="coded tokens of the 2-core CPU decode")
+    bg.add_argument("--budget-s", type=float, default=420.0, help="skip optional parts once this is spent")
+    bg.add_argument("--plot", dest="plot_path", help="write a PNG of TTFT and compress/decompress vs the paper")
+    bg.add_argument("--json", dest="json_path")
+
     i = sub.add_parser("inspect", help="describe a calibration directory or a blob file")
     i.add_argument("path")
     return p
@@ -155,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             from .transfer_bench import run_bench_transfer
 
             return run_bench_transfer(args)
+        if args.command == "bench" and args.bench == "gpu":
+            from .bench import run_bench_gpu
+
+            return run_bench_gpu(args)
         if args.command == "bench" and args.bench == "codec":
             from .bench import run_bench_codec
 

@@ -37,9 +37,22 @@ def chunk_sizes(raw_len: int) -> list[int]:
     return [CHUNK_BYTES] * full + ([rest] if rest else [])
 
 
+_THREADS = [0]  # 0: one zlib worker per CPU
+
+
 @lru_cache(maxsize=1)
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="kvtc-zlib")
+    n = _THREADS[0] or max(1, os.cpu_count() or 1)
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvtc-zlib")
+
+
+def set_cpu_threads(n: int) -> None:
+    """Number of zlib worker threads (0: one per CPU); benchmarks use it to pin the CPU path to N cores."""
+    old = _pool() if _pool.cache_info().currsize else None
+    _THREADS[0] = max(0, int(n))
+    _pool.cache_clear()
+    if old is not None:
+        old.shutdown(wait=False)
 
 
 def _map(fn, items: Sequence) -> list:  # zlib releases the GIL: threads scale across cores

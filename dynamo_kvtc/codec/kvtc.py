@@ -15,6 +15,8 @@ are needed.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from ..errors import (
     CorruptBlobError,
     DecodeError,
     InputError,
+    KvtcError,
     WrongCalibrationError,
 )
 from .container import check_section, pack_blob, parse_blob, positions_to_runs, runs_to_positions, section_chunks
@@ -35,6 +38,8 @@ from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
 from .plan import decode_coefficients, encode_coefficients
 from .quant import FP8_MAX
 from .rope import RotaryConfig, rotate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,12 @@ class KvtcCodec:
 
     ``ratio`` picks the DP plan used by :meth:`encode`; :meth:`decode` reads any plan of the same calibration.
     ``device`` is where the tensor math runs ("cpu" or "cuda[:n]"). ``tag`` selects the entropy codec.
+
+    ``fused`` selects the fused GPU path (:mod:`dynamo_kvtc.codec.gpu`: fp16 tensor-core projections, Triton stages,
+    batched nvCOMP, device CRCs) for CUDA devices: ``None`` (default) uses it on CUDA unless ``DYN_KVTC_FUSED=0``;
+    ``False`` keeps the reference path (float32 math, the definition of the format); ``True`` forces it (on the CPU
+    too, with torch stages: for tests). Both paths write and read the same blobs. If the fused path fails
+    unexpectedly the codec logs it and continues on the reference path.
     """
 
     def __init__(
@@ -89,6 +100,7 @@ class KvtcCodec:
         min_tokens: int = 16,
         tag: str = "deflate",
         profile: bool = False,
+        fused: bool | None = None,
     ) -> None:
         self.cal = calibration
         self.profile = profile
@@ -106,6 +118,26 @@ class KvtcCodec:
         self._tables = [_Tables(g, self.device) for g in calibration.groups]
         self._coders: dict[str, EntropyCoder] = {}
         self.last_timings: dict[str, float] = {}
+        if fused is None:  # DYN_KVTC_FUSED: 0 = never, force = on every device (torch stages on the CPU: tests)
+            env = os.environ.get("DYN_KVTC_FUSED", "1")
+            fused = env == "force" or (self.device.type == "cuda" and env != "0")
+        self._use_fused = bool(fused)
+        self._fused = None
+
+    @property
+    def fused(self):
+        """The :class:`~dynamo_kvtc.codec.gpu.FusedCodec` serving this codec, or None (reference path)."""
+        if self._use_fused and self._fused is None:
+            from .gpu.fused import FusedCodec
+
+            self._fused = FusedCodec(self)
+        return self._fused if self._use_fused else None
+
+    def _fused_failed(self, what: str, e: BaseException) -> None:
+        if os.environ.get("DYN_KVTC_FUSED_STRICT") == "1":  # tests: never hide a failure of the fast path
+            raise e
+        log.warning("kvtc fused %s failed (%s: %s); using the reference path from now on", what, type(e).__name__, e)
+        self._use_fused = False
 
     @property
     def ratio(self) -> float:
@@ -123,7 +155,9 @@ class KvtcCodec:
         return self._coders[tag]
 
     # ================================================================== validation
-    def _check_inputs(self, keys: Any, values: Any, positions: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _check_inputs(
+        self, keys: Any, values: Any, positions: Any, finite: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         for name, t in (("keys", keys), ("values", values)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -166,7 +200,7 @@ class KvtcCodec:
             raise InputError("positions must be strictly increasing (one absolute position per token)")
         if int(positions[-1]) >= 1 << 40:
             raise InputError("positions exceed 2^40")
-        for name, t in (("keys", keys), ("values", values)):
+        for name, t in (("keys", keys), ("values", values)) if finite else ():
             if not bool(torch.isfinite(t).all()):
                 raise InputError(f"{name} contain NaN or Inf; refusing to store them")
         return keys, values, positions
@@ -178,6 +212,19 @@ class KvtcCodec:
         ``window`` overrides the configured number of trailing tokens kept raw for this span (a storage tier keeps
         the raw window only on a sequence's last span).
         """
+        if self.fused is not None:
+            keys, values, pos = self._check_inputs(keys, values, positions, finite=False)
+            try:
+                from .gpu.fused import DenseKV, Span
+
+                src = DenseKV(keys.to(self.device), values.to(self.device))
+                blob = self._fused.encode_batch(src, [Span(0, 0, pos, window)])[0]
+                self.last_timings.update(self._fused.last_timings)
+                return blob
+            except KvtcError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the reference path below is always available
+                self._fused_failed("encode", e)
         t_start = self._now()
         keys, values, pos = self._check_inputs(keys, values, positions)
         L, T, H, D = keys.shape
@@ -329,10 +376,23 @@ class KvtcCodec:
 
         The whole blob is validated (structure and every section checksum) before the first layer is produced.
         """
+        if self.fused is not None:
+            try:
+                job = self._fused.open([blob])  # parses, copies to the device, checks every CRC
+            except KvtcError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                self._fused_failed("decode", e)
+            else:
+                return self._fused_layers(job)
         h, recs = self._open(blob)
         for r in recs:
             check_section(blob, r)  # checksums up front: never yield layers of a corrupt blob
         return self._layers(blob, h, recs)
+
+    def _fused_layers(self, job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        yield from job.layers()
+        self.last_timings.update(job.finish())
 
     def _layers(self, blob, h, recs) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         T, H, D = h["tokens"], h["heads"], h["head_dim"]

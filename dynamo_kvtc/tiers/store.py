@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
 from ..errors import DecodeError, KvtcError, TierError, TierFullError
 from .config import TierConfig
@@ -177,9 +178,22 @@ class KvtcStore:
         with self._lock:
             if ratio not in self._codecs:
                 self._codecs[ratio] = KvtcCodec(
-                    self.cal, ratio=ratio, device=self.device, sinks=self.cfg.sinks, window=self.cfg.window
+                    self.cal,
+                    ratio=ratio,
+                    device=self.device,
+                    sinks=self.cfg.sinks,
+                    window=self.cfg.window,
+                    tag=self._tag(),
                 )
             return self._codecs[ratio]
+
+    def _tag(self) -> str:
+        """Entropy codec of new blobs: the measured GPU default where nvCOMP runs, Deflate (CPU-readable) elsewhere."""
+        if self.device.type == "cuda" and nvcomp_available():
+            from ..codec.gpu import default_gpu_tag
+
+            return default_gpu_tag()
+        return "deflate"
 
     def _adopt_disk(self) -> None:
         """Index blobs that survived a restart (only those of this calibration)."""
@@ -384,19 +398,29 @@ class KvtcStore:
         with ctx:
             if ready_event is not None and self._offload_stream is not None:
                 self._offload_stream.wait_event(ready_event)
+            cuts = []  # (first block, end block, raw window) of each blob
             a = start
             while a < end:
                 b = min(end, a + self.span_blocks)
                 if tail and end == n and (end - b) * bs <= self.cfg.window:
                     b = end  # the last blob holds the whole raw window of the sequence
-                if keys is not None:
-                    k, v = keys[:, a * bs : b * bs], values[:, a * bs : b * bs]
+                cuts.append((a, b, self.cfg.window if (tail and b == n) else 0))
+                a = b
+            fused = self._encode_fused(codec, cuts, first_block, keys, values, block_ids)
+            for i, (a, b, window) in enumerate(cuts):
+                if fused is not None:
+                    blob = fused[i]
+                    L = self.num_layers
+                    fp = self.cal.fingerprint
+                    raw = L * (b - a) * bs * fp.num_kv_heads * fp.head_dim * self._kv_itemsize(keys) * 2
                 else:
-                    k, v = self.kv.gather(block_ids[a:b])
-                pos = torch.arange((first_block + a) * bs, (first_block + b) * bs)
-                window = self.cfg.window if (tail and b == n) else 0
-                blob = codec.encode(k, v, pos, window=window)
-                raw = k.numel() * k.element_size() * 2
+                    if keys is not None:
+                        k, v = keys[:, a * bs : b * bs], values[:, a * bs : b * bs]
+                    else:
+                        k, v = self.kv.gather(block_ids[a:b])
+                    pos = torch.arange((first_block + a) * bs, (first_block + b) * bs)
+                    blob = codec.encode(k, v, pos, window=window)
+                    raw = k.numel() * k.element_size() * 2
                 meta = BlobMeta(
                     f"{hashes[a]:016x}{hashes[b - 1]:016x}",
                     list(hashes[a:b]),
@@ -415,7 +439,6 @@ class KvtcStore:
                 res.stored_blocks += b - a
                 res.raw_bytes += raw
                 res.stored_bytes += len(blob)
-                a = b
         res.ratio = ratio
         res.seconds = time.perf_counter() - t0
         self.stats["offload_blocks"] += res.stored_blocks
@@ -423,6 +446,41 @@ class KvtcStore:
         self.stats["offload_stored_bytes"] += res.stored_bytes
         self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
         self.timings.append(("encode", res.seconds))
+
+    def _kv_itemsize(self, keys: torch.Tensor | None) -> int:
+        return keys.element_size() if keys is not None else self.kv.dtype.itemsize
+
+    def _encode_fused(self, codec: KvtcCodec, cuts, first_block, keys, values, block_ids) -> list[bytes] | None:
+        """All blobs of one offload in one fused batch (one projection GEMM per K/V, one nvCOMP call, device CRCs),
+        read straight from the engine's paged blocks where the layout allows; None where the fused path is off."""
+        fc = codec.fused
+        if fc is None:
+            return None
+        from ..codec.gpu import DenseKV, PagedBlocks, Span
+
+        bs = self.block_size
+        try:
+            off = 0
+            if keys is not None:
+                src = DenseKV(keys.to(self.device), values.to(self.device))
+            elif self.kv.layout != "cpu" and self.kv.device.type == self.device.type == "cuda":
+                src = PagedBlocks(self.kv._kv, self.num_layers, [list(block_ids)])
+            else:
+                lo, hi = cuts[0][0], cuts[-1][1]
+                src = DenseKV(*[t.to(self.device) for t in self.kv.gather(block_ids[lo:hi])])
+                off = lo
+            spans = [
+                Span(0, (a - off) * bs, torch.arange((first_block + a) * bs, (first_block + b) * bs), w)
+                for a, b, w in cuts
+            ]
+            blobs = fc.encode_batch(src, spans)
+            self.stats["offload_fused_batches"] += 1
+            return blobs
+        except KvtcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the reference path is always there
+            codec._fused_failed("batch encode", e)
+            return None
 
     def _put_host(self, meta: BlobMeta, blob: bytes) -> None:
         self._index_blob(meta)
@@ -519,7 +577,7 @@ class KvtcStore:
         bs = self.block_size
         try:
             decoder = self.codec(self.policy.default)
-            gens = []
+            items = []  # (blob, first block in blob, blocks, first requested block, blob id or None)
             adopt = []
             if source is not None:
                 runs = source()
@@ -528,7 +586,7 @@ class KvtcStore:
                     raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
                 for blob, first, count, j, meta in runs:
                     handle.bytes_read += len(blob)
-                    gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
+                    items.append((blob, first, count, j, None))
                     if meta is not None:
                         adopt.append((meta, blob))
             tiers: Counter[str] = Counter({"peer": len(hashes)} if source is not None else {})
@@ -536,25 +594,34 @@ class KvtcStore:
                 tiers["host" if blob_id in self.host else "disk"] += count
                 try:
                     blob = self._fetch(blob_id)
-                    handle.bytes_read += len(blob)
-                    gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
-                except (TierError, DecodeError) as e:
+                except TierError as e:
                     self._drop(blob_id, e)
                     raise
+                handle.bytes_read += len(blob)
+                items.append((blob, first, count, j, blob_id))
             ctx = torch.cuda.stream(self._onboard_stream) if self._onboard_stream is not None else nullcontext()
             with ctx:
-                for layer in range(self.num_layers):
-                    for gen, first, count, j in gens:
-                        got_layer, k, v = next(gen)
-                        if got_layer != layer:
-                            raise TierError(f"decoder produced layer {got_layer}, expected {layer}")
-                        k = k[first * bs : (first + count) * bs]
-                        v = v[first * bs : (first + count) * bs]
-                        if sink is not None:
-                            sink(layer, j * bs, k, v)
-                        else:
-                            self.kv.scatter_layer(layer, dst_blocks[j : j + count], k, v)
-                    handle._layer_ready(layer)
+                if not self._restore_fused(decoder, handle, items, dst_blocks, sink):
+                    gens = []
+                    for blob, first, count, j, blob_id in items:
+                        try:
+                            gens.append((decoder.decode_layers(blob), first, count, j))  # validates the whole blob
+                        except DecodeError as e:
+                            if blob_id is not None:
+                                self._drop(blob_id, e)
+                            raise
+                    for layer in range(self.num_layers):
+                        for gen, first, count, j in gens:
+                            got_layer, k, v = next(gen)
+                            if got_layer != layer:
+                                raise TierError(f"decoder produced layer {got_layer}, expected {layer}")
+                            k = k[first * bs : (first + count) * bs]
+                            v = v[first * bs : (first + count) * bs]
+                            if sink is not None:
+                                sink(layer, j * bs, k, v)
+                            else:
+                                self.kv.scatter_layer(layer, dst_blocks[j : j + count], k, v)
+                        handle._layer_ready(layer)
             fp = self.cal.fingerprint
             handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
             self.stats["onboard_blocks"] += len(hashes)
@@ -575,6 +642,54 @@ class KvtcStore:
             self.stats[f"onboard_error_{type(e).__name__}"] += 1
             log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
             handle._fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
+
+    def _restore_fused(self, decoder: KvtcCodec, handle: OnboardHandle, items, dst_blocks, sink) -> bool:
+        """Restore every blob in one fused batch (called on the onboard stream): all blobs verified (CRCs on the
+        device) before the first layer, then per layer one projection GEMM per K/V for all blobs, scattered straight
+        into the engine's blocks (GPU layouts) or handed to the sink. False when the fused path is off."""
+        fc = decoder.fused
+        if fc is None or not items:
+            return False
+        bs = self.block_size
+        try:
+            job = fc.open([it[0] for it in items])
+        except DecodeError:
+            for blob, _, _, _, blob_id in items:  # find the bad blob(s) to drop them, as the reference path does
+                try:
+                    fc.open([blob])
+                except DecodeError as e:
+                    if blob_id is not None:
+                        self._drop(blob_id, e)
+            raise
+        except KvtcError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the reference path is always there
+            decoder._fused_failed("batch restore", e)
+            return False
+        if sink is None and self.kv.layout != "cpu" and self.kv.device.type == "cuda":
+            from ..codec.gpu import PagedBlocks
+
+            seqs, keep = [], []
+            for i, (_, first, count, j, _) in enumerate(items):
+                nblk = -(-job.tokens[i] // bs)
+                seqs.append([dst_blocks[j + b - first] if first <= b < first + count else 0 for b in range(nblk)])
+                keep.append((first * bs, (first + count) * bs))
+            dest = PagedBlocks(self.kv._kv, self.num_layers, seqs)
+            for layer in job.layers(dest=dest, targets=[(i, 0) for i in range(len(items))], keep=keep):
+                handle._layer_ready(layer)
+        else:
+            for layer, kbuf, vbuf in job.layers():
+                for i, (_, first, count, j, _) in enumerate(items):
+                    a = job.bases[i] + first * bs
+                    k, v = kbuf[a : a + count * bs], vbuf[a : a + count * bs]
+                    if sink is not None:
+                        sink(layer, j * bs, k, v)
+                    else:
+                        self.kv.scatter_layer(layer, dst_blocks[j : j + count], k, v)
+                handle._layer_ready(layer)
+        job.finish()
+        self.stats["onboard_fused_batches"] += 1
+        return True
 
     def export(self, hashes: Sequence[int]) -> list[tuple[bytes, int, int, int, dict]]:
         """Blobs covering ``hashes``, for a peer: (blob, first block in blob, blocks, first requested block, meta)."""
