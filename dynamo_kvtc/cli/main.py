@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = b.add_subparsers(dest="bench", required=True)
+    bx = bsub.add_parser("chaos", help="fault injection against the real tiers: wrong KV served, blocks lost, crashes")
+    from .chaos import add_arguments as _chaos_arguments
+
+    _chaos_arguments(bx)
     bt = bsub.add_parser(
         "transfer", help="prefill->decode hand-off over NIXL: compressed blobs vs raw KV, two processes"
     )
@@ -164,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench_tiers
 
             return run_bench_tiers(args)
+        if args.command == "bench" and args.bench == "chaos":
+            from .chaos import run_bench_chaos
+
+            return run_bench_chaos(args)
         if args.command == "bench" and args.bench == "transfer":
             from .transfer_bench import run_bench_transfer
 

@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 BS = 32
 
 
+def _unpack(data: bytes) -> dict:
+    return msgpack.unpackb(
+        data, raw=False, max_bin_len=1 << 22, max_str_len=1 << 16, max_array_len=1 << 20, max_map_len=16, max_ext_len=0
+    )
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -95,7 +101,7 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
 
     def raw_server() -> None:
         while True:
-            msg = msgpack.unpackb(sock.recv(), raw=False)
+            msg = _unpack(sock.recv())
             if msg.get("op") == "quit":
                 sock.send(msgpack.packb({"ok": True}))
                 return
@@ -131,7 +137,7 @@ def _raw_pull(agent: _Agent, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send(msgpack.packb({"op": "descs", "agent": agent.name, "agent_md": agent.metadata()}, use_bin_type=True))
-    reply = msgpack.unpackb(sock.recv(), raw=False)
+    reply = _unpack(sock.recv())
     sock.close(0)
     a = agent.agent
     with agent.lock:

@@ -18,6 +18,12 @@ nil), ``sinks``/``window`` (token counts: a prefix kept in fp8 and a suffix kept
 Parsing checks magic, version, flags, header length and CRC, unpacks msgpack with hard limits, checks every field's
 type and range, and checks that the section table accounts for exactly the remaining bytes. Section CRCs are checked
 before anything is inflated. Any failure raises :class:`~dynamo_kvtc.errors.CorruptBlobError`.
+
+Decompressed-size limits, checked from the header alone before anything is allocated: a chunk's raw size is at most
+64 KiB; a ``store`` chunk's stored length equals its raw size; a ``deflate``/``gdeflate`` chunk's raw size is at most
+:data:`DEFLATE_MAX_RATIO` (1032, DEFLATE's ceiling) times its stored length, so a blob can never claim more raw bytes
+than its own size allows; the chunk count follows from the raw length arithmetically (no list is built for a hostile
+length).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 import msgpack
 
 from ..errors import CorruptBlobError
-from .entropy import CHUNK_BYTES, TAGS, chunk_sizes
+from .entropy import CHUNK_BYTES, TAGS
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
@@ -39,6 +45,24 @@ PREFIX = struct.Struct("<4sHHII")
 MAX_HEADER_BYTES = 1 << 20
 MAX_TOKENS = 1 << 24
 MAX_LAYERS = 4096
+MAX_SECTION_RAW = 1 << 40
+DEFLATE_MAX_RATIO = 1032  # the most raw bytes one DEFLATE-coded byte can stand for (zlib FAQ; length 258 per ~2 bits)
+_BOUNDED_TAGS = ("deflate", "gdeflate")
+HEADER_KEYS = (
+    "cal",
+    "layers",
+    "heads",
+    "head_dim",
+    "dtype",
+    "tokens",
+    "positions",
+    "mode",
+    "ratio",
+    "sinks",
+    "window",
+    "groups",
+    "sections",
+)
 
 
 @dataclass(frozen=True)
@@ -94,11 +118,13 @@ def _need(cond: bool, what: str) -> None:
         raise CorruptBlobError(f"blob header invalid: {what}")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(h: dict, key: str, lo: int, hi: int) -> int:
     v = h.get(key)
-    _need(
-        isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"{key}={v!r} not an integer in [{lo}, {hi}]"
-    )
+    _need(_is_int(v) and lo <= v <= hi, f"{key}={v!r} not an integer in [{lo}, {hi}]")
     return v
 
 
@@ -136,6 +162,8 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise CorruptBlobError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
     _need(isinstance(h, dict), "not a map")
+    missing = [k for k in HEADER_KEYS if k not in h]
+    _need(not missing, f"missing header keys {missing}")
     _need(isinstance(h.get("cal"), str), "cal must be a string")
     layers = _int(h, "layers", 1, MAX_LAYERS)
     _int(h, "heads", 1, 1 << 16)
@@ -153,9 +181,7 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     total, last = 0, -1
     for run in runs:
         _need(
-            isinstance(run, list)
-            and len(run) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in run),
+            isinstance(run, list) and len(run) == 2 and all(_is_int(x) for x in run),
             "position run",
         )
         start, length = run
@@ -168,7 +194,7 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     prev = 0
     for g in groups:
         _need(
-            isinstance(g, list) and len(g) == 2 and g[0] == prev and isinstance(g[1], int) and g[1] > g[0],
+            isinstance(g, list) and len(g) == 2 and _is_int(g[0]) and _is_int(g[1]) and g[0] == prev and g[1] > g[0],
             "layer groups must tile the layers",
         )
         prev = g[1]
@@ -181,11 +207,17 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
         _need(isinstance(row, list) and len(row) == 5, "section row")
         name, tag, raw_len, crc, chunks = row
         _need(isinstance(name, str) and tag in TAGS, f"section {name!r} tag {tag!r}")
-        _need(isinstance(raw_len, int) and 0 <= raw_len <= (1 << 40), f"section {name} raw length")
-        _need(isinstance(crc, int) and 0 <= crc < (1 << 32), f"section {name} crc")
-        _need(isinstance(chunks, list) and len(chunks) == len(chunk_sizes(raw_len)), f"section {name} chunk count")
-        for c in chunks:
-            _need(isinstance(c, int) and 0 < c <= 2 * CHUNK_BYTES + 64, f"section {name} chunk length {c}")
+        _need(_is_int(raw_len) and 0 <= raw_len <= MAX_SECTION_RAW, f"section {name} raw length")
+        _need(_is_int(crc) and 0 <= crc < (1 << 32), f"section {name} crc")
+        n_chunks = -(-raw_len // CHUNK_BYTES)  # arithmetic: never build a list for a hostile raw length
+        _need(isinstance(chunks, list) and len(chunks) == n_chunks, f"section {name} chunk count")
+        for i, c in enumerate(chunks):
+            _need(_is_int(c) and 0 < c <= 2 * CHUNK_BYTES + 64, f"section {name} chunk length {c}")
+            raw_c = CHUNK_BYTES if i < n_chunks - 1 else raw_len - CHUNK_BYTES * (n_chunks - 1)
+            if tag == "store":
+                _need(c == raw_c, f"section {name}: stored chunk of {c} bytes, raw {raw_c}")
+            elif tag in _BOUNDED_TAGS:
+                _need(raw_c <= DEFLATE_MAX_RATIO * c, f"section {name}: {c} stored bytes cannot inflate to {raw_c}")
         rec = SectionRecord(name, tag, raw_len, crc, tuple(chunks), off)
         off += rec.stored_len
         recs.append(rec)

@@ -72,6 +72,8 @@ def _inflate(args: tuple[bytes, int]) -> bytes:
     try:
         out = d.decompress(data, expected)
     except zlib.error as e:
+        if "Error -4" in str(e):  # Z_MEM_ERROR: the machine is short of memory, the blob may be fine
+            raise MemoryError(f"zlib could not allocate while inflating: {e}") from None
         raise CorruptBlobError(f"DEFLATE stream is corrupt: {e}") from None
     if len(out) != expected or not d.eof or d.unconsumed_tail or d.unused_data:
         raise CorruptBlobError(

@@ -146,6 +146,7 @@ class ConnectorConfig:
             if key in values:
                 tier_kw[fname] = _parse(values[key][0], values[key][1], kind)
         own = {key: _parse(values[key][0], values[key][1], kind) for key, kind in OWN_KEYS.items() if key in values}
-        # env variables the tier config knows and we did not map (e.g. DYN_KVTC_PAGE_BYTES) still apply
-        tiers = TierConfig.from_env({k: v for k, v in env.items() if k == "DYN_KVTC_PAGE_BYTES"}, **tier_kw)
+        # variables only the tier config knows (page size, NIXL deadline) still apply
+        passthrough = ("DYN_KVTC_PAGE_BYTES", "DYN_KVTC_NIXL_TIMEOUT_S")
+        tiers = TierConfig.from_env({k: v for k, v in env.items() if k in passthrough}, **tier_kw)
         return cls(tiers=tiers, **own)

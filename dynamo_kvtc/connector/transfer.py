@@ -14,6 +14,13 @@ Flow (vLLM's disaggregation protocol, as Dynamo drives it):
    recomputes the prompt on the decode side. Control messages are msgpack with size limits — never pickle (NIXL's own
    descriptor serialisation is pickle and is not used).
 
+What the decode side checks before it reads a byte: the reply is well-formed (types, ranges, at most
+``MAX_FETCH_BYTES`` in all), its runs tile exactly the requested blocks in order, and each run's block hashes (from
+the blob's metadata) are the requested ones. After the read, every blob is verified whole by the decoder (structure,
+every section CRC, calibration id) before its first layer is written. A read that failed or timed out and whose NIXL
+handle could not be confirmed released keeps its buffer alive (no late write into freed memory). The prefill side
+refuses requests for more than ``MAX_FETCH_BLOCKS`` blocks or with a malformed peer name or metadata.
+
 Only compressed bytes cross the wire; the prefill engine's blocks are free as soon as they were copied out, not after
 the decode side read them.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -40,6 +48,10 @@ from .protocol import LoadOp, StepPlan
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 24
+MAX_FETCH_BLOCKS = 1 << 16  # 1M tokens at block size 16
+MAX_FETCH_BYTES = MAX_MESSAGE * 64  # 1 GiB of compressed blobs for one prompt
+MAX_AGENT_MD = 1 << 22
+_PEER_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 STAGING_BYTES = int(os.environ.get("DYN_KVTC_TRANSFER_STAGING_MB", "256")) << 20
 _ids = itertools.count()
 
@@ -57,7 +69,19 @@ def _pack(msg: dict) -> bytes:
 def _unpack(data: bytes) -> dict:
     if len(data) > MAX_MESSAGE:
         raise TransferError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE}")
-    msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=1 << 22, max_array_len=1 << 20)
+    try:
+        msg = msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=1 << 16,
+            max_bin_len=MAX_AGENT_MD,
+            max_ext_len=0,
+            max_array_len=1 << 20,
+            max_map_len=64,
+        )
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise TransferError(f"control message is not valid msgpack: {type(e).__name__}") from None
     if not isinstance(msg, dict):
         raise TransferError("control message is not a map")
     return msg
@@ -107,6 +131,7 @@ class TransferServer:
         self._leases: dict[str, tuple[list[str], float]] = {}
         self._sock = zmq.Context.instance().socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a bigger message drops the peer before it is buffered
         if cfg.transfer_port:
             self._sock.bind(f"tcp://{cfg.transfer_host}:{cfg.transfer_port}")
             self.port = cfg.transfer_port
@@ -147,10 +172,10 @@ class TransferServer:
 
     def _fetch(self, msg: dict) -> dict:
         hashes = msg.get("hashes")
-        if not _hashes_ok(hashes) or not hashes:
-            raise TransferError("fetch needs a non-empty list of 64-bit block hashes")
-        peer, md = str(msg.get("agent", "")), msg.get("agent_md")
-        if not peer or not isinstance(md, bytes):
+        if not _hashes_ok(hashes) or not hashes or len(hashes) > MAX_FETCH_BLOCKS:
+            raise TransferError(f"fetch needs a list of 1..{MAX_FETCH_BLOCKS} 64-bit block hashes")
+        peer, md = msg.get("agent"), msg.get("agent_md")
+        if not isinstance(peer, str) or not _PEER_NAME.fullmatch(peer) or not isinstance(md, bytes) or not md:
             raise TransferError("fetch needs the peer's NIXL agent name and metadata")
         deadline = time.monotonic() + self.cfg.transfer_timeout_s / 2
         while self.store.match(hashes) < len(hashes):  # the prompt's encode may still be running
@@ -213,12 +238,15 @@ class TransferClient:
         self.cfg = cfg
         self.agent = _Agent(cfg.nixl_backend, "kvtc-decode")
         self.bytes_moved = 0
+        self._quarantine: list[torch.Tensor] = []  # buffers of reads NIXL did not confirm finished
+        self.quarantined_bytes = 0
 
     def fetch(self, host: str, port: int, hashes: list[int]) -> list[tuple[bytes, int, int, int, dict | None]]:
         zmq = _zmq()
         timeout_ms = int(self.cfg.transfer_timeout_s * 1000)
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
         sock.connect(f"tcp://{host}:{port}")
@@ -226,7 +254,7 @@ class TransferClient:
             msg = {"op": "fetch", "hashes": hashes, "agent": self.agent.name, "agent_md": self.agent.metadata()}
             reply = self._ask(sock, msg)
             try:
-                return self._read(reply)
+                return self._read(reply, hashes)
             finally:
                 try:
                     self._ask(sock, {"op": "release", "lease": reply.get("lease", "")})
@@ -243,32 +271,71 @@ class TransferClient:
         except zmq.ZMQError as e:
             raise TransferError(f"prefill peer did not answer ({e})") from e
         if "error" in reply:
-            raise TransferError(f"prefill peer refused: {reply['error']}")
+            raise TransferError(f"prefill peer refused: {str(reply['error'])[:500]}")
         return reply
 
-    def _read(self, reply: dict) -> list[tuple[bytes, int, int, int, dict | None]]:
+    @staticmethod
+    def _plan(reply: dict, hashes: list[int]) -> tuple[list, list, list]:
+        """Check a fetch reply against the request before anything is allocated or read; returns the runs, remote
+        descriptors and (offset, size) of each blob in the local buffer."""
+
+        def whole(v: Any, lo: int, hi: int) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
         blobs = reply.get("blobs")
-        peer, md = reply.get("agent"), reply.get("agent_md")
-        if not isinstance(blobs, list) or not isinstance(peer, str) or not isinstance(md, bytes):
-            raise TransferError("malformed fetch reply")
-        total = 0
-        remote, spans = [], []
+        if not isinstance(blobs, list) or not 0 < len(blobs) <= len(hashes):
+            raise TransferError("malformed fetch reply: no blob list")
+        runs, remote, spans = [], [], []
+        total = j_next = 0
         for b in blobs:
-            size, descs = int(b["size"]), b["descs"]
-            if size < 0 or sum(int(n) for _, n in descs) != size:
+            if not isinstance(b, dict):
+                raise TransferError("malformed fetch reply: a blob entry is not a map")
+            size, first, count, j = b.get("size"), b.get("first"), b.get("count"), b.get("j")
+            descs, meta = b.get("descs"), b.get("meta")
+            if not (
+                whole(size, 1, MAX_FETCH_BYTES)
+                and whole(first, 0, 1 << 32)
+                and whole(count, 1, len(hashes))
+                and j == j_next
+                and whole(j, 0, len(hashes) - count)
+            ):
+                raise TransferError("fetch reply runs do not tile the requested blocks in order")
+            held = meta.get("hashes") if isinstance(meta, dict) else None
+            if not isinstance(held, list) or held[first : first + count] != hashes[j : j + count]:
+                raise TransferError(f"fetch reply blob for blocks {j}..{j + count - 1} holds other blocks")
+            if not isinstance(descs, list) or not 0 < len(descs) <= 1 << 16:
+                raise TransferError("malformed fetch reply: descriptors")
+            n_sum = 0
+            for d in descs:
+                if not (isinstance(d, list) and len(d) == 2 and whole(d[0], 1, (1 << 64) - 1) and whole(d[1], 1, size)):
+                    raise TransferError("malformed fetch reply: a descriptor")
+                remote.append((d[0], d[1], 0))
+                n_sum += d[1]
+            if n_sum != size:
                 raise TransferError("fetch reply descriptors do not add up to the blob size")
             spans.append((total, size))
-            for addr, n in descs:
-                remote.append((int(addr), int(n), 0))
+            runs.append((first, count, j, meta))
             total += size
-        if total > MAX_MESSAGE * 64:
-            raise TransferError(f"peer offers {total} bytes, more than a prompt's blobs can be")
-        buf = torch.empty(max(total, 1), dtype=torch.uint8)
+            j_next += count
+            if total > MAX_FETCH_BYTES:
+                raise TransferError(f"peer offers more than {MAX_FETCH_BYTES} bytes, more than a prompt's blobs can be")
+        if j_next != len(hashes):
+            raise TransferError(f"fetch reply covers {j_next} of {len(hashes)} requested blocks")
+        return runs, remote, spans
+
+    def _read(self, reply: dict, hashes: list[int]) -> list[tuple[bytes, int, int, int, dict | None]]:
+        peer, md = reply.get("agent"), reply.get("agent_md")
+        if not isinstance(peer, str) or not _PEER_NAME.fullmatch(peer) or not isinstance(md, bytes):
+            raise TransferError("malformed fetch reply")
+        runs, remote, spans = self._plan(reply, hashes)
+        total = sum(n for _, n in spans)
+        buf = torch.empty(total, dtype=torch.uint8)
         local, off = [], buf.data_ptr()
         for _, n, _ in remote:
             local.append((off, n, 0))
             off += n
         a = self.agent.agent
+        unsafe = False  # True while the backend may still write into ``buf``
         with self.agent.lock:
             try:
                 self.agent.add_remote(peer, md)
@@ -279,6 +346,7 @@ class TransferClient:
                         raise TransferError("NIXL rejected the transfer descriptors")
                     h = a.initialize_xfer("READ", ld, rd, peer)
                     try:
+                        unsafe = True
                         state = a.transfer(h)
                         deadline = time.monotonic() + self.cfg.transfer_timeout_s
                         while state != "DONE":
@@ -288,18 +356,28 @@ class TransferClient:
                                 raise TransferError(f"NIXL READ of {total} bytes timed out")
                             time.sleep(0.0002)
                             state = a.check_xfer_state(h)
+                        unsafe = False
                     finally:
-                        a.release_xfer_handle(h)
+                        try:
+                            a.release_xfer_handle(h)
+                            unsafe = False
+                        except self.agent.errors:
+                            log.warning("kvtc transfer: NIXL could not release a READ handle")
                 finally:
-                    a.deregister_memory(reg)
+                    try:
+                        a.deregister_memory(reg)
+                    except self.agent.errors:
+                        log.warning("kvtc transfer: NIXL deregistration failed")
+                        unsafe = True
             except self.agent.errors as e:
                 raise TransferError(f"NIXL transfer failed: {type(e).__name__}: {e}") from e
+            finally:
+                if unsafe:
+                    self._quarantine.append(buf)
+                    self.quarantined_bytes += buf.numel()
         self.bytes_moved += total
         data = buf.numpy().tobytes()
-        return [
-            (data[o : o + n], int(b["first"]), int(b["count"]), int(b["j"]), b.get("meta"))
-            for (o, n), b in zip(spans, blobs)
-        ]
+        return [(data[o : o + n], first, count, j, meta) for (o, n), (first, count, j, meta) in zip(spans, runs)]
 
 
 class TransferSide:

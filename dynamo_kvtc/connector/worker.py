@@ -131,11 +131,15 @@ class KvtcWorker:
             ko, vo = offsets if offsets is not None else (None, None)
             kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo)
             cal = self._calibration(kv)
+            tiers = self.cfg.tiers
+            if self.tp_size > 1 and tiers.disk_bytes and tiers.disk_dir is not None:
+                tiers = tiers.with_(disk_dir=tiers.disk_dir / f"rank{self.tp_rank}")  # each rank its own head shard
+            store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv)
         except (KvtcError, OSError, ValueError) as e:
             self._disable(str(e))
             return
         self.layers = {n: i for i, n in enumerate(names)}
-        self.store = KvtcStore(cal, self.cfg.tiers, device=kv.device, block_size=self.block_size, kv=kv)
+        self.store = store
         LOCAL_WORKERS[self.engine_id] = self
         log.info(
             "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB, disk %s",

@@ -10,10 +10,16 @@
 | ``DYN_KVTC_OFFLOAD_MIN_FREQUENCY`` | min_frequency (offload a block once seen this often) | 1 |
 | ``DYN_KVTC_MIN_TOKENS`` | min_tokens (shorter sequences bypass the tier) | 64 |
 | ``DYN_KVTC_DISK_FSYNC`` | fsync (durability of committed disk blobs) | 1 |
+| ``DYN_KVTC_PAGE_BYTES`` | page_bytes (host-tier page, a power of two >= 512) | 16384 |
+| ``DYN_KVTC_NIXL_TIMEOUT_S`` | nixl_timeout_s (deadline of one disk-tier NIXL transfer) | 30 |
+
+Every field is checked when the config is built (type, range, finiteness); a bad value raises
+:class:`~dynamo_kvtc.errors.ConfigError` naming the field (or the environment variable it came from).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -33,7 +39,10 @@ ENV = {
     "DYN_KVTC_MIN_TOKENS": ("min_tokens", "int"),
     "DYN_KVTC_DISK_FSYNC": ("fsync", "bool"),
     "DYN_KVTC_PAGE_BYTES": ("page_bytes", "int"),
+    "DYN_KVTC_NIXL_TIMEOUT_S": ("nixl_timeout_s", "float"),
 }
+_INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks")
+_FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,24 @@ class TierConfig:
     nixl_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        for name in _INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"tier setting {name} must be an integer, got {v!r}")
+        for name in _FLOATS:
+            v = getattr(self, name)
+            if v is None and name == "max_ratio":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"tier setting {name} must be a finite number, got {v!r}")
+        if not isinstance(self.fsync, bool):
+            raise ConfigError(f"tier setting fsync must be true or false, got {self.fsync!r}")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
+                raise ConfigError(f"tier setting disk_dir must be a path, got {self.disk_dir!r}")
+            object.__setattr__(self, "disk_dir", Path(self.disk_dir))
+        if self.nixl_timeout_s <= 0:
+            raise ConfigError(f"nixl_timeout_s must be > 0, got {self.nixl_timeout_s}")
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ConfigError("tier capacities must be >= 0")
         if self.disk_bytes and self.disk_dir is None:
@@ -81,9 +108,13 @@ class TierConfig:
                     v = float(raw)
                     if v < 0:
                         raise ValueError("negative")
+                    if not math.isfinite(v):
+                        raise ValueError("not a finite number")
                     kw[name] = int(v * GB)
                 elif kind == "float":
                     kw[name] = float(raw)
+                    if not math.isfinite(kw[name]):
+                        raise ValueError("not a finite number")
                 elif kind == "int":
                     kw[name] = int(raw)
                 elif kind == "bool":
@@ -98,7 +129,11 @@ class TierConfig:
         bad = set(overrides) - known
         if bad:
             raise ConfigError(f"unknown tier settings: {sorted(bad)}")
-        return cls(**{**kw, **overrides})
+        try:
+            return cls(**{**kw, **overrides})
+        except ConfigError as e:  # name the variable a bad value came from
+            src = [var for var, (name, _) in ENV.items() if name in kw and name not in overrides and name in str(e)]
+            raise ConfigError(f"{e} (from {', '.join(src)})" if src else str(e)) from None
 
     def with_(self, **kw: Any) -> TierConfig:
         return replace(self, **kw)

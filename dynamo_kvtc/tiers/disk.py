@@ -4,24 +4,43 @@ File layout: ``b"KVTCD001"`` | uint32 meta length | uint32 CRC-32 of meta | msgp
 CRC-32, the blob's tier metadata) | the KVTC blob.
 
 Commit protocol: write ``<id>.tmp`` (created 0600, space reserved first so ENOSPC shows before any byte is written),
-NIXL WRITE, fsync, rename to ``<id>.kvtc``, fsync the directory. The directory listing *is* the index: on start the
-tier reads every committed file's header, drops files whose size or header does not check out, and deletes leftover
-``.tmp`` files. A read verifies the whole blob's CRC before returning it, so a torn, truncated or flipped file is never
-served; it is deleted and reported as a miss.
+NIXL WRITE, fsync, rename to ``<id>.kvtc``, fsync the directory. ``put`` returns only after all of that: a blob whose
+``put`` returned is *committed* and survives a crash of the process (``kill -9``) and, with ``fsync`` on, of the
+machine. The directory listing *is* the index: on start the tier reads every committed file's header, deletes files
+whose header or size does not check out (torn or damaged) and leftover ``.tmp`` files, and leaves files it cannot
+read for a transient reason (an ``OSError`` such as EMFILE or EACCES) alone: it never deletes a blob it could not
+prove damaged. A read verifies the whole blob's CRC (and that it is the blob committed under that id) before
+returning it, so a torn, truncated or flipped file is never served. Bytes that do not verify are re-read once with a
+plain ``pread``: if the file itself is damaged it is deleted (TierError, a miss); if the file verifies, the transfer was
+at fault and the file is kept. A failed NIXL transfer or I/O error is a miss that keeps the file
+(:class:`~dynamo_kvtc.errors.TransferError`, a TierError).
+
+The directory: a symlinked, world-writable or foreign-owned directory is refused. Every operation opens it with
+``O_NOFOLLOW``, checks it is still the directory checked at start (device and inode) and works relative to that
+descriptor (``openat``-style), so it cannot be swapped for a symlink or another directory afterwards; files are
+opened with ``O_NOFOLLOW``. No descriptor stays open on the cache's file system between operations. One process at a
+time: an ``flock`` on ``$TMPDIR/kvtc-<uid>/disk-<dev>-<inode>.lock`` (a private 0700 directory); a second process gets
+a ConfigError, a crashed one releases it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
+import fcntl
 import logging
 import os
+import re
 import stat
 import struct
+import tempfile
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -34,70 +53,262 @@ MAGIC = b"KVTCD001"
 PREFIX = struct.Struct("<8sII")
 MAX_META = 1 << 20
 SUFFIX = ".kvtc"
+_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted under a blob's name must not block the open
+
+# One locked descriptor per directory per process (flock locks belong to an open file description, so two DiskTiers
+# of one process over the same directory, as after an in-process restart, share it instead of locking each other out)
+_DIR_LOCKS: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [fd, users, lock path]
+_DIR_LOCKS_GUARD = threading.Lock()
 
 
-def _check_dir(path: Path) -> Path:
+class _Entry(NamedTuple):
+    size: int  # file size
+    meta: Any
+    crc: int  # CRC-32 of the committed blob
+
+
+class _Corrupt(TierError):
+    """A file whose own bytes are wrong (torn, truncated, flipped, misnamed): safe to delete."""
+
+
+def _open_dir(path: Path) -> int:
+    """Create (0700) or open the tier's directory without following a symlink; check who owns it. Returns an fd."""
     if path.is_symlink():
         raise ConfigError(f"disk cache dir {path} is a symlink; refusing (point DYN_KVTC_DISK_CACHE_DIR at a real dir)")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_mode & stat.S_IWOTH:
-        raise ConfigError(f"disk cache dir {path} is world-writable; refusing")
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise ConfigError(f"disk cache dir {path} is owned by uid {st.st_uid}, not this process")
-    return path
+    created = not path.exists()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"disk cache dir {path} is a symlink; refusing") from None
+        raise ConfigError(f"disk cache dir {path} cannot be created or opened: {e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"disk cache dir {path} is not a directory")
+        if st.st_mode & stat.S_IWOTH:
+            raise ConfigError(f"disk cache dir {path} is world-writable; refusing (use a subdirectory)")
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            raise ConfigError(f"disk cache dir {path} is owned by uid {st.st_uid}, not this process ({os.getuid()})")
+        if created:  # make the new directory's own entry durable too
+            _fsync_dir(path.parent)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        pfd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(pfd)
+    except OSError:
+        pass
+    finally:
+        os.close(pfd)
+
+
+def _lock_path(ident: tuple[int, int]) -> str:
+    """The lock lives outside the cache directory (no descriptor held on the cache's file system, which can then be
+    unmounted) in this user's private runtime directory: $TMPDIR/kvtc-<uid>, 0700, ours, not a symlink."""
+    root = os.path.join(tempfile.gettempdir(), f"kvtc-{os.getuid()}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{root} must be a directory of this user with mode 0700 (it holds the disk tier's locks)")
+    return os.path.join(root, f"disk-{ident[0]:x}-{ident[1]:x}.lock")
+
+
+def _lock_dir(ident: tuple[int, int], path: Path) -> None:
+    """Take the directory for this process: ``flock`` on a lock file named after the directory's (device, inode),
+    shared by every DiskTier of this process over the same directory; released when the process dies."""
+    with _DIR_LOCKS_GUARD:
+        held = _DIR_LOCKS.get(ident)
+        if held is not None:
+            held[1] += 1
+            return
+        lock = _lock_path(ident)
+        for _ in range(8):  # the file may be unlinked by its previous holder between our open and our flock
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise ConfigError(
+                        f"disk cache dir {path} is in use by another process; give each engine (and each "
+                        "tensor-parallel rank) its own DYN_KVTC_DISK_CACHE_DIR"
+                    ) from None
+                raise ConfigError(f"disk cache dir {path}: cannot lock it ({lock}): {e}") from None
+            try:
+                same = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                _DIR_LOCKS[ident] = [fd, 1, lock]
+                return
+            os.close(fd)
+        raise ConfigError(f"disk cache dir {path}: its lock file {lock} keeps changing")
+
+
+@atexit.register
+def _unlock_all() -> None:  # tiers never closed: remove their lock files at exit (kill -9 leaves them; harmless)
+    for ident in list(_DIR_LOCKS):
+        _DIR_LOCKS[ident][1] = 1
+        _unlock_dir(ident)
+
+
+def _unlock_dir(ident: tuple[int, int]) -> None:
+    with _DIR_LOCKS_GUARD:
+        held = _DIR_LOCKS.get(ident)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _DIR_LOCKS[ident]
+            try:
+                os.unlink(held[2])  # while still holding it: a waiter re-checks the inode and retries
+            except OSError:
+                pass
+            os.close(held[0])  # releases the lock
 
 
 class DiskTier:
     def __init__(
-        self, directory: str | os.PathLike, capacity_bytes: int, *, io: NixlFiles | None = None, fsync: bool = True
+        self,
+        directory: str | os.PathLike,
+        capacity_bytes: int,
+        *,
+        io: NixlFiles | None = None,
+        fsync: bool = True,
+        timeout_s: float | None = None,
     ) -> None:
-        self.dir = _check_dir(Path(directory))
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ConfigError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
+        self.dir = Path(directory)
+        dfd = _open_dir(self.dir)
+        try:
+            st = os.fstat(dfd)
+        finally:
+            os.close(dfd)
+        self._ident = (st.st_dev, st.st_ino)
+        _lock_dir(self._ident, self.dir)
+        try:
+            self._setup(capacity_bytes, io, fsync, timeout_s)
+        except BaseException:
+            _unlock_dir(self._ident)
+            raise
+
+    def _setup(self, capacity_bytes: int, io: NixlFiles | None, fsync: bool, timeout_s: float | None) -> None:
         self.capacity = capacity_bytes
         self.fsync = fsync
-        self.io = io or NixlFiles()
+        self.io = io or NixlFiles(**({} if timeout_s is None else {"timeout_s": timeout_s}))
         self._lock = threading.RLock()
-        self._entries: OrderedDict[str, tuple[int, Any]] = OrderedDict()  # id -> (file size, meta)
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._pending: dict[str, int] = {}  # ids being written -> bytes reserved
         self.used_bytes = 0
         self.recovered = 0
-        self.dropped = 0
+        self.dropped = 0  # files deleted as damaged (recovery and reads)
+        self.unreadable = 0  # files left in place because they could not be read (not adopted)
+        self.tmp_removed = 0  # leftover .tmp files of interrupted writes deleted at start
+        self.bad_transfers = 0  # reads whose NIXL bytes did not verify while the file itself did
+        self._closed = False
         self._recover()
+
+    def close(self) -> None:
+        """Release the directory (its lock). The files stay; the next DiskTier over the directory adopts them."""
+        if self._closed:
+            return
+        self._closed = True
+        _unlock_dir(self._ident)
+
+    @contextlib.contextmanager
+    def _at(self) -> Iterator[int]:
+        """A descriptor of the tier's directory, checked to still be the directory checked at start (not swapped for
+        another directory or a symlink since); file operations go through it (openat-style)."""
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
+        except OSError as e:
+            raise TierError(f"disk cache dir {self.dir} is gone or not a directory: {e}") from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._ident:
+                raise TierError(f"disk cache dir {self.dir} was replaced underneath the tier; refusing to use it")
+            yield fd
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> None:
-        for tmp in self.dir.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
-        found = []
-        for f in self.dir.glob("*" + SUFFIX):
-            try:
-                size, blob_id, meta = self._read_header(f)
-            except (OSError, TierError, ValueError) as e:
-                log.warning("disk tier: dropping %s (%s)", f.name, e)
-                f.unlink(missing_ok=True)
-                self.dropped += 1
-                continue
-            found.append((f.stat().st_mtime_ns, blob_id, size, meta))
-        for _, blob_id, size, meta in sorted(found, key=lambda x: x[0]):
-            self._entries[blob_id] = (size, meta)
+        with self._at() as dfd:
+            found = self._scan(dfd)
+        for _, blob_id, size, meta, crc in sorted(found, key=lambda x: x[0]):
+            self._entries[blob_id] = _Entry(size, meta, crc)
             self.used_bytes += size
         self.recovered = len(found)
 
-    def _read_header(self, f: Path) -> tuple[int, str, Any]:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(PREFIX.size)
+    def _scan(self, dfd: int) -> list:
+        found = []
+        for name in os.listdir(dfd):
+            if name.endswith(".tmp"):
+                self._unlink(name, dfd)
+                self.tmp_removed += 1
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                size, mtime, blob_id, meta, crc = self._read_header(dfd, name)
+            except _Corrupt as e:
+                log.warning("disk tier: dropping %s (%s)", name, e)
+                self._unlink(name, dfd)
+                self.dropped += 1
+                continue
+            except OSError as e:  # not proven damaged: keep the file, do not serve it
+                log.warning("disk tier: cannot read %s (%s); leaving it in place, not adopted", name, e)
+                self.unreadable += 1
+                continue
+            found.append((mtime, blob_id, size, meta, crc))
+        return found
+
+    @staticmethod
+    def _read_header(dfd: int, name: str) -> tuple[int, int, str, Any, int]:
+        try:
+            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink: never ours, never followed (unlink removes the link only)
+                raise _Corrupt("a symlink") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise _Corrupt("not a regular file")
+            head = os.pread(fd, PREFIX.size, 0)
             if len(head) < PREFIX.size:
-                raise TierError("truncated prefix")
+                raise _Corrupt("truncated prefix")
             magic, mlen, mcrc = PREFIX.unpack(head)
             if magic != MAGIC or mlen > MAX_META:
-                raise TierError("bad magic or meta length")
-            mbytes = fh.read(mlen)
+                raise _Corrupt("bad magic or meta length")
+            mbytes = os.pread(fd, mlen, PREFIX.size)
+        finally:
+            os.close(fd)
         if len(mbytes) != mlen or zlib.crc32(mbytes) != mcrc:
-            raise TierError("meta checksum mismatch")
-        meta = _unpack(mbytes)
-        if f.name != f"{meta['id']}{SUFFIX}" or size != PREFIX.size + mlen + meta["len"]:
-            raise TierError(f"size {size} does not match its header (torn write?)")
-        return size, meta["id"], meta["meta"]
+            raise _Corrupt("meta checksum mismatch")
+        m = _unpack(mbytes)
+        if name != f"{m['id']}{SUFFIX}":
+            raise _Corrupt(f"file name does not match the blob id {m['id']!r} in its header")
+        if st.st_size != PREFIX.size + mlen + m["len"]:
+            raise _Corrupt(f"size {st.st_size} does not match its header (torn write?)")
+        return st.st_size, st.st_mtime_ns, m["id"], m["meta"], m["crc"]
 
     # ------------------------------------------------------------------ state
     def __contains__(self, blob_id: str) -> bool:
@@ -115,103 +326,182 @@ class DiskTier:
     def meta(self, blob_id: str) -> Any:
         with self._lock:
             e = self._entries.get(blob_id)
-            return None if e is None else e[1]
+            return None if e is None else e.meta
+
+    @staticmethod
+    def _name(blob_id: str) -> str:
+        if not isinstance(blob_id, str) or not _ID.fullmatch(blob_id):
+            raise TierError(f"invalid blob id {blob_id!r} (1-128 characters of [A-Za-z0-9_-])")
+        return blob_id + SUFFIX
 
     def _path(self, blob_id: str) -> Path:
-        if not blob_id or "/" in blob_id or blob_id.startswith("."):
-            raise TierError(f"invalid blob id {blob_id!r}")
-        return self.dir / f"{blob_id}{SUFFIX}"
+        return self.dir / self._name(blob_id)
+
+    def _unlink(self, name: str, dfd: int | None = None) -> None:
+        try:
+            if dfd is None:
+                with self._at() as fd:
+                    os.unlink(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        except (OSError, TierError) as e:
+            log.warning("disk tier: cannot delete %s: %s", name, e)
 
     # ------------------------------------------------------------------ put / get / delete
     def put(self, blob_id: str, blob: bytes, meta: Any) -> list[str]:
-        """Commit a blob durably; evicts least-recently-used blobs to stay under capacity. Returns evicted ids."""
-        mbytes = msgpack.packb(
-            {"id": blob_id, "len": len(blob), "crc": zlib.crc32(blob), "meta": meta}, use_bin_type=True
-        )
-        image = PREFIX.pack(MAGIC, len(mbytes), zlib.crc32(mbytes)) + mbytes + blob
-        if len(image) > self.capacity:
-            raise TierFullError(f"blob of {len(image)} bytes exceeds the disk tier ({self.capacity} bytes)")
-        evicted = []
+        """Commit a blob durably; evicts least-recently-used blobs to stay under capacity. Returns evicted ids.
+
+        Raises TierFullError (capacity or ENOSPC) or TierError (I/O, NIXL); then nothing of the blob is left behind
+        and every previously committed blob is untouched."""
+        name = self._name(blob_id)
+        crc = zlib.crc32(blob)
+        try:
+            mbytes = msgpack.packb({"id": blob_id, "len": len(blob), "crc": crc, "meta": meta}, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TierError(f"blob {blob_id}: metadata cannot be stored: {e}") from None
+        if len(mbytes) > MAX_META:
+            raise TierError(f"blob {blob_id}: metadata of {len(mbytes)} bytes exceeds {MAX_META}")
+        size = PREFIX.size + len(mbytes) + len(blob)
+        if size > self.capacity:
+            raise TierFullError(f"blob of {size} bytes exceeds the disk tier ({self.capacity} bytes)")
+        evicted: list[str] = []
         with self._lock:
             if blob_id in self._entries:
                 self._entries.move_to_end(blob_id)
                 return evicted
-            while self.used_bytes + len(image) > self.capacity and self._entries:
-                old, _ = next(iter(self._entries.items()))
+            if blob_id in self._pending:  # another thread is committing the same blob right now
+                return evicted
+            while self.used_bytes + sum(self._pending.values()) + size > self.capacity and self._entries:
+                old = next(iter(self._entries))
                 self.delete(old)
                 evicted.append(old)
-        final = self._path(blob_id)
-        tmp = final.with_suffix(".tmp")
-        fd = -1
+            self._pending[blob_id] = size
+        tmp = f"{blob_id}.tmp"
         try:
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with self._at() as dfd:
+                self._write(dfd, tmp, name, blob_id, size, mbytes, blob, meta, crc)
+        finally:
+            with self._lock:
+                self._pending.pop(blob_id, None)
+        return evicted
+
+    def _write(self, dfd: int, tmp: str, name: str, blob_id: str, size: int, mbytes: bytes, blob, meta, crc) -> None:
+        fd = -1
+        committed = False
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dfd)
             try:
-                os.posix_fallocate(fd, 0, len(image))
+                os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                os.ftruncate(fd, len(image))  # file systems without fallocate
-            self.io.write(fd, torch.frombuffer(bytearray(image), dtype=torch.uint8))
+                os.ftruncate(fd, size)  # file systems without fallocate
+            image = bytearray(size)
+            PREFIX.pack_into(image, 0, MAGIC, len(mbytes), zlib.crc32(mbytes))
+            image[PREFIX.size : PREFIX.size + len(mbytes)] = mbytes
+            image[PREFIX.size + len(mbytes) :] = blob
+            self.io.write(fd, torch.frombuffer(image, dtype=torch.uint8))
             if self.fsync:
                 os.fsync(fd)
             os.close(fd)
             fd = -1
-            os.rename(tmp, final)
+            with self._lock:
+                os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                self._entries[blob_id] = _Entry(size, meta, crc)
+                self.used_bytes += size
+                committed = True
             if self.fsync:
-                dfd = os.open(self.dir, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                os.fsync(dfd)
         except (OSError, TransferError) as e:
             if fd >= 0:
                 os.close(fd)
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp, dfd)
+            if committed:  # the directory fsync failed: not durable, so not committed
+                with self._lock:
+                    if self._entries.pop(blob_id, None) is not None:
+                        self.used_bytes -= size
+                    self._unlink(name, dfd)
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise TierFullError(f"disk tier out of space writing {len(image)} bytes: {e}") from e
+                raise TierFullError(f"disk tier out of space writing {size} bytes: {e}") from e
             raise TierError(f"disk tier write of {blob_id} failed: {e}") from e
-        with self._lock:
-            self._entries[blob_id] = (len(image), meta)
-            self.used_bytes += len(image)
-        return evicted
 
     def get(self, blob_id: str) -> tuple[bytes, Any]:
-        """Read and verify a blob; a missing, torn or corrupted file raises TierError and is forgotten."""
+        """Read and verify a blob.
+
+        A missing, torn or corrupted file raises TierError and is forgotten (a damaged one deleted); a failed NIXL
+        transfer or I/O error raises TransferError (a TierError) and keeps the committed file for the next try."""
+        name = self._name(blob_id)
         with self._lock:
             entry = self._entries.get(blob_id)
             if entry is None:
                 raise TierError(f"blob {blob_id} is not on disk")
             self._entries.move_to_end(blob_id)
-        path = self._path(blob_id)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
+            fd = self._open_ro(name)
+        except FileNotFoundError as e:
             self._forget(blob_id, f"cannot open: {e}")
-            raise TierError(f"blob {blob_id}: file missing or unreadable ({e})") from e
+            raise TierError(f"blob {blob_id}: file missing ({e})") from e
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink planted under the blob's name
+                self._forget(blob_id, "replaced by a symlink", delete=True)
+                raise TierError(f"blob {blob_id}: file replaced by a symlink; dropped") from e
+            raise TransferError(f"blob {blob_id}: file unreadable ({e}); kept") from e
         try:
-            size = os.fstat(fd).st_size
-            if size != entry[0]:
-                raise TierError(f"file size {size} differs from the committed {entry[0]}")
-            data = self.io.read(fd, size).numpy().tobytes()
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
+                raise _Corrupt(f"file size {st.st_size} differs from the committed {entry.size}")
+            data = self.io.read(fd, entry.size).numpy().tobytes()
         except TransferError as e:  # a failed transfer is not a damaged file: keep it, report a miss
-            raise TierError(f"blob {blob_id}: {e}") from e
-        except (TierError, OSError) as e:
+            raise TransferError(f"blob {blob_id}: {e}") from e
+        except _Corrupt as e:
             self._forget(blob_id, str(e), delete=True)
-            raise TierError(f"blob {blob_id}: {e}") from e
+            raise TierError(f"blob {blob_id} on disk is corrupt ({e}); dropped") from e
+        except OSError as e:
+            raise TransferError(f"blob {blob_id}: I/O error ({e}); kept") from e
         finally:
             os.close(fd)
         try:
+            return self._verify(data, blob_id, entry)
+        except TierError as e:
+            first = e
+        # The bytes NIXL delivered do not verify. Before deleting anything, read the file again with a plain pread:
+        # if *that* verifies, the file is fine and the transfer was bad (keep the file, report a miss).
+        try:
+            fd = self._open_ro(name)
+            try:
+                again = os.pread(fd, entry.size, 0)
+            finally:
+                os.close(fd)
+            self._verify(again, blob_id, entry)
+        except OSError as e:
+            raise TransferError(f"blob {blob_id}: transfer delivered bad bytes ({first}); re-read failed: {e}") from e
+        except TierError:
+            self._forget(blob_id, f"corrupt: {first}", delete=True)
+            raise TierError(f"blob {blob_id} on disk is corrupt ({first}); dropped") from first
+        self.bad_transfers += 1
+        raise TransferError(f"blob {blob_id}: NIXL delivered bytes that do not match the file ({first}); kept")
+
+    def _open_ro(self, name: str) -> int:
+        with self._at() as dfd:
+            return os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+
+    @staticmethod
+    def _verify(data: bytes, blob_id: str, entry: _Entry) -> tuple[bytes, Any]:
+        try:
             magic, mlen, mcrc = PREFIX.unpack_from(data, 0)
             mbytes = data[PREFIX.size : PREFIX.size + mlen]
-            if magic != MAGIC or zlib.crc32(mbytes) != mcrc:
+            if magic != MAGIC or mlen > MAX_META or zlib.crc32(mbytes) != mcrc:
                 raise TierError("header checksum mismatch")
             m = _unpack(mbytes)
-            blob = data[PREFIX.size + mlen :]
-            if len(blob) != m["len"] or zlib.crc32(blob) != m["crc"] or m["id"] != blob_id:
-                raise TierError("blob checksum mismatch")
-        except (TierError, struct.error, ValueError, KeyError) as e:
-            self._forget(blob_id, f"corrupt: {e}", delete=True)
-            raise TierError(f"blob {blob_id} on disk is corrupt ({e}); dropped") from e
+        except struct.error as e:
+            raise TierError(f"truncated: {e}") from None
+        blob = data[PREFIX.size + mlen :]
+        if m["id"] != blob_id or len(blob) != m["len"] or m["crc"] != entry.crc:
+            raise TierError("not the blob committed under this id")
+        if zlib.crc32(blob) != entry.crc:
+            raise TierError("blob checksum mismatch")
         return blob, m["meta"]
 
     def _forget(self, blob_id: str, why: str, delete: bool = False) -> None:
@@ -219,17 +509,18 @@ class DiskTier:
         with self._lock:
             e = self._entries.pop(blob_id, None)
             if e is not None:
-                self.used_bytes -= e[0]
-        if delete:
-            self._path(blob_id).unlink(missing_ok=True)
+                self.used_bytes -= e.size
+            if delete and blob_id not in self._pending:
+                self._unlink(self._name(blob_id))
         self.dropped += 1
 
     def delete(self, blob_id: str) -> None:
         with self._lock:
             e = self._entries.pop(blob_id, None)
             if e is not None:
-                self.used_bytes -= e[0]
-        self._path(blob_id).unlink(missing_ok=True)
+                self.used_bytes -= e.size
+            if blob_id not in self._pending:
+                self._unlink(self._name(blob_id))
 
 
 def _unpack(b: bytes) -> dict[str, Any]:
@@ -245,7 +536,13 @@ def _unpack(b: bytes) -> dict[str, Any]:
             max_map_len=64,
         )
     except Exception as e:
-        raise TierError(f"bad metadata: {type(e).__name__}") from None
+        raise _Corrupt(f"bad metadata: {type(e).__name__}") from None
     if not isinstance(m, dict) or not {"id", "len", "crc", "meta"} <= set(m):
-        raise TierError("metadata lacks required fields")
+        raise _Corrupt("metadata lacks required fields")
+    if not isinstance(m["id"], str) or not _ID.fullmatch(m["id"]):
+        raise _Corrupt("metadata has an invalid blob id")
+    for key, hi in (("len", 1 << 48), ("crc", 1 << 32)):
+        v = m[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
+            raise _Corrupt(f"metadata field {key}={v!r} out of range")
     return m

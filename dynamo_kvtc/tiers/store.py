@@ -31,7 +31,7 @@ import torch
 
 from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
-from ..errors import DecodeError, KvtcError, TierError, TierFullError
+from ..errors import DecodeError, KvtcError, TierError, TierFullError, TransferError
 from .config import TierConfig
 from .disk import DiskTier
 from .host import HostTier
@@ -156,10 +156,13 @@ class KvtcStore:
         self.filter = OffloadFilter(self.cfg.min_frequency)
         self.host = HostTier(self.cfg.host_bytes, self.cfg.page_bytes)
         if disk is None and self.cfg.disk_bytes:
-            disk = DiskTier(self.cfg.disk_dir, self.cfg.disk_bytes, fsync=self.cfg.fsync)
+            disk = DiskTier(
+                self.cfg.disk_dir, self.cfg.disk_bytes, fsync=self.cfg.fsync, timeout_s=self.cfg.nixl_timeout_s
+            )
         self.disk = disk
         self._codecs: dict[float, KvtcCodec] = {}
         self._lock = threading.RLock()
+        self._transit = threading.RLock()
         self._index: dict[int, tuple[str, int]] = {}  # sequence hash -> (blob id, block index in blob)
         self._blobs: dict[str, BlobMeta] = {}
         self.stats: Counter[str] = Counter()
@@ -239,6 +242,8 @@ class KvtcStore:
     def close(self) -> None:
         self._offload_pool.shutdown(wait=True)
         self._onboard_pool.shutdown(wait=True)
+        if self.disk is not None and hasattr(self.disk, "close"):
+            self.disk.close()  # releases the directory for the next process
 
     # ------------------------------------------------------------------ lookup
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
@@ -483,6 +488,10 @@ class KvtcStore:
             return None
 
     def _put_host(self, meta: BlobMeta, blob: bytes) -> None:
+        with self._transit:  # LRU victims leave the host tier before they reach disk: a reader waits for both
+            self._put_host_locked(meta, blob)
+
+    def _put_host_locked(self, meta: BlobMeta, blob: bytes) -> None:
         self._index_blob(meta)
         try:
             evicted = self.host.put(meta.id, blob, meta)
@@ -558,7 +567,7 @@ class KvtcStore:
         )
         return handle
 
-    def _fetch(self, blob_id: str) -> bytes:
+    def _fetch(self, blob_id: str, _retry: bool = False) -> bytes:
         got = self.host.get(blob_id)
         if got is not None:
             self.stats["onboard_host_hits"] += 1
@@ -571,6 +580,10 @@ class KvtcStore:
             except TierError:
                 pass
             return blob
+        if not _retry:
+            with self._transit:  # it may be between host and disk right now: look once more after the move
+                pass
+            return self._fetch(blob_id, _retry=True)
         raise TierError(f"blob {blob_id} vanished from every tier")
 
     def _onboard_sync(self, handle: OnboardHandle, hashes, dst_blocks, sink, source=None) -> None:
@@ -594,6 +607,8 @@ class KvtcStore:
                 tiers["host" if blob_id in self.host else "disk"] += count
                 try:
                     blob = self._fetch(blob_id)
+                except TransferError:
+                    raise  # a failed read of an intact file: a miss now, the blob stays for the next try
                 except TierError as e:
                     self._drop(blob_id, e)
                     raise
@@ -721,6 +736,8 @@ class KvtcStore:
                     try:
                         self._fetch(blob_id)
                         moved += 1
+                    except TransferError:
+                        pass  # transient: the blob stays on disk
                     except TierError as e:
                         self._drop(blob_id, e)
             return moved
