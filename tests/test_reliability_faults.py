@@ -87,7 +87,7 @@ def test_two_process_transfer_faults(world):
     agent wrapped: failed transfer, ERR, timeout, corrupted bytes, peer killed mid-fetch. Each fetch fails cleanly and
     the next clean fetch restores bit for bit; lying replies and garbage requests are refused."""
     ledger = chaos.Ledger()
-    chaos.scenario_transfer(world, ledger, 5, modes=("raise", "stall", "corrupt", "drop", "kill_peer"))
+    chaos.scenario_transfer(world, ledger, 5, timeout=2.5, modes=("raise", "stall", "corrupt", "drop", "kill_peer"))
     clean(ledger, "nixl_transfer", "transfer_malformed")
     assert ledger.details["nixl_transfer"]["clean_fetches_ok"] == 5
 
