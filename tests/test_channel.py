@@ -1,0 +1,90 @@
+"""The control channel (dynamo_kvtc/tiers/channel.py) over real ZMQ sockets on loopback and IPC."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from dynamo_kvtc.errors import CorruptBlobError, TransferError
+from dynamo_kvtc.tiers.channel import Limits, RepServer, ReqClient, pack, unpack
+
+LIMITS = Limits(max_message=4096, max_str=64, max_bin=128, max_array=32, max_map=8)
+
+
+def _echo(msg: dict) -> dict:
+    if msg.get("op") == "boom":
+        raise ValueError("handler failed")
+    return {"echo": msg}
+
+
+@pytest.fixture
+def server():
+    srv = RepServer("tcp://127.0.0.1", _echo, LIMITS, name="test-rep")
+    yield srv
+    srv.close()
+
+
+def test_round_trip_and_counts(server):
+    cli = ReqClient(f"tcp://127.0.0.1:{server.port}", LIMITS, 2.0, name="test peer")
+    try:
+        msg = {"op": "x", "v": [1, 2, 3], "b": b"\x00\x01"}
+        assert cli.ask(msg) == {"echo": msg}
+        with pytest.raises(TransferError, match="refused: ValueError: handler failed"):
+            cli.ask({"op": "boom"})
+        assert cli.ask({"op": "again"})["echo"]["op"] == "again"  # the client recovered, the server kept serving
+    finally:
+        cli.close()
+    assert server.served == 2 and server.refused == 1
+
+
+def test_garbage_is_answered_with_an_error_and_the_server_keeps_serving(server):
+    ctx = zmq.Context.instance()
+    for raw in (b"\xc1\xc1 not msgpack", msgpack.packb([1, 2]), msgpack.packb({"s": "x" * 100}), b"\x00" * 5000):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 500)
+        sock.connect(f"tcp://127.0.0.1:{server.port}")
+        sock.send(raw)
+        try:
+            reply = msgpack.unpackb(sock.recv())
+            assert "error" in reply
+        except zmq.Again:
+            assert len(raw) > LIMITS.max_message  # MAXMSGSIZE drops an oversized peer without an answer
+        sock.close(0)
+    cli = ReqClient(f"tcp://127.0.0.1:{server.port}", LIMITS, 2.0)
+    assert cli.ask({"op": "still"})["echo"] == {"op": "still"}
+    cli.close()
+    assert server.refused == 3
+
+
+def test_no_server_is_a_transfer_error_within_the_deadline():
+    path = os.path.join(tempfile.mkdtemp(), "nobody.sock")
+    cli = ReqClient(f"ipc://{path}", LIMITS, 0.2, name="absent")
+    t = time.monotonic()
+    with pytest.raises(TransferError, match="did not answer"):
+        cli.ask({"op": "x"})
+    assert time.monotonic() - t < 5
+    cli.close()
+
+
+def test_unpack_limits_and_error_class():
+    assert unpack(pack({"a": 1}), LIMITS) == {"a": 1}
+    for bad, why in (
+        (b"\x00" * 5000, "exceeds"),
+        (msgpack.packb({"s": "x" * 65}), "not valid msgpack"),
+        (msgpack.packb({"b": b"x" * 129}), "not valid msgpack"),
+        (msgpack.packb({"a": list(range(33))}), "not valid msgpack"),
+        (msgpack.packb({str(i): i for i in range(9)}), "not valid msgpack"),
+        (msgpack.packb({1.5: 1}), "not valid msgpack"),
+        (msgpack.packb(msgpack.ExtType(1, b"x")), "not valid msgpack"),
+        (msgpack.packb([1]), "not a map"),
+    ):
+        with pytest.raises(TransferError, match=why):
+            unpack(bad, LIMITS)
+    with pytest.raises(CorruptBlobError, match="index record is not a map"):
+        unpack(msgpack.packb(3), LIMITS, what="index record", error=CorruptBlobError)
