@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,7 +29,8 @@ log = logging.getLogger(__name__)
 _names = itertools.count()
 
 
-def _import_nixl():
+def import_nixl():
+    """NIXL's agent class, its config class, and the tuple of its exception types (they share no base class)."""
     try:
         from nixl import _bindings
         from nixl._api import nixl_agent, nixl_agent_config
@@ -34,23 +39,117 @@ def _import_nixl():
             from nixl_cu13 import _bindings
             from nixl_cu13._api import nixl_agent, nixl_agent_config
         except ImportError as e:
-            raise ConfigError("the disk tier needs NIXL: pip install --no-deps nixl-cu13==1.5.1") from e
+            raise ConfigError("NIXL is not installed: pip install --no-deps nixl-cu13==1.5.1") from e
     errors = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.endswith("Error"))
     return nixl_agent, nixl_agent_config, errors
+
+
+class Quarantine:
+    """Buffers a NIXL backend may still touch: kept alive for the life of the process, never freed or reused."""
+
+    def __init__(self) -> None:
+        self._held: list[torch.Tensor] = []
+        self.bytes = 0
+
+    def hold(self, buf: torch.Tensor, why: str) -> None:
+        log.warning("NIXL %s: its %d-byte buffer is kept alive (no late write into freed memory)", why, buf.numel())
+        self._held.append(buf)
+        self.bytes += buf.numel()
+
+
+def transfer(
+    agent: Any,
+    errors: tuple,
+    op: str,
+    local: Any,
+    remote: Any,
+    peer: str,
+    timeout_s: float,
+    *,
+    buf: torch.Tensor,
+    quarantine: Quarantine,
+    registrations: Sequence[Any] = (),
+) -> None:
+    """Post one NIXL ``op`` (READ/WRITE) from ``local`` to ``remote`` descriptors, wait for DONE within
+    ``timeout_s``, release the handle and deregister ``registrations``. Every failure is a :class:`TransferError`.
+    If NIXL cannot confirm the backend is finished with ``buf`` (handle not released, a registration not undone),
+    ``buf`` goes to ``quarantine``. The one place this package waits on a NIXL transfer."""
+    unsafe = False  # True while the backend may still touch ``buf``
+    try:
+        if local is None or remote is None:
+            raise TransferError("NIXL rejected the transfer descriptors")
+        h = agent.initialize_xfer(op, local, remote, peer)
+        try:
+            unsafe = True
+            state = agent.transfer(h)
+            deadline = time.monotonic() + timeout_s
+            while state != "DONE":
+                if state == "ERR":
+                    raise TransferError(f"NIXL {op} reported an error")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"NIXL {op} of {buf.numel()} bytes timed out after {timeout_s} s")
+                time.sleep(0.0002)
+                state = agent.check_xfer_state(h)
+            unsafe = False
+        finally:
+            try:
+                agent.release_xfer_handle(h)
+                unsafe = False  # released: the backend is done with the buffer
+            except errors:
+                log.warning("NIXL could not release a %s handle", op)
+    except errors as e:
+        raise TransferError(f"NIXL {op} failed: {type(e).__name__}: {e}") from e
+    finally:
+        for reg in reversed(registrations):
+            try:
+                agent.deregister_memory(reg)
+            except errors:  # cleanup must not hide the real error
+                log.warning("NIXL deregistration failed")
+                unsafe = True
+        if unsafe:
+            quarantine.hold(buf, f"{op} not confirmed finished")
+
+
+class PeerAgent:
+    """A NIXL agent on a network backend (UCX) plus the set of remote agents it has loaded.
+
+    Owns the agent; ``lock`` serialises its use (NIXL agents are not thread-safe). A peer's metadata is loaded once
+    and must name the agent the peer says it is."""
+
+    def __init__(self, backend: str, prefix: str) -> None:
+        nixl_agent, nixl_agent_config, self.errors = import_nixl()
+        self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
+        except self.errors + (RuntimeError,) as e:
+            raise TransferError(f"NIXL {backend} backend unavailable: {type(e).__name__}: {e}") from e
+        self._remotes: set[str] = set()
+        self.lock = threading.Lock()
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_remote(self, name: str, md: bytes) -> None:
+        if name in self._remotes:
+            return
+        got = self.agent.add_remote_agent(md)
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        if got != name:
+            raise TransferError(f"NIXL peer metadata names agent {got!r}, expected {name!r}")
+        self._remotes.add(name)
 
 
 class NixlFiles:
     """One NIXL agent doing DRAM <-> FILE transfers. Thread-safe (transfers are serialised per agent)."""
 
     def __init__(self, backend: str = "POSIX", timeout_s: float = 30.0, name: str | None = None) -> None:
-        nixl_agent, nixl_agent_config, self.errors = _import_nixl()
+        nixl_agent, nixl_agent_config, self.errors = import_nixl()
         self.name = name or f"kvtc-files-{_names.__next__()}"
         self.timeout_s = timeout_s
         if not timeout_s > 0:
             raise ConfigError(f"NIXL timeout must be > 0 seconds, got {timeout_s!r}")
         self._lock = threading.Lock()
-        self._quarantine: list[torch.Tensor] = []
-        self.quarantined_bytes = 0
+        self.quarantine = Quarantine()
         try:
             self.agent = nixl_agent(self.name, nixl_agent_config(backends=[]))
             self.agent.create_backend(backend, {})
@@ -58,53 +157,38 @@ class NixlFiles:
             raise TransferError(f"NIXL {backend} backend unavailable: {type(e).__name__}: {e}") from e
         self.backend = backend
 
-    def _hold(self, buf: torch.Tensor, why: str) -> None:
-        log.warning("NIXL %s: its %d-byte buffer is kept alive (no late write into freed memory)", why, len(buf))
-        self._quarantine.append(buf)
-        self.quarantined_bytes += buf.numel()
+    @property
+    def quarantined_bytes(self) -> int:
+        return self.quarantine.bytes
 
     def _xfer(self, op: str, buf: torch.Tensor, fd: int, offset: int, nbytes: int) -> None:
         a = self.agent
-        handles = []
+        regs: list[Any] = []
         with self._lock:
-            unsafe = False  # True while the backend may still touch ``buf``
             try:
-                handles.append(a.register_memory(buf[:nbytes]))
-                handles.append(a.register_memory([(offset, nbytes, fd, "kvtc")], "FILE"))
+                regs.append(a.register_memory(buf[:nbytes]))
+                regs.append(a.register_memory([(offset, nbytes, fd, "kvtc")], "FILE"))
                 local = a.get_xfer_descs([(buf.data_ptr(), nbytes, 0)], "DRAM")
                 remote = a.get_xfer_descs([(offset, nbytes, fd)], "FILE")
-                if local is None or remote is None:
-                    raise TransferError("NIXL rejected the transfer descriptors")
-                h = a.initialize_xfer(op, local, remote, self.name)
-                try:
-                    unsafe = True
-                    state = a.transfer(h)
-                    deadline = time.monotonic() + self.timeout_s
-                    while state != "DONE":
-                        if state == "ERR":
-                            raise TransferError(f"NIXL {op} reported an error")
-                        if time.monotonic() > deadline:
-                            raise TransferError(f"NIXL {op} of {nbytes} bytes timed out after {self.timeout_s} s")
-                        time.sleep(0.0002)
-                        state = a.check_xfer_state(h)
-                    unsafe = False
-                finally:
-                    try:
-                        a.release_xfer_handle(h)
-                        unsafe = False  # released: the backend is done with the buffer
-                    except self.errors:
-                        log.warning("NIXL could not release a %s handle", op)
             except self.errors as e:
-                raise TransferError(f"NIXL {op} failed: {type(e).__name__}: {e}") from e
-            finally:
-                for reg in reversed(handles):
+                for reg in reversed(regs):
                     try:
                         a.deregister_memory(reg)
-                    except self.errors:  # cleanup must not hide the real error
-                        log.warning("NIXL deregistration failed")
-                        unsafe = True
-                if unsafe:
-                    self._hold(buf, f"{op} not confirmed finished")
+                    except self.errors:
+                        self.quarantine.hold(buf, f"{op} registration not undone")
+                raise TransferError(f"NIXL {op} failed: {type(e).__name__}: {e}") from e
+            transfer(
+                a,
+                self.errors,
+                op,
+                local,
+                remote,
+                self.name,
+                self.timeout_s,
+                buf=buf,
+                quarantine=self.quarantine,
+                registrations=regs,
+            )
 
     def write(self, fd: int, data: torch.Tensor, offset: int = 0) -> None:
         """Write a contiguous CPU uint8 tensor to ``fd`` at ``offset``."""
