@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from dynamo_kvtc.connector.config import OWN_KEYS, TIER_KEYS
+from dynamo_kvtc.settings import SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST_DIR = ROOT / "manifests"
@@ -33,12 +33,9 @@ WRAPPERS = ("MultiConnector", "PdConnector")
 GIB = 1 << 30
 # Host tier + this much: vLLM processes, torch/CUDA context, NIXL registrations, codec staging (see the manifests).
 PROCESS_BASELINE_GIB = 16
-# The connector's own settings and the types a JSON value may have for each (from its config module).
+# The connector's own settings and the types a JSON value may have for each (from the settings table).
 _KIND_TYPES = {"gb": (int, float), "float": (int, float), "int": int, "bool": bool, "path": str, "str": str}
-EXTRA_KEYS = {
-    **{k: _KIND_TYPES[kind] for k, (_, kind) in TIER_KEYS.items()},
-    **{k: _KIND_TYPES[kind] for k, kind in OWN_KEYS.items()},
-}
+EXTRA_KEYS = {s.key: _KIND_TYPES[s.type] for s in SETTINGS if s.extra}
 COMPONENT_TYPES = {"frontend", "worker", "planner"}
 SUB_COMPONENT_TYPES = {"prefill", "decode"}
 CALIBRATIONS = "/opt/dynamo_kvtc/calibrations/"

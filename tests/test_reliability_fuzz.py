@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynamo_kvtc import KvtcCodec
+from dynamo_kvtc import settings as kvtc_settings
 from dynamo_kvtc.codec.container import MAGIC, PREFIX, parse_blob
 from dynamo_kvtc.connector import lookup, transfer
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, DecodeError, TierError, TransferError
 from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig
-from dynamo_kvtc.tiers import config as tier_config
 from dynamo_kvtc.tiers import disk as disk_mod
 
 FUZZ = settings(
@@ -293,7 +293,7 @@ def test_transfer_reply_checks(reply):
 
 # ---------------------------------------------------------------------------------------------- configuration
 @settings(FUZZ, max_examples=200)
-@given(st.dictionaries(st.sampled_from(sorted(tier_config.ENV)), st.text()))
+@given(st.dictionaries(st.sampled_from(sorted(s.env for s in kvtc_settings.select("tier"))), st.text()))
 def test_tier_config_from_any_environment(env):
     try:
         cfg = TierConfig.from_env(env)

@@ -1,19 +1,8 @@
-"""Tier configuration: dataclass fields, ``DYN_KVTC_*`` environment variables, validation with clear errors.
+"""Tier configuration: the :class:`TierConfig` dataclass, its validation, and reading it from the environment.
 
-| variable | field | default |
-|---|---|---|
-| ``DYN_KVTC_CPU_CACHE_GB`` | host_bytes | 1 GiB |
-| ``DYN_KVTC_DISK_CACHE_GB`` | disk_bytes | 0 (no disk tier) |
-| ``DYN_KVTC_DISK_CACHE_DIR`` | disk_dir | none |
-| ``DYN_KVTC_RATIO`` | ratio | 16 |
-| ``DYN_KVTC_MAX_RATIO`` | max_ratio (accuracy floor: never compress harder) | ratio |
-| ``DYN_KVTC_OFFLOAD_MIN_FREQUENCY`` | min_frequency (offload a block once seen this often) | 1 |
-| ``DYN_KVTC_MIN_TOKENS`` | min_tokens (shorter sequences bypass the tier) | 64 |
-| ``DYN_KVTC_DISK_FSYNC`` | fsync (durability of committed disk blobs) | 1 |
-| ``DYN_KVTC_PAGE_BYTES`` | page_bytes (host-tier page, a power of two >= 512) | 16384 |
-| ``DYN_KVTC_NIXL_TIMEOUT_S`` | nixl_timeout_s (deadline of one disk-tier NIXL transfer) | 30 |
-
-Every field is checked when the config is built (type, range, finiteness); a bad value raises
+Its ``DYN_KVTC_*`` variables, types, bounds and defaults are the ``tier`` rows of :data:`dynamo_kvtc.settings.SETTINGS`
+(the reference table is docs/configuration.md, generated from it); :meth:`TierConfig.from_env` parses through that
+table. Every field is checked when the config is built (type, range, finiteness); a bad value raises
 :class:`~dynamo_kvtc.errors.ConfigError` naming the field (or the environment variable it came from).
 """
 
@@ -21,45 +10,40 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from .. import settings
 from ..errors import ConfigError
+from ..settings import GB
 
-GB = 1 << 30
-
-ENV = {
-    "DYN_KVTC_CPU_CACHE_GB": ("host_bytes", "gb"),
-    "DYN_KVTC_DISK_CACHE_GB": ("disk_bytes", "gb"),
-    "DYN_KVTC_DISK_CACHE_DIR": ("disk_dir", "path"),
-    "DYN_KVTC_RATIO": ("ratio", "float"),
-    "DYN_KVTC_MAX_RATIO": ("max_ratio", "float"),
-    "DYN_KVTC_OFFLOAD_MIN_FREQUENCY": ("min_frequency", "int"),
-    "DYN_KVTC_MIN_TOKENS": ("min_tokens", "int"),
-    "DYN_KVTC_DISK_FSYNC": ("fsync", "bool"),
-    "DYN_KVTC_PAGE_BYTES": ("page_bytes", "int"),
-    "DYN_KVTC_NIXL_TIMEOUT_S": ("nixl_timeout_s", "float"),
-}
 _INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks")
 _FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
+_d = settings.default  # field defaults are the table's
+
+__all__ = ["GB", "TierConfig"]
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    host_bytes: int = GB
-    disk_bytes: int = 0
-    disk_dir: Path | None = None
-    ratio: float = 16.0
-    max_ratio: float | None = None  # the accuracy floor: the policy never picks a higher ratio
+    """What the compressed tiers may hold and how they choose a ratio. Owns validation of its own fields; never
+    reads the environment except in :meth:`from_env`."""
+
+    host_bytes: int = _d("cpu_cache_gb")
+    disk_bytes: int = _d("disk_cache_gb")
+    disk_dir: Path | None = _d("disk_cache_dir")
+    ratio: float = _d("ratio")
+    max_ratio: float | None = _d("max_ratio")  # the accuracy floor: the policy never picks a higher ratio
     pressure_high: float = 0.9  # host-tier fill above which the policy moves to a higher ratio
-    min_frequency: int = 1
-    min_tokens: int = 64
-    fsync: bool = True
-    page_bytes: int = 16384
-    window: int = 128  # tokens of a sequence's tail blob kept raw
-    sinks: int = 4
-    nixl_timeout_s: float = 30.0
+    min_frequency: int = _d("offload_min_frequency")
+    min_tokens: int = _d("min_tokens")
+    fsync: bool = _d("disk_fsync")
+    page_bytes: int = _d("page_bytes")
+    window: int = _d("window")  # tokens of a sequence's tail blob kept raw
+    sinks: int = _d("sinks")
+    nixl_timeout_s: float = _d("nixl_timeout_s")
 
     def __post_init__(self) -> None:
         for name in _INTS:
@@ -96,44 +80,19 @@ class TierConfig:
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> TierConfig:
-        env = dict(os.environ if env is None else env)
-        kw: dict[str, Any] = {}
-        for var, (name, kind) in ENV.items():
-            if var not in env or env[var] == "":
-                continue
-            raw = env[var]
-            try:
-                if kind == "gb":
-                    v = float(raw)
-                    if v < 0:
-                        raise ValueError("negative")
-                    if not math.isfinite(v):
-                        raise ValueError("not a finite number")
-                    kw[name] = int(v * GB)
-                elif kind == "float":
-                    kw[name] = float(raw)
-                    if not math.isfinite(kw[name]):
-                        raise ValueError("not a finite number")
-                elif kind == "int":
-                    kw[name] = int(raw)
-                elif kind == "bool":
-                    if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
-                        raise ValueError("expected 0/1/true/false")
-                    kw[name] = raw.lower() in ("1", "true", "yes")
-                else:
-                    kw[name] = Path(raw)
-            except ValueError as e:
-                raise ConfigError(f"{var}={raw!r} is invalid: {e}") from None
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TierConfig:
+        """The tier settings from ``DYN_KVTC_*`` variables (``os.environ`` when ``env`` is None), then ``overrides``
+        (field names) on top."""
         known = {f.name for f in fields(cls)}
         bad = set(overrides) - known
         if bad:
             raise ConfigError(f"unknown tier settings: {sorted(bad)}")
+        kw = settings.resolve("tier", None, env)
         try:
             return cls(**{**kw, **overrides})
         except ConfigError as e:  # name the variable a bad value came from
-            src = [var for var, (name, _) in ENV.items() if name in kw and name not in overrides and name in str(e)]
-            raise ConfigError(f"{e} (from {', '.join(src)})" if src else str(e)) from None
+            origins = {f: o for f, o in settings.sources("tier", None, env).items() if f not in overrides}
+            raise settings.blame(e, origins) from None
 
     def with_(self, **kw: Any) -> TierConfig:
         return replace(self, **kw)

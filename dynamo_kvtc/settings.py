@@ -1,0 +1,387 @@
+"""Every ``DYN_KVTC_*`` setting in one table, one parser for all of them, and the configuration reference made from it.
+
+``SETTINGS`` lists each setting the package reads: its key (also the ``kv_connector_extra_config`` key), its
+environment variable (``DYN_KVTC_<KEY>``), its type, default, bounds or choices, what it means, and its scope, i.e.
+who reads it:
+
+- ``tier``: a :class:`~dynamo_kvtc.tiers.config.TierConfig` field (``TierConfig.from_env``; the connector too),
+- ``connector``: a :class:`~dynamo_kvtc.connector.config.ConnectorConfig` field (``ConnectorConfig.from_sources``),
+- ``process``: a process-wide knob read from the environment only, where it is used, through :func:`env_value`.
+
+Tier and connector settings come from ``kv_connector_extra_config`` (wins) or the environment. Every raw value goes
+through :func:`parse`, which returns the typed value or raises :class:`~dynamo_kvtc.errors.ConfigError` naming the
+key, where the value came from and what is wrong. ``python -m dynamo_kvtc.settings`` prints the reference table of
+``docs/configuration.md``; ``--check PATH`` fails when that file's table is stale, ``--write PATH`` regenerates it.
+
+This is a foundation module: it imports the standard library and :mod:`.errors` only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+GB = 1 << 30
+SCOPES = ("tier", "connector", "process")
+TYPES = ("gb", "float", "int", "bool", "path", "str")
+PORT = "a port number (0-65535)"
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``DYN_KVTC_*`` setting: how to read it, check it and document it. Holds no value; never reads anything."""
+
+    key: str  # the kv_connector_extra_config key (tier/connector scope) and the name for env_value()
+    type: str  # gb (a size in GB, the field holds bytes) | float | int | bool | path | str
+    default: Any  # in the user's unit (GB for sizes); None: unset
+    doc: str
+    scope: str  # tier | connector | process
+    field: str = ""  # the config dataclass field (default: the key)
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # value must be > lo rather than >= lo
+    choices: tuple[str, ...] = ()  # allowed values of a str setting ("" = unset)
+    rule: str = ""  # how to say the bounds, where the derived wording would be unclear ("a port number")
+    default_doc: str = ""  # how to show the default where the value alone says too little
+    env: str = ""  # the environment variable (default: DYN_KVTC_<KEY>)
+
+    def __post_init__(self) -> None:
+        if self.type not in TYPES or self.scope not in SCOPES:
+            raise ConfigError(f"setting {self.key}: bad type {self.type!r} or scope {self.scope!r}")
+        object.__setattr__(self, "field", self.field or self.key)
+        object.__setattr__(self, "env", self.env or "DYN_KVTC_" + self.key.upper())
+
+    @property
+    def extra(self) -> bool:
+        """Whether kv_connector_extra_config may set it (process-wide knobs are environment-only)."""
+        return self.scope != "process"
+
+
+def _s(key: str, type: str, default: Any, doc: str, scope: str, **kw: Any) -> Setting:
+    return Setting(key, type, default, doc, scope, **kw)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # -- tiers (TierConfig fields) ---------------------------------------------------------------------------------
+    _s("cpu_cache_gb", "gb", 1, "compressed host tier size (one arena, allocated at start-up)", "tier",
+       field="host_bytes", lo=0, hi=1 << 20),
+    _s("disk_cache_gb", "gb", 0, "compressed disk tier size (0 = none; needs `disk_cache_dir`)", "tier",
+       field="disk_bytes", lo=0, hi=1 << 20),
+    _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700)", "tier", field="disk_dir",
+       default_doc="none"),
+    _s("ratio", "float", 16, "default compression ratio (a plan of the calibration)", "tier", lo=0, lo_open=True),
+    _s("max_ratio", "float", None, "accuracy floor: never compress harder, even under pressure", "tier", lo=0,
+       lo_open=True, default_doc="`ratio`"),
+    _s("min_tokens", "int", 64, "sequences shorter than this bypass the tiers", "tier", lo=0),
+    _s("offload_min_frequency", "int", 1, "offload a block once seen this often", "tier", field="min_frequency",
+       lo=1),
+    _s("window", "int", 128, "most recent tokens of a saved prompt kept raw", "tier", lo=0),
+    _s("sinks", "int", 4, "first tokens of a sequence kept in fp8 (attention sinks)", "tier", lo=0),
+    _s("disk_fsync", "bool", True, "fsync committed disk blobs", "tier", field="fsync"),
+    _s("page_bytes", "int", 16384, "page size of the host-tier arena (a power of two)", "tier", lo=512),
+    _s("nixl_timeout_s", "float", 30, "deadline of one disk-tier NIXL transfer", "tier", lo=0, lo_open=True),
+    # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
+    _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
+       default_doc="the shipped one"),
+    _s("flush_tokens", "int", 256, "while decoding, offload once this many new tokens filled blocks", "connector",
+       lo=1),
+    _s("load_timeout_s", "float", 30, "longest wait for one layer's restore before falling back", "connector", lo=0,
+       lo_open=True),
+    _s("load_failure_policy", "str", "recompute", "vLLM's kv_load_failure_policy", "connector",
+       choices=("recompute", "fail")),
+    _s("metrics_port", "int", None, "Prometheus endpoint on the worker (rank 0), 0 = any free port", "connector",
+       lo=0, hi=65535, rule=PORT, default_doc="off"),
+    _s("publish_events", "bool", True, "tier events into vLLM's KV event stream (router)", "connector"),
+    _s("transfer", "str", "", "compressed prefill→decode transfer: this engine's side", "connector",
+       choices=("", "prefill", "decode"), default_doc="off"),
+    _s("nixl_backend", "str", "UCX", "NIXL backend of the transfer", "connector"),
+    _s("transfer_host", "str", "127.0.0.1", "address the prefill side serves blobs on", "connector"),
+    _s("transfer_port", "int", 0, "port of the prefill side's control channel (0 = any)", "connector", lo=0,
+       hi=65535, rule=PORT),
+    _s("transfer_timeout_s", "float", 10, "control-channel and NIXL deadline", "connector", lo=0, lo_open=True),
+    _s("transfer_staging_mb", "int", 256, "prefill side: NIXL-registered staging arena for the compressed hand-off, "
+       "in MiB", "connector", lo=1, hi=1 << 20),
+    # -- process-wide, environment only -----------------------------------------------------------------------------
+    _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
+       "(readable on CPU-only nodes too)", "process", choices=("deflate", "gdeflate", "ans")),
+    _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
+       "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
+    _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
+       "process"),
+    _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process",
+       default_doc="the repository's `calibrations/`"),
+    _s("data", "path", None, "folder searched first for the offline text data sets", "process",
+       default_doc="`<venv>/share/dynamo_kvtc`, then `<cache>/data`"),
+    _s("cache", "path", "~/.cache/dynamo_kvtc", "cache of converted embedded models and made calibrations",
+       "process"),
+    _s("bench_smoke", "bool", False, "`dynamo-kvtc bench gpu`: a CPU code check of the benchmark, numbers "
+       "meaningless", "process"),
+)  # fmt: skip
+BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
+
+
+# ---------------------------------------------------------------------------------------------------------- parsing
+def origin_of(s: Setting, from_extra: bool) -> str:
+    """How an error names where a value came from: the extra-config key, or the environment variable."""
+    return f"kv_connector_extra_config.{s.key}" if from_extra else s.env
+
+
+def _number(s: Setting, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ValueError("expected a number")
+    try:
+        v = float(raw.strip() if isinstance(raw, str) else raw)
+    except OverflowError:
+        raise ValueError("not a finite number") from None
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not math.isfinite(v):
+        raise ValueError("not a finite number")
+    return v
+
+
+def _integer(s: Setting, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected an integer")
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, float):
+        if not math.isfinite(raw) or not raw.is_integer():
+            raise ValueError("expected an integer")
+        return int(raw)
+    if not isinstance(raw, str):
+        raise ValueError("expected an integer")
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _boolean(s: Setting, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    t = str(raw).strip().lower() if isinstance(raw, (int, str)) else ""
+    if t not in _TRUE + _FALSE:
+        raise ValueError("expected true/false (1/0, yes/no)")
+    return t in _TRUE
+
+
+def _text(s: Setting, raw: Any) -> Any:
+    if s.type == "path":
+        if not isinstance(raw, (str, os.PathLike)) or str(raw).strip() == "":
+            raise ValueError("expected a path")
+        return Path(str(raw)).expanduser()
+    if not isinstance(raw, str) or (not s.choices and raw.strip() == ""):
+        raise ValueError("expected a string")
+    if s.choices:
+        t = raw.strip().lower()
+        if t not in s.choices:
+            raise ValueError(f"{s.key} must be one of {_say_choices(s, quote=chr(39))}")
+        return t
+    return raw.strip()
+
+
+def _check_bounds(s: Setting, v: float) -> None:
+    low = s.lo is not None and (v <= s.lo if s.lo_open else v < s.lo)
+    high = s.hi is not None and v > s.hi
+    if (low or high) and s.rule:
+        raise ValueError(f"{v:g} is not {s.rule}")
+    if low:
+        raise ValueError(f"must be {'>' if s.lo_open else '>='} {_fmt(s.lo)}")
+    if high:
+        raise ValueError(f"must be <= {_fmt(s.hi)}")
+
+
+def parse(key: str, raw: Any, from_extra: bool = False) -> Any:
+    """The typed value of setting ``key`` from a raw value (a string from the environment, or a JSON value from
+    kv_connector_extra_config); sizes in GB come back in bytes. Raises ConfigError naming the key, where the value
+    came from and what is wrong."""
+    s = BY_KEY[key]
+    try:
+        if s.type in ("gb", "float"):
+            v: Any = _number(s, raw)
+        elif s.type == "int":
+            v = _integer(s, raw)
+        elif s.type == "bool":
+            return _boolean(s, raw)
+        else:
+            return _text(s, raw)
+        _check_bounds(s, v)
+    except ValueError as e:
+        where = origin_of(s, from_extra)
+        hint = "" if from_extra else f" (setting {s.key})"
+        shown = repr(raw) if len(repr(raw)) <= 64 else repr(raw)[:60] + "..."
+        raise ConfigError(f"{where}={shown} is invalid: {e}{hint}") from None
+    return int(v * GB) if s.type == "gb" else v
+
+
+def default(key: str) -> Any:
+    """The typed default of a setting (bytes for sizes; None where unset means 'not configured')."""
+    s = BY_KEY[key]
+    return None if s.default is None else parse(key, s.default)
+
+
+# ---------------------------------------------------------------------------------------------------------- reading
+def select(scope_or_keys: str | Iterable[str]) -> list[Setting]:
+    """The settings of some scopes and/or keys, in table order."""
+    names = {scope_or_keys} if isinstance(scope_or_keys, str) else set(scope_or_keys)
+    bad = names - set(SCOPES) - set(BY_KEY)
+    if bad:
+        raise ConfigError(f"unknown settings or scopes {sorted(bad)}")
+    return [s for s in SETTINGS if s.scope in names or s.key in names]
+
+
+def _raw(
+    scope_or_keys: str | Iterable[str], extra: Mapping[str, Any] | None, env: Mapping[str, str] | None
+) -> list[tuple[Setting, Any, bool]]:
+    chosen = select(scope_or_keys)
+    extra = dict(extra or {})
+    env = os.environ if env is None else env
+    known = sorted(s.key for s in chosen if s.extra)
+    unknown = sorted(set(extra) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown kv_connector_extra_config keys for KvtcConnector: {unknown}; known: {known}")
+    out = []
+    for s in chosen:
+        if s.extra and extra.get(s.key) is not None:
+            out.append((s, extra[s.key], True))
+        elif env.get(s.env, "") != "":
+            out.append((s, env[s.env], False))
+    return out
+
+
+def resolve(
+    scope_or_keys: str | Iterable[str], extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The parsed values, by dataclass field, of the chosen settings that are set: from kv_connector_extra_config
+    (wins; a key that none of the chosen settings accepts is refused) or else the environment (``os.environ`` when
+    ``env`` is None; an empty variable counts as unset). Settings left unset are absent: the dataclass default holds."""
+    return {s.field: parse(s.key, raw, from_extra) for s, raw, from_extra in _raw(scope_or_keys, extra, env)}
+
+
+def sources(
+    scope_or_keys: str | Iterable[str], extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Where each value :func:`resolve` returns came from, by field (for error messages)."""
+    return {s.field: origin_of(s, from_extra) for s, _, from_extra in _raw(scope_or_keys, extra, env)}
+
+
+def env_value(key: str, env: Mapping[str, str] | None = None) -> Any:
+    """A setting read from the environment only (``os.environ`` when ``env`` is None): the parsed value, or the
+    typed default when the variable is unset or empty. For process-wide knobs read where they are used."""
+    env = os.environ if env is None else env
+    raw = env.get(BY_KEY[key].env, "")
+    return default(key) if raw == "" else parse(key, raw)
+
+
+def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:
+    """``error`` (from a config's own validation) with the sources of the fields it names appended."""
+    src = [o for f, o in origins.items() if f in str(error) and o not in str(error)]
+    return ConfigError(f"{error} (from {', '.join(src)})") if src else error
+
+
+# ---------------------------------------------------------------------------------------------------------- the doc
+BEGIN = "<!-- settings table: generated by `python -m dynamo_kvtc.settings --write`; do not edit -->"
+END = "<!-- end of the generated settings table -->"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:g}" if v < 1 << 20 else f"2^{int(math.log2(v))}"
+
+
+def _say_bounds(s: Setting) -> str:
+    if s.rule:
+        return s.rule
+    lo = None if s.lo is None else (">" if s.lo_open else ">=") + " " + _fmt(s.lo)
+    if s.hi is None:
+        return lo or ""
+    if s.lo is not None and not s.lo_open:
+        return f"in [{_fmt(s.lo)}, {_fmt(s.hi)}]"
+    return f"{lo} and <= {_fmt(s.hi)}" if lo else f"<= {_fmt(s.hi)}"
+
+
+def _say_choices(s: Setting, quote: str = "`") -> str:
+    named = [f"{quote}{c}{quote}" for c in s.choices if c] + (["unset"] if "" in s.choices else [])
+    return ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
+
+
+def _say_type(s: Setting) -> str:
+    if s.choices:
+        return _say_choices(s)
+    if s.rule:
+        return s.rule
+    name = {"gb": "GB", "float": "number", "int": "integer", "bool": "true/false", "path": "path", "str": "string"}
+    bounds = _say_bounds(s)
+    return f"{name[s.type]}, {bounds}" if bounds else name[s.type]
+
+
+def _say_default(s: Setting) -> str:
+    if s.default_doc:
+        return s.default_doc
+    if isinstance(s.default, bool):
+        return "true" if s.default else "false"
+    return f"`{s.default}`" if isinstance(s.default, str) else f"{s.default:g}"
+
+
+def markdown_table() -> str:
+    """The settings reference of docs/configuration.md (between its marker comments), made from SETTINGS."""
+    lines = [
+        BEGIN,
+        "",
+        "Connector and tier settings (`kv_connector_extra_config` key, or the variable):",
+        "",
+        "| key | variable | value | default | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| `{s.key}` | `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if s.extra
+    ]
+    lines += ["", "Process-wide settings (environment only):", "", "| variable | value | default | meaning |"]
+    lines += ["|---|---|---|---|"]
+    lines += [f"| `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if not s.extra]
+    return "\n".join(lines + ["", END])
+
+
+def documented_table(text: str) -> str | None:
+    """The generated block of a document (markers included), or None when it has no markers."""
+    i, j = text.find(BEGIN), text.find(END)
+    return text[i : j + len(END)] if 0 <= i < j else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dynamo_kvtc.settings", description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--check", metavar="DOC", help="exit 1 when DOC's settings table differs from the generated one")
+    g.add_argument("--write", metavar="DOC", help="replace DOC's settings table (between the markers) by the table")
+    a = p.parse_args(argv)
+    doc = a.check or a.write
+    if doc is None:
+        print(markdown_table())
+        return 0
+    text = Path(doc).read_text(encoding="utf-8")
+    old = documented_table(text)
+    if old is None:
+        print(f"{doc}: no settings table markers ({BEGIN!r} ... {END!r})", file=sys.stderr)
+        return 1
+    if old == markdown_table():
+        return 0
+    if a.check:
+        print(f"{doc}: settings table is stale; run python -m dynamo_kvtc.settings --write {doc}", file=sys.stderr)
+        return 1
+    Path(doc).write_text(text.replace(old, markdown_table()), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

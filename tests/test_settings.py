@@ -1,0 +1,269 @@
+"""The settings table (dynamo_kvtc/settings.py): one parser for every DYN_KVTC_* key, its errors, and the generated
+configuration reference in docs/configuration.md. Everything here parses real values; nothing is mocked."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from dynamo_kvtc import settings
+from dynamo_kvtc.connector.config import ConnectorConfig
+from dynamo_kvtc.errors import ConfigError
+from dynamo_kvtc.tiers.config import TierConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "configuration.md"
+
+
+# ---------------------------------------------------------------------------------------------- the table
+def test_every_variable_the_package_names_is_in_the_table():
+    """A DYN_KVTC_* name anywhere in the package (read or mentioned) must be a row of the table."""
+    named = set()
+    for path in (ROOT / "dynamo_kvtc").rglob("*.py"):
+        named |= set(re.findall(r"DYN_KVTC_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8")))
+    assert named, "the scan found nothing: wrong root?"
+    assert sorted(named - set(settings.BY_ENV)) == []
+
+
+def test_table_is_consistent():
+    assert len(settings.BY_KEY) == len(settings.SETTINGS) == len(settings.BY_ENV)
+    for s in settings.SETTINGS:
+        assert s.env == "DYN_KVTC_" + s.key.upper() and s.doc
+        assert s.choices == () or s.type == "str"
+        if s.default is not None:
+            settings.default(s.key)  # every default passes its own checks
+
+
+def test_config_dataclasses_cover_their_scopes_and_take_the_table_defaults():
+    tier = {f.name: f.default for f in fields(TierConfig)}
+    conn = {f.name: f.default for f in fields(ConnectorConfig) if f.name != "tiers"}
+    for scope, defaults in (("tier", tier), ("connector", conn)):
+        for s in settings.select(scope):
+            assert s.field in defaults, s.key
+            assert defaults[s.field] == settings.default(s.key), s.key
+    assert set(conn) == {s.field for s in settings.select("connector")}
+    assert TierConfig().host_bytes == 1 << 30 and ConnectorConfig().transfer_staging_mb == 256
+
+
+# ---------------------------------------------------------------------------------------------- the doc
+def test_configuration_doc_is_the_generated_table():
+    text = DOC.read_text(encoding="utf-8")
+    assert settings.documented_table(text) == settings.markdown_table()
+    for s in settings.SETTINGS:
+        assert f"`{s.env}`" in settings.markdown_table()
+
+
+def test_check_command_fails_on_a_stale_doc_and_write_repairs_it(tmp_path):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "dynamo_kvtc.settings", *args], capture_output=True, text=True, cwd=ROOT
+        )
+
+    assert run("--check", str(DOC)).returncode == 0
+    printed = run()
+    assert printed.returncode == 0 and printed.stdout.strip() == settings.markdown_table()
+    stale = tmp_path / "configuration.md"
+    stale.write_text(DOC.read_text(encoding="utf-8").replace("| 16384 |", "| 8192 |"), encoding="utf-8")
+    bad = run("--check", str(stale))
+    assert bad.returncode == 1 and "stale" in bad.stderr
+    assert run("--write", str(stale)).returncode == 0
+    assert stale.read_text(encoding="utf-8") == DOC.read_text(encoding="utf-8")
+    (tmp_path / "plain.md").write_text("no markers\n", encoding="utf-8")
+    assert run("--check", str(tmp_path / "plain.md")).returncode == 1
+
+
+def test_doc_examples_are_the_real_errors():
+    text = DOC.read_text(encoding="utf-8")
+    for extra, env in (({"ratio": "fast"}, {}), ({}, {"DYN_KVTC_CPU_CACHE_GB": "inf"})):
+        with pytest.raises(ConfigError) as e:
+            ConnectorConfig.from_sources(extra, env)
+        assert f"`{e.value}`" in text
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize(
+    "key, raw, message",
+    [
+        ("cpu_cache_gb", "inf", "not a finite number"),
+        ("cpu_cache_gb", "nan", "not a finite number"),
+        ("cpu_cache_gb", float("inf"), "not a finite number"),
+        ("cpu_cache_gb", 10**400, "not a finite number"),  # a JSON integer too large for a float
+        ("cpu_cache_gb", "1e400", "not a finite number"),
+        ("cpu_cache_gb", -1, "must be >= 0"),
+        ("cpu_cache_gb", 1 << 21, r"must be <= 2\^20"),
+        ("cpu_cache_gb", True, "expected a number"),
+        ("cpu_cache_gb", [1], "expected a number"),
+        ("ratio", "fast", "expected a number"),
+        ("ratio", 0, "must be > 0"),
+        ("ratio", float("nan"), "not a finite number"),
+        ("nixl_timeout_s", "-inf", "not a finite number"),
+        ("nixl_timeout_s", "-1", "must be > 0"),
+        ("min_tokens", 1.5, "expected an integer"),
+        ("min_tokens", "1.5", "expected an integer"),
+        ("min_tokens", False, "expected an integer"),
+        ("min_tokens", -1, "must be >= 0"),
+        ("page_bytes", 256, "must be >= 512"),
+        ("flush_tokens", 0, "must be >= 1"),
+        ("metrics_port", 70000, "not a port number"),
+        ("transfer_port", -1, "not a port number"),
+        ("transfer_staging_mb", 0, "must be >= 1"),
+        ("transfer_staging_mb", 1 << 21, r"must be <= 2\^20"),
+        ("transfer_staging_mb", "big", "expected an integer"),
+        ("publish_events", "maybe", "expected true/false"),
+        ("publish_events", 2, "expected true/false"),
+        ("disk_fsync", None, "expected true/false"),
+        ("gpu_entropy", "zstd", "gpu_entropy must be one of 'deflate', 'gdeflate' or 'ans'"),
+        ("fused", "yes", "fused must be one of '0', '1' or 'force'"),
+        ("transfer", "sideways", "transfer must be one of 'prefill', 'decode' or unset"),
+        ("load_failure_policy", "ignore", "load_failure_policy must be one of 'recompute' or 'fail'"),
+        ("calibration", "", "expected a path"),
+        ("calibration", 3, "expected a path"),
+        ("nixl_backend", "", "expected a string"),
+    ],
+)
+def test_parse_refuses_bad_values_naming_key_and_source(key, raw, message):
+    s = settings.BY_KEY[key]
+    with pytest.raises(ConfigError, match=message) as e:
+        settings.parse(key, raw, from_extra=True)
+    assert str(e.value).startswith(f"kv_connector_extra_config.{key}=")
+    if isinstance(raw, str):
+        with pytest.raises(ConfigError, match=message) as e:
+            settings.parse(key, raw)
+        assert str(e.value).startswith(f"{s.env}={raw!r} is invalid") and f"(setting {key})" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "key, raw, value",
+    [
+        ("cpu_cache_gb", "0.5", 1 << 29),
+        ("cpu_cache_gb", 2, 2 << 30),
+        ("cpu_cache_gb", " 1 ", 1 << 30),
+        ("cpu_cache_gb", 1 << 20, 1 << 50),
+        ("ratio", "32", 32.0),
+        ("min_tokens", 2.0, 2),  # an integral JSON float
+        ("min_tokens", "7", 7),
+        ("disk_fsync", "No", False),
+        ("disk_fsync", 1, True),
+        ("publish_events", False, False),
+        ("gpu_entropy", " GDeflate ", "gdeflate"),
+        ("fused", "force", "force"),
+        ("transfer", "", ""),
+        ("transfer", "decode", "decode"),
+        ("disk_cache_dir", "~/kv", Path("~/kv").expanduser()),
+        ("metrics_port", "0", 0),
+        ("transfer_staging_mb", "64", 64),
+    ],
+)
+def test_parse_returns_typed_values(key, raw, value):
+    v = settings.parse(key, raw)
+    assert v == value and type(v) is type(value)
+
+
+def test_gb_sizes_are_exact_bytes():
+    assert settings.parse("cpu_cache_gb", "1.5") == 3 << 29
+    assert isinstance(settings.parse("disk_cache_gb", 0.25), int)
+
+
+# ---------------------------------------------------------------------------------------------- resolve / env_value
+def test_resolve_extra_wins_over_env_and_empty_env_is_unset():
+    env = {"DYN_KVTC_RATIO": "32", "DYN_KVTC_WINDOW": "64", "DYN_KVTC_SINKS": ""}
+    got = settings.resolve("tier", {"ratio": 8, "window": None}, env)
+    assert got == {"ratio": 8.0, "window": 64}  # None in the extra config counts as unset, as does ""
+
+
+def test_resolve_refuses_unknown_and_env_only_extra_keys_listing_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys .*\['cpu_cache_gigs'\]") as e:
+        settings.resolve(("tier", "connector"), {"cpu_cache_gigs": 1}, {})
+    assert "known: [" in str(e.value) and "'cpu_cache_gb'" in str(e.value)
+    with pytest.raises(ConfigError, match="gpu_entropy"):  # process-wide knobs are environment-only
+        settings.resolve(("tier", "connector"), {"gpu_entropy": "ans"}, {})
+    with pytest.raises(ConfigError, match="flush_tokens"):  # a connector key is not a tier setting
+        settings.resolve("tier", {"flush_tokens": 3}, {})
+    with pytest.raises(ConfigError, match="unknown settings or scopes"):
+        settings.resolve("tiers", None, {})
+
+
+def test_resolve_by_keys_and_sources():
+    env = {"DYN_KVTC_RATIO": "32", "DYN_KVTC_FUSED": "0"}
+    assert settings.resolve(["ratio", "fused"], None, env) == {"ratio": 32.0, "fused": "0"}
+    assert settings.sources("tier", {"window": 4}, env) == {
+        "ratio": "DYN_KVTC_RATIO",
+        "window": "kv_connector_extra_config.window",
+    }
+
+
+def test_resolve_reads_os_environ_when_env_is_none(monkeypatch):
+    monkeypatch.setenv("DYN_KVTC_PAGE_BYTES", "4096")
+    assert settings.resolve("tier")["page_bytes"] == 4096
+    assert TierConfig.from_env().page_bytes == 4096
+
+
+def test_env_value_validates_and_defaults(monkeypatch):
+    assert settings.env_value("gpu_entropy", {}) == "ans"
+    assert settings.env_value("gpu_entropy", {"DYN_KVTC_GPU_ENTROPY": ""}) == "ans"
+    assert settings.env_value("gpu_entropy", {"DYN_KVTC_GPU_ENTROPY": "deflate"}) == "deflate"
+    with pytest.raises(ConfigError, match="DYN_KVTC_GPU_ENTROPY='lz4' is invalid"):
+        settings.env_value("gpu_entropy", {"DYN_KVTC_GPU_ENTROPY": "lz4"})
+    assert settings.env_value("fused", {}) == "1" and settings.env_value("fused_strict", {}) is False
+    assert settings.env_value("fused_strict", {"DYN_KVTC_FUSED_STRICT": "1"}) is True
+    assert settings.env_value("transfer_staging_mb", {}) == 256
+    with pytest.raises(ConfigError, match="DYN_KVTC_TRANSFER_STAGING_MB='1.5'"):
+        settings.env_value("transfer_staging_mb", {"DYN_KVTC_TRANSFER_STAGING_MB": "1.5"})
+    assert settings.env_value("calibrations", {}) is None and settings.env_value("data", {}) is None
+    assert settings.env_value("cache", {}) == Path.home() / ".cache" / "dynamo_kvtc"
+    assert settings.env_value("cache", {"DYN_KVTC_CACHE": "/x/y"}) == Path("/x/y")
+    assert settings.env_value("metrics_port", {}) is None
+    monkeypatch.setenv("DYN_KVTC_NIXL_TIMEOUT_S", "2.5")
+    assert settings.env_value("nixl_timeout_s") == 2.5
+
+
+# ---------------------------------------------------------------------------------------------- the two configs
+def test_connector_config_parses_through_the_table(tmp_path):
+    env = {"DYN_KVTC_CPU_CACHE_GB": "2", "DYN_KVTC_TRANSFER_STAGING_MB": "64", "DYN_KVTC_PAGE_BYTES": "4096"}
+    cfg = ConnectorConfig.from_sources({"window": 16, "nixl_timeout_s": 5, "transfer": "prefill"}, env)
+    assert cfg.tiers.host_bytes == 2 << 30 and cfg.tiers.page_bytes == 4096 and cfg.tiers.window == 16
+    assert cfg.tiers.nixl_timeout_s == 5.0 and cfg.transfer == "prefill" and cfg.transfer_staging_mb == 64
+    assert ConnectorConfig.from_sources({"transfer_staging_mb": 32}, env).transfer_staging_mb == 32
+
+
+@pytest.mark.parametrize(
+    "extra, env, message",
+    [
+        ({"cpu_cache_gb": "inf"}, {}, r"kv_connector_extra_config\.cpu_cache_gb='inf' is invalid: not a finite"),
+        ({"cpu_cache_gb": float("inf")}, {}, "cpu_cache_gb=inf is invalid: not a finite number"),
+        ({}, {"DYN_KVTC_CPU_CACHE_GB": "inf"}, "DYN_KVTC_CPU_CACHE_GB='inf' is invalid"),
+        ({"ratio": True}, {}, "ratio=True is invalid: expected a number"),
+        ({"load_timeout_s": "nan"}, {}, "load_timeout_s='nan' is invalid: not a finite number"),
+        ({"transfer_timeout_s": -1}, {}, "transfer_timeout_s=-1 is invalid: must be > 0"),
+        ({"transfer_staging_mb": 0.5}, {}, "transfer_staging_mb=0.5 is invalid: expected an integer"),
+        ({}, {"DYN_KVTC_TRANSFER": "both"}, "DYN_KVTC_TRANSFER='both' is invalid: transfer must be one of"),
+        ({"page_bytes": 1000}, {}, r"power of two .*\(from kv_connector_extra_config\.page_bytes\)"),
+        ({}, {"DYN_KVTC_PAGE_BYTES": "1000"}, r"power of two .*\(from DYN_KVTC_PAGE_BYTES\)"),
+    ],
+)
+def test_connector_config_errors(extra, env, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_sources(extra, env)
+
+
+def test_extra_config_value_wins_even_when_the_variable_is_bad():
+    cfg = ConnectorConfig.from_sources({"ratio": 8}, {"DYN_KVTC_RATIO": "fast"})
+    assert cfg.tiers.ratio == 8.0
+
+
+def test_tier_config_from_env_reads_the_tier_rows_and_overrides_win():
+    env = {s.env: "" for s in settings.select(("connector", "process"))}  # other scopes' variables are ignored
+    env |= {"DYN_KVTC_WINDOW": "32", "DYN_KVTC_SINKS": "2", "DYN_KVTC_RATIO": "8", "DYN_KVTC_FLUSH_TOKENS": "x"}
+    cfg = TierConfig.from_env(env, ratio=32.0)
+    assert (cfg.window, cfg.sinks, cfg.ratio) == (32, 2, 32.0)
+    with pytest.raises(ConfigError, match=r"DYN_KVTC_MIN_TOKENS='-3' is invalid: must be >= 0"):
+        TierConfig.from_env({"DYN_KVTC_MIN_TOKENS": "-3"})
+    with pytest.raises(ConfigError, match="unknown tier settings"):
+        TierConfig.from_env({}, host_gb=1)
+    with pytest.raises(ConfigError, match="transfer_staging_mb must be an integer >= 1"):
+        ConnectorConfig(transfer_staging_mb=0)
