@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dynamo_kvtc import Calibration, KvtcCodec, calibrate
-from dynamo_kvtc.codec.container import pack_blob, parse_blob
+from dynamo_kvtc.codec.container import BlobHeader, parse_blob, write_blob
 from dynamo_kvtc.errors import (
     CalibrationError,
     CalibrationMismatchError,
@@ -154,8 +154,7 @@ def test_gpu_only_tag_refused_on_cpu(synth, synth_cal):
             off += n
         tag = "ans" if r.name.endswith((".k", ".v")) else r.tag
         sections.append((r.name, tag, r.raw_len, chunks))
-    h.pop("sections")
-    relabelled = pack_blob(h, sections)
+    relabelled = write_blob(BlobHeader.from_dict(h), sections)
     with pytest.raises(UnsupportedCodecError, match="GPU-only"):
         codec.decode(relabelled)
     with pytest.raises(ConfigError, match="GPU-only"):

@@ -24,6 +24,12 @@ Decompressed-size limits, checked from the header alone before anything is alloc
 :data:`DEFLATE_MAX_RATIO` (1032, DEFLATE's ceiling) times its stored length, so a blob can never claim more raw bytes
 than its own size allows; the chunk count follows from the raw length arithmetically (no list is built for a hostile
 length).
+
+Writing: :class:`BlobHeader` is the header (every key but ``sections``); :func:`write_blob` assembles a blob from a
+header and its sections' stored chunks, :func:`frame_header` writes the prefix and header alone for writers that place
+the section bytes themselves (the fused GPU path). Both writers of the format go through these two functions.
+
+This module imports neither torch nor numpy: ``dynamo-kvtc inspect`` reads blobs without them.
 """
 
 from __future__ import annotations
@@ -31,13 +37,13 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
 
-from ..errors import CorruptBlobError
-from .entropy import CHUNK_BYTES, TAGS
+from ..errors import CorruptBlobError, InputError
+from .tags import CHUNK_BYTES, TAGS
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
@@ -65,8 +71,41 @@ HEADER_KEYS = (
 )
 
 
+@dataclass
+class BlobHeader:
+    """The header of one blob, every key of the msgpack map but ``sections`` (the writer adds the section table).
+
+    Field order is the key order on disk: the same header always packs to the same bytes. It only holds values; the
+    checks a reader needs live in :func:`parse_blob`.
+    """
+
+    cal: str
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+    tokens: int
+    positions: list[list[int]]  # [start, length] runs (see positions_to_runs)
+    mode: str  # "kvtc" or "raw"
+    ratio: float | None  # the DP plan's ratio; None in raw mode
+    sinks: int
+    window: int
+    groups: list[list[int]] = field(default_factory=list)  # [layer_start, layer_stop] per layer group
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, h: dict[str, Any]) -> BlobHeader:
+        """From a parsed header (its ``sections`` key, if any, is ignored)."""
+        return cls(**{k: h[k] for k in HEADER_KEYS if k != "sections"})
+
+
 @dataclass(frozen=True)
 class SectionRecord:
+    """One row of the section table: name, entropy tag, raw length, CRC-32 of the stored bytes, stored chunk lengths
+    (and, when parsed, where the stored bytes start in the blob)."""
+
     name: str
     tag: str
     raw_len: int
@@ -96,18 +135,27 @@ def runs_to_positions(runs: Sequence[Sequence[int]]) -> list[int]:
     return out
 
 
-def pack_blob(header: dict[str, Any], sections: Sequence[tuple[str, str, int, list[bytes]]]) -> bytes:
-    """Assemble a blob. ``sections``: (name, tag, raw_len, stored chunks)."""
+def frame_header(header: BlobHeader, table: Sequence[SectionRecord]) -> bytes:
+    """The prefix and msgpack header of a blob whose sections are ``table`` (their stored bytes follow, in order).
+
+    Raises :class:`~dynamo_kvtc.errors.InputError` (a ValueError) if the header exceeds :data:`MAX_HEADER_BYTES`
+    (a span with too many position runs)."""
+    rows = [[r.name, r.tag, int(r.raw_len), int(r.crc), [int(n) for n in r.chunks]] for r in table]
+    hdr = msgpack.packb({**header.to_dict(), "sections": rows}, use_bin_type=True)
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise InputError(f"header of {len(hdr)} bytes exceeds {MAX_HEADER_BYTES}; use shorter spans")
+    return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), zlib.crc32(hdr)) + hdr
+
+
+def write_blob(header: BlobHeader, sections: Sequence[tuple[str, str, int, Sequence[bytes]]]) -> bytes:
+    """Assemble a blob. ``sections``: (name, tag, raw_len, stored chunks), in blob order."""
     table = []
     for name, tag, raw_len, chunks in sections:
         crc = 0
         for c in chunks:
             crc = zlib.crc32(c, crc)
-        table.append([name, tag, int(raw_len), crc, [len(c) for c in chunks]])
-    hdr = msgpack.packb({**header, "sections": table}, use_bin_type=True)
-    if len(hdr) > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {len(hdr)} bytes exceeds {MAX_HEADER_BYTES}")
-    parts = [PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr]
+        table.append(SectionRecord(name, tag, int(raw_len), crc, tuple(len(c) for c in chunks)))
+    parts = [frame_header(header, table)]
     for _, _, _, chunks in sections:
         parts.extend(chunks)
     return b"".join(parts)

@@ -1,6 +1,6 @@
 """Lossless entropy stage (paper §3.3): raw DEFLATE in chunks of at most 64 KiB.
 
-Codec tags recorded in every blob section:
+Codec tags recorded in every blob section (defined in :mod:`.tags`, re-exported here):
 
 - ``store``    no entropy coding (raw window tokens, tiny sections).
 - ``deflate``  raw DEFLATE (RFC 1951, no zlib header). CPU: ``zlib`` with ``wbits=-15``, level 1, Huffman-only
@@ -24,17 +24,24 @@ from functools import lru_cache
 import torch
 
 from ..errors import ConfigError, CorruptBlobError, UnsupportedCodecError
+from .tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS, chunk_sizes
 
-CHUNK_BYTES = 1 << 16
-TAGS = ("store", "deflate", "gdeflate", "ans")
-GPU_ONLY_TAGS = frozenset({"gdeflate", "ans"})
-_NVCOMP_ALGO = {"deflate": "Deflate", "gdeflate": "GDeflate", "ans": "ANS"}
+__all__ = [
+    "CHUNK_BYTES",
+    "GPU_ONLY_TAGS",
+    "NVCOMP_ALGO",
+    "TAGS",
+    "EntropyCoder",
+    "check_readable",
+    "chunk_sizes",
+    "deflate_chunk",
+    "inflate_chunk",
+    "map_chunks",
+    "nvcomp_available",
+    "set_cpu_threads",
+]
 
-
-def chunk_sizes(raw_len: int) -> list[int]:
-    """Raw sizes of the chunks a section of ``raw_len`` bytes is split into."""
-    full, rest = divmod(raw_len, CHUNK_BYTES)
-    return [CHUNK_BYTES] * full + ([rest] if rest else [])
+NVCOMP_ALGO = {"deflate": "Deflate", "gdeflate": "GDeflate", "ans": "ANS"}  # tag -> nvCOMP algorithm name
 
 
 _THREADS = [0]  # 0: one zlib worker per CPU
@@ -55,18 +62,21 @@ def set_cpu_threads(n: int) -> None:
         old.shutdown(wait=False)
 
 
-def _map(fn, items: Sequence) -> list:  # zlib releases the GIL: threads scale across cores
+def map_chunks(fn, items: Sequence) -> list:
+    """``[fn(x) for x in items]`` on the zlib worker threads (zlib releases the GIL: threads scale across cores)."""
     if len(items) <= 2:
         return [fn(x) for x in items]
     return list(_pool().map(fn, items))
 
 
-def _deflate(chunk: bytes) -> bytes:
+def deflate_chunk(chunk: bytes | memoryview) -> bytes:
+    """One raw DEFLATE stream of one chunk (level 1, Huffman only): the CPU writer of the ``deflate`` tag."""
     c = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
     return c.compress(chunk) + c.flush()
 
 
-def _inflate(args: tuple[bytes, int]) -> bytes:
+def inflate_chunk(args: tuple[bytes, int]) -> bytes:
+    """Inflate ``(stored bytes, expected raw length)``; CorruptBlobError unless it is one whole stream of that size."""
     data, expected = args
     d = zlib.decompressobj(-15)
     try:
@@ -118,7 +128,7 @@ class EntropyCoder:
         if self.gpu:
             return self._nvcomp_compress(data)
         raw = memoryview(data.cpu().numpy().tobytes())
-        return _map(_deflate, [raw[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)])
+        return map_chunks(deflate_chunk, [raw[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)])
 
     # ------------------------------------------------------------------ decode
     def decompress(self, chunks: Sequence[bytes], raw_len: int) -> torch.Tensor:
@@ -136,7 +146,7 @@ class EntropyCoder:
         elif self.gpu:
             return self._nvcomp_decompress(chunks, sizes)
         else:
-            out = bytearray().join(_map(_inflate, list(zip(chunks, sizes))))
+            out = bytearray().join(map_chunks(inflate_chunk, list(zip(chunks, sizes))))
         t = torch.frombuffer(out, dtype=torch.uint8)
         return t.to(self.device) if self.device.type != "cpu" else t
 
@@ -144,7 +154,7 @@ class EntropyCoder:
     def _codec(self):
         from nvidia import nvcomp
 
-        kw = {"algorithm": _NVCOMP_ALGO[self.tag], "cuda_stream": torch.cuda.current_stream(self.device).cuda_stream}
+        kw = {"algorithm": NVCOMP_ALGO[self.tag], "cuda_stream": torch.cuda.current_stream(self.device).cuda_stream}
         if self.tag in ("deflate", "gdeflate"):
             kw["bitstream_kind"] = nvcomp.BitstreamKind.RAW
             kw["algorithm_type"] = 0

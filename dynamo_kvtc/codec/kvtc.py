@@ -32,12 +32,21 @@ from ..errors import (
     KvtcError,
     WrongCalibrationError,
 )
-from .container import check_section, pack_blob, parse_blob, positions_to_runs, runs_to_positions, section_chunks
-from .entropy import TAGS, EntropyCoder, check_readable
+from .container import (
+    BlobHeader,
+    check_section,
+    parse_blob,
+    positions_to_runs,
+    runs_to_positions,
+    section_chunks,
+    write_blob,
+)
+from .entropy import EntropyCoder, check_readable
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
 from .plan import decode_coefficients, encode_coefficients
-from .quant import FP8_MAX
 from .rope import RotaryConfig, rotate
+from .sinks import decode_sinks, encode_sinks, sink_bytes
+from .tags import TAGS
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,19 @@ class CodecConfig:
             raise ConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.tag not in TAGS:
             raise ConfigError(f"unknown entropy codec tag {self.tag!r}; choose one of {TAGS}")
+
+    def segments(self, positions: torch.Tensor, window: int | None = None) -> tuple[str, int, int, int]:
+        """``(mode, sinks, window, coded)`` token counts of a span at ``positions`` (CPU int64, validated);
+        ``window`` overrides the configured raw window for this span. Both writers split spans with this."""
+        if window is not None and window < 0:
+            raise InputError(f"window must be >= 0, got {window}")
+        T = positions.numel()
+        ns = int((positions < self.sinks).sum())
+        nw = min(self.window if window is None else window, T - ns)
+        nc = T - ns - nw
+        if nc < self.min_tokens:
+            return "raw", 0, T, 0
+        return "kvtc", ns, nw, nc
 
 
 class _Tables:
@@ -133,11 +155,37 @@ class KvtcCodec:
             self._fused = FusedCodec(self)
         return self._fused if self._use_fused else None
 
-    def _fused_failed(self, what: str, e: BaseException) -> None:
-        if os.environ.get("DYN_KVTC_FUSED_STRICT") == "1":  # tests: never hide a failure of the fast path
-            raise e
-        log.warning("kvtc fused %s failed (%s: %s); using the reference path from now on", what, type(e).__name__, e)
+    def disable_fused(self, what: str, error: BaseException) -> None:
+        """The fused path failed doing ``what``: log it and use the reference path from now on (re-raises ``error``
+        instead when ``DYN_KVTC_FUSED_STRICT=1``, as tests set, so a failure of the fast path is never hidden)."""
+        if os.environ.get("DYN_KVTC_FUSED_STRICT") == "1":
+            raise error
+        log.warning(
+            "kvtc fused %s failed (%s: %s); using the reference path from now on", what, type(error).__name__, error
+        )
         self._use_fused = False
+
+    _fused_failed = disable_fused  # the old private name, until every caller uses disable_fused
+
+    def blob_header(
+        self, dtype: torch.dtype, positions: torch.Tensor, mode: str, sinks: int, window: int
+    ) -> BlobHeader:
+        """The header of a blob of this codec's calibration (both writers build their headers here)."""
+        fp = self.fp
+        return BlobHeader(
+            cal=self.cal.id,
+            layers=fp.num_layers,
+            heads=fp.num_kv_heads,
+            head_dim=fp.head_dim,
+            dtype=dtype_name(dtype),
+            tokens=positions.numel(),
+            positions=positions_to_runs(positions.tolist()),
+            mode=mode,
+            ratio=self.config.ratio if mode == "kvtc" else None,
+            sinks=sinks,
+            window=window,
+            groups=[list(t.layers) for t in self._tables],
+        )
 
     @property
     def ratio(self) -> float:
@@ -224,19 +272,12 @@ class KvtcCodec:
             except KvtcError:
                 raise
             except Exception as e:  # noqa: BLE001 - the reference path below is always available
-                self._fused_failed("encode", e)
+                self.disable_fused("encode", e)
         t_start = self._now()
         keys, values, pos = self._check_inputs(keys, values, positions)
         L, T, H, D = keys.shape
         cfg = self.config
-        ns = int((pos < cfg.sinks).sum())
-        if window is not None and window < 0:
-            raise InputError(f"window must be >= 0, got {window}")
-        nw = min(cfg.window if window is None else window, T - ns)
-        nc = T - ns - nw
-        mode = "kvtc"
-        if nc < cfg.min_tokens:
-            mode, ns, nw, nc = "raw", 0, T, 0
+        mode, ns, nw, nc = cfg.segments(pos, window)
         dev = self.device
         pos_c = pos[ns : ns + nc].to(dev)
         tim = {"project": 0.0, "quantize": 0.0, "entropy": 0.0}
@@ -248,7 +289,7 @@ class KvtcCodec:
             # sinks: fp8 per (layer, token, head) vector
             if ns:
                 t0 = self._now()
-                raw_parts["sinks"] = ("store", _encode_sinks(keys[l0:l1, :ns].to(dev), values[l0:l1, :ns].to(dev)))
+                raw_parts["sinks"] = ("store", encode_sinks(keys[l0:l1, :ns].to(dev), values[l0:l1, :ns].to(dev)).cpu())
                 tim["quantize"] += self._now() - t0
             else:
                 raw_parts["sinks"] = ("store", torch.empty(0, dtype=torch.uint8))
@@ -282,21 +323,7 @@ class KvtcCodec:
                 tag, data = raw_parts[part]
                 sections.append((f"{gi}.{part}", tag, data.numel(), self._coder(tag).compress(data)))
             tim["entropy"] += self._now() - t0
-        header = {
-            "cal": self.cal.id,
-            "layers": L,
-            "heads": H,
-            "head_dim": D,
-            "dtype": dtype_name(keys.dtype),
-            "tokens": T,
-            "positions": positions_to_runs(pos.tolist()),
-            "mode": mode,
-            "ratio": cfg.ratio if mode == "kvtc" else None,
-            "sinks": ns,
-            "window": nw,
-            "groups": [list(t.layers) for t in self._tables],
-        }
-        blob = pack_blob(header, sections)
+        blob = write_blob(self.blob_header(keys.dtype, pos, mode, ns, nw), sections)
         tim["total"] = self._now() - t_start
         self.last_timings.update({f"encode_{k}_s": v for k, v in tim.items()})
         return blob
@@ -348,13 +375,16 @@ class KvtcCodec:
         out = []
         for gi, tab in enumerate(self._tables):
             Lg = tab.layers[1] - tab.layers[0]
-            out.append((f"{gi}.sinks", 2 * Lg * ns * H * (D + 2)))
+            out.append((f"{gi}.sinks", sink_bytes(Lg, ns, H, D)))
             for kind, plans in (("k", tab.k_plans), ("v", tab.v_plans)):
                 out.append((f"{gi}.{kind}", plans[float(h["ratio"])].nbytes(nc) if nc else 0))
             out.append((f"{gi}.window", 2 * Lg * nw * H * D * item))
         return out
 
-    def _open(self, blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list]:
+    def check_blob(self, blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list]:
+        """Parse ``blob`` and check it fits this codec: its calibration, shapes, layer groups, plan, the section sizes
+        they imply and readable entropy tags. Returns the header dict and section records (section CRCs are not
+        checked here); raises :class:`~dynamo_kvtc.errors.DecodeError` otherwise. Both decode paths start here."""
         try:
             h, recs = parse_blob(blob)
         except DecodeError:
@@ -382,10 +412,10 @@ class KvtcCodec:
             except KvtcError:
                 raise
             except Exception as e:  # noqa: BLE001
-                self._fused_failed("decode", e)
+                self.disable_fused("decode", e)
             else:
                 return self._fused_layers(job)
-        h, recs = self._open(blob)
+        h, recs = self.check_blob(blob)
         for r in recs:
             check_section(blob, r)  # checksums up front: never yield layers of a corrupt blob
         return self._layers(blob, h, recs)
@@ -418,7 +448,7 @@ class KvtcCodec:
             t1 = self._now()
             sink_k = sink_v = None
             if ns:
-                sink_k, sink_v = _decode_sinks(raw["sinks"].to(dev), Lg, ns, H, D)
+                sink_k, sink_v = decode_sinks(raw["sinks"].to(dev), Lg, ns, H, D)
             coeffs = {}
             if nc:
                 coeffs["k"] = decode_coefficients(raw["k"].to(dev), tab.k_plans[ratio], nc)
@@ -468,13 +498,13 @@ class KvtcCodec:
 
     def positions(self, blob: bytes | bytearray | memoryview) -> torch.Tensor:
         """The absolute token positions recorded in a blob."""
-        h, _ = self._open(blob)
+        h, _ = self.check_blob(blob)
         return torch.tensor(runs_to_positions(h["positions"]), dtype=torch.int64)
 
     # ================================================================== stats
     def stats(self, blob: bytes | bytearray | memoryview) -> dict[str, Any]:
         """Sizes, ratios (paper accounting and others), plan summary and the last encode/decode timings."""
-        h, recs = self._open(blob)
+        h, recs = self.check_blob(blob)
         T, H, D, L = h["tokens"], h["heads"], h["head_dim"], h["layers"]
         ns, nw = h["sinks"], h["window"]
         nc = T - ns - nw
@@ -532,29 +562,3 @@ def _sum_dicts(ds) -> dict[str, int]:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
-
-
-def _encode_sinks(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """fp8 E4M3 codes [Lg, ns, H, D] + fp16 scales [Lg, ns, H] for K, then the same for V."""
-    parts = []
-    for x in (k, v):
-        xf = x.float()
-        scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(max=65504.0).to(torch.float16)
-        sf = scale.float()
-        inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
-        codes = (xf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        parts += [codes.reshape(-1), scale.contiguous().view(torch.uint8).reshape(-1)]
-    return torch.cat(parts).cpu()
-
-
-def _decode_sinks(buf: torch.Tensor, Lg: int, ns: int, H: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n_codes, n_scale = Lg * ns * H * D, Lg * ns * H * 2
-    out = []
-    off = 0
-    for _ in range(2):
-        codes = buf[off : off + n_codes].view(torch.float8_e4m3fn).float().view(Lg, ns, H, D)
-        off += n_codes
-        scale = buf[off : off + n_scale].view(torch.float16).float().view(Lg, ns, H, 1)
-        off += n_scale
-        out.append(codes * scale)
-    return out[0], out[1]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 
-from .fused import DenseKV, FusedCodec, PagedBlocks, RestoreJob, Span, fused_status
+from .fused import FusedCodec, fused_status
+from .layouts import DenseKV, PagedBlocks, Span
+from .restore import RestoreJob
 
 # The entropy codec a GPU tier uses unless told otherwise (DYN_KVTC_GPU_ENTROPY=deflate|gdeflate|ans), chosen from
 # H200 measurements (docs/performance.md): ANS decodes ~30x faster than nvCOMP Deflate and ~5x faster than GDeflate

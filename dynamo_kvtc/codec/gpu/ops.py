@@ -14,6 +14,7 @@ Shared conventions:
 
 from __future__ import annotations
 
+import logging
 import threading
 import zlib
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ import torch
 from ..plan import pack_codes, unpack_codes
 from ..quant import BITS, dequantize, quantize
 from ..rope import RotaryConfig
+
+log = logging.getLogger(__name__)
 
 KIND_ID = {"int2": 0, "int4": 1, "fp8": 2}
 LEVELS = {"int2": 3.0, "int4": 15.0, "fp8": 0.0}
@@ -349,3 +352,27 @@ def get_ops(kind: str = "auto") -> TorchOps:
     if kind not in _OPS:
         _OPS[kind] = TritonOps() if kind == "triton" else TorchOps()
     return _OPS[kind]
+
+
+# ------------------------------------------------------------------------------------------------ shared helpers
+ALIGN = 16  # every raw section, and every compressed chunk handed to nvCOMP, starts on 16 bytes
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+_MM_OUT_DTYPE = [True]
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with 16-bit operands, fp32 accumulation and fp32 output."""
+    if a.is_cuda:
+        if _MM_OUT_DTYPE[0]:
+            try:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError) as e:
+                _MM_OUT_DTYPE[0] = False
+                log.warning("torch.mm(out_dtype=float32) unavailable (%s); using bf16 GEMM outputs", e)
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+    return a.float() @ b.float()
