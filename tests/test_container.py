@@ -115,3 +115,31 @@ def test_parse_reports_layout(blob_and_codec):
     assert [r.name for r in recs] == ["0.sinks", "0.k", "0.v", "0.window"]
     assert recs[-1].offset + recs[-1].stored_len == len(blob)
     assert struct.unpack_from("<4s", blob)[0] == MAGIC and h["tokens"] == 200
+
+
+def test_container_and_codec_package_import_without_torch():
+    """``dynamo-kvtc inspect`` reads blobs without torch: the container, its tags and the lazy ``codec`` package
+    import neither torch nor numpy (checked with bare parent packages, so only these modules' own imports count)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, types, importlib.util\n"
+        "root = types.ModuleType('dynamo_kvtc'); root.__path__ = ['dynamo_kvtc']; sys.modules['dynamo_kvtc'] = root\n"
+        "spec = importlib.util.spec_from_file_location('dynamo_kvtc.codec', 'dynamo_kvtc/codec/__init__.py',\n"
+        "    submodule_search_locations=['dynamo_kvtc/codec'])\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['dynamo_kvtc.codec'] = m; spec.loader.exec_module(m)\n"
+        "from dynamo_kvtc.codec import MAGIC, TAGS, BlobHeader, parse_blob, write_blob\n"
+        "from dynamo_kvtc.codec.container import frame_header\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'numpy'))\n"
+        "assert not bad, bad\n"
+        "from dynamo_kvtc.codec import KvtcCodec\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    from pathlib import Path
+
+    import dynamo_kvtc
+
+    repo = Path(dynamo_kvtc.__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr

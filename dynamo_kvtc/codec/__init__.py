@@ -1,31 +1,63 @@
-"""The KVTC codec: pure tensor math and the blob format (no CUDA, NIXL or Dynamo imports at module level)."""
+"""The KVTC codec: pure tensor math and the blob format (no CUDA, NIXL or Dynamo imports at module level).
 
-from .container import FORMAT_VERSION, MAGIC, parse_blob
-from .entropy import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS, EntropyCoder
-from .kvtc import CodecConfig, KvtcCodec
-from .model import BasisGroup, CalibrationLike, ModelFingerprint
-from .plan import GROUP_SIZES, Plan, decode_coefficients, encode_coefficients
-from .quant import BITS, KINDS, META_BITS, dequantize, group_cost_bits, quantize
-from .rope import RotaryConfig, apply_rope, remove_rope
+Exports load lazily (PEP 562): ``from dynamo_kvtc.codec import parse_blob`` imports the container alone, without torch;
+the tensor side (``KvtcCodec``, plans, quantizers, RoPE) imports torch on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "FORMAT_VERSION": "container",
+    "MAGIC": "container",
+    "BlobHeader": "container",
+    "parse_blob": "container",
+    "write_blob": "container",
+    "CHUNK_BYTES": "tags",
+    "GPU_ONLY_TAGS": "tags",
+    "TAGS": "tags",
+    "EntropyCoder": "entropy",
+    "CodecConfig": "kvtc",
+    "KvtcCodec": "kvtc",
+    "BasisGroup": "model",
+    "CalibrationLike": "model",
+    "ModelFingerprint": "model",
+    "GROUP_SIZES": "plan",
+    "Plan": "plan",
+    "decode_coefficients": "plan",
+    "encode_coefficients": "plan",
+    "BITS": "quant",
+    "KINDS": "quant",
+    "META_BITS": "quant",
+    "dequantize": "quant",
+    "group_cost_bits": "quant",
+    "quantize": "quant",
+    "RotaryConfig": "rope",
+    "apply_rope": "rope",
+    "remove_rope": "rope",
+}
 
 __all__ = [
     "BITS",
+    "BasisGroup",
+    "BlobHeader",
     "CHUNK_BYTES",
+    "CalibrationLike",
+    "CodecConfig",
+    "EntropyCoder",
     "FORMAT_VERSION",
     "GPU_ONLY_TAGS",
     "GROUP_SIZES",
     "KINDS",
+    "KvtcCodec",
     "MAGIC",
     "META_BITS",
-    "TAGS",
-    "BasisGroup",
-    "CalibrationLike",
-    "CodecConfig",
-    "EntropyCoder",
-    "KvtcCodec",
     "ModelFingerprint",
     "Plan",
     "RotaryConfig",
+    "TAGS",
     "apply_rope",
     "decode_coefficients",
     "dequantize",
@@ -34,4 +66,29 @@ __all__ = [
     "parse_blob",
     "quantize",
     "remove_rope",
+    "write_blob",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from .container import FORMAT_VERSION, MAGIC, BlobHeader, parse_blob, write_blob
+    from .entropy import EntropyCoder
+    from .kvtc import CodecConfig, KvtcCodec
+    from .model import BasisGroup, CalibrationLike, ModelFingerprint
+    from .plan import GROUP_SIZES, Plan, decode_coefficients, encode_coefficients
+    from .quant import BITS, KINDS, META_BITS, dequantize, group_cost_bits, quantize
+    from .rope import RotaryConfig, apply_rope, remove_rope
+    from .tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
