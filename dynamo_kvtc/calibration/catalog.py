@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from .. import settings
 from .models import cache_dir
 
 
 def shipped_calibrations() -> Path:
     """The repository's calibrations/ folder (or $DYN_KVTC_CALIBRATIONS)."""
-    env = os.environ.get("DYN_KVTC_CALIBRATIONS")
+    env = settings.env_value("calibrations")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "calibrations"
 
 

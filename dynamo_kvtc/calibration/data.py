@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import bz2
 import html
-import os
 import re
 import sys
 import zipfile
 from functools import lru_cache
 from pathlib import Path
 
+from .. import settings
 from ..errors import ConfigError
 from .models import _package_dir, cache_dir
 
@@ -42,8 +42,9 @@ def pg_essays() -> list[tuple[str, str]]:
 
 def _wheel_dirs() -> list[Path]:
     dirs = [Path(sys.prefix) / "share" / "dynamo_kvtc", cache_dir() / "data"]
-    if os.environ.get("DYN_KVTC_DATA"):
-        dirs.insert(0, Path(os.environ["DYN_KVTC_DATA"]))
+    data = settings.env_value("data")
+    if data:
+        dirs.insert(0, Path(data))
     return dirs
 
 

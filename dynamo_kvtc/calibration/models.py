@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..codec.model import ModelFingerprint, dtype_name
 from ..codec.rope import RotaryConfig
 from ..errors import ModelError
@@ -45,7 +46,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("DYN_KVTC_CACHE", Path.home() / ".cache" / "dynamo_kvtc"))
+    return Path(settings.env_value("cache"))
 
 
 def _package_dir(package: str) -> Path | None:

@@ -6,9 +6,9 @@ counted); encode, restore and time-to-first-layer histograms are fed from the st
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from .. import settings
 from ..errors import ConfigError
 
 TIERS = ("host", "disk")
@@ -56,11 +56,9 @@ class KvtcMetrics:
         from prometheus_client import start_http_server
 
         if port is None:
-            raw = os.environ.get("DYN_KVTC_METRICS_PORT", "")
-            try:
-                port = int(raw)
-            except ValueError:
-                raise ConfigError(f"DYN_KVTC_METRICS_PORT={raw!r} is not a port number") from None
+            port = settings.env_value("metrics_port")
+            if port is None:
+                raise ConfigError("no metrics port: pass one or set DYN_KVTC_METRICS_PORT")
         if not 0 <= port < 65536:
             raise ConfigError(f"metrics port {port} out of range")
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
