@@ -269,7 +269,7 @@ async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_c
         await store.offload(_tokens(256, 100 + t), *synth.sample(256)[:2])
     hashes = store.hashes(toks)
     assert store.where(hashes[0]) == "disk"
-    blob_id = store._index[hashes[0]][0]
+    blob_id = store.blob_of(hashes[0])
     f = tmp_path / "g3" / f"{blob_id}.kvtc"
     raw = bytearray(f.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

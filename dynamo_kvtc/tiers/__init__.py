@@ -1,21 +1,29 @@
 """Compressed storage tiers: host (G2c) and disk (G3c) stores of KVTC blobs, NIXL file I/O, layer-ordered restore."""
 
+from .base import BlobTier
+from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult
 from .config import TierConfig
 from .disk import DiskTier
 from .host import HostTier
+from .index import BlockIndex
 from .keys import block_hashes, chain, sequence_hashes, to_signed
 from .layout import PagedKV
 from .nixl_io import NixlFiles
 from .policy import OffloadFilter, RatioPolicy
-from .store import BlobMeta, KvtcStore, OffloadResult, OnboardHandle
+from .restorer import OnboardHandle
+from .store import KvtcStore
 
 __all__ = [
     "BlobMeta",
+    "BlobRun",
+    "BlobTier",
+    "BlockIndex",
     "DiskTier",
     "HostTier",
     "KvtcStore",
     "NixlFiles",
     "OffloadFilter",
+    "OffloadRequest",
     "OffloadResult",
     "OnboardHandle",
     "PagedKV",

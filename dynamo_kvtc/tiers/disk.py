@@ -46,6 +46,7 @@ import msgpack
 import torch
 
 from ..errors import ConfigError, TierError, TierFullError, TransferError
+from .base import BlobTier
 from .nixl_io import NixlFiles
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,10 @@ def _unlock_dir(ident: tuple[int, int]) -> None:
             os.close(held[0])  # releases the lock
 
 
-class DiskTier:
+class DiskTier(BlobTier):
+    """Committed blob files in one directory, LRU. Owns the directory (its lock), the files and their entries; it
+    never serves bytes it has not verified and never deletes a file it could not prove damaged."""
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -311,23 +315,6 @@ class DiskTier:
         return st.st_size, st.st_mtime_ns, m["id"], m["meta"], m["crc"]
 
     # ------------------------------------------------------------------ state
-    def __contains__(self, blob_id: str) -> bool:
-        with self._lock:
-            return blob_id in self._entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
-
-    def ids(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
-
-    def meta(self, blob_id: str) -> Any:
-        with self._lock:
-            e = self._entries.get(blob_id)
-            return None if e is None else e.meta
-
     @staticmethod
     def _name(blob_id: str) -> str:
         if not isinstance(blob_id, str) or not _ID.fullmatch(blob_id):
@@ -513,6 +500,9 @@ class DiskTier:
             if delete and blob_id not in self._pending:
                 self._unlink(self._name(blob_id))
         self.dropped += 1
+
+    def discard(self, blob_id: str) -> None:
+        self.delete(blob_id)
 
     def delete(self, blob_id: str) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, TierError, TierFullError
+from .base import BlobTier
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,10 @@ class HostEntry:
     meta: Any
 
 
-class HostTier:
+class HostTier(BlobTier):
+    """Compressed blobs in one page arena, LRU. Owns the arena, its free pages and the entries; it never decides what
+    happens to an evicted blob (``put`` hands victims back) and never interprets a blob's bytes."""
+
     def __init__(self, capacity_bytes: int, page_bytes: int = 16384, pinned: bool | None = None) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("page_bytes", page_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (name == "page_bytes"):
@@ -76,14 +80,6 @@ class HostTier:
 
     def pages_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.page))
-
-    def __contains__(self, blob_id: str) -> bool:
-        with self._lock:
-            return blob_id in self._entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
 
     # ------------------------------------------------------------------ operations
     def put(self, blob_id: str, data: bytes | bytearray | memoryview, meta: Any = None) -> list[tuple[str, bytes, Any]]:
@@ -154,6 +150,19 @@ class HostTier:
             self._release(e)
             return data, e.meta
 
-    def ids(self) -> list[str]:
+    def discard(self, blob_id: str) -> None:
+        self.pop(blob_id)
+
+    def extents(self, blob_id: str) -> list[tuple[int, int]]:
+        """(byte offset in ``arena``, length) of each piece of a held blob, in order (for zero-copy reads, e.g. NIXL
+        descriptors of a staging arena); empty if the blob is not held."""
         with self._lock:
-            return list(self._entries)
+            e = self._entries.get(blob_id)
+            if e is None:
+                return []
+            out, left = [], e.nbytes
+            for p in e.pages:
+                n = min(self.page, left)
+                out.append((p * self.page, n))
+                left -= n
+            return out

@@ -25,6 +25,9 @@ LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm")
 
 
 class PagedKV:
+    """An engine's paged KV cache in one of :data:`LAYOUTS`: gathers blocks into dense [L, T, H, D] and scatters
+    decoded layers back. It owns no memory (the engine's tensors) and never decides which blocks to touch."""
+
     def __init__(
         self,
         caches: Sequence[torch.Tensor] | torch.Tensor,
@@ -83,7 +86,12 @@ class PagedKV:
                 offs.append(o.to(self.device))
             self._offsets = (offs[0], offs[1] + half)
 
-    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def addressable(self) -> bool:
+        """Whether :meth:`layer_views` can address this cache in place (every layout but ``cpu``)."""
+        return self.layout != "cpu"
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous; not for ``cpu``)."""
         c = self.caches[0] if self.layout == "trtllm" else self.caches[layer]
         if self.layout == "flash":
@@ -113,7 +121,7 @@ class PagedKV:
                 k = rows[..., self._offsets[0]].view(n, H, bs, D).transpose(1, 2)
                 v = rows[..., self._offsets[1]].view(n, H, bs, D).transpose(1, 2)
             else:
-                k, v = self._kv(layer)
+                k, v = self.layer_views(layer)
                 k, v = k.index_select(0, ids), v.index_select(0, ids)
             ks.append(k.reshape(-1, H, D))
             vs.append(v.reshape(-1, H, D))
@@ -132,6 +140,6 @@ class PagedKV:
             rows[..., self._offsets[1]] = v.transpose(1, 2).reshape(n, H, bs * D)
             slabs.index_copy_(0, ids, rows)
             return
-        dk, dv = self._kv(layer)
+        dk, dv = self.layer_views(layer)
         dk.index_copy_(0, ids, k)
         dv.index_copy_(0, ids, v)

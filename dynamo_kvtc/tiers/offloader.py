@@ -1,0 +1,226 @@
+"""Offload: a sequence's new full blocks -> spans -> KVTC blobs -> host tier, on one worker with its own CUDA stream."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..codec.kvtc import KvtcCodec
+from ..codec.spans import EncodeSpan, PagedView, SpanCoder
+from ..errors import KvtcError, TierError
+from .blobs import BlobMeta, OffloadRequest, OffloadResult
+from .config import TierConfig
+from .index import BlockIndex
+from .layout import PagedKV
+from .placement import Placement
+from .policy import OffloadFilter, RatioPolicy
+
+log = logging.getLogger(__name__)
+
+
+class Offloader:
+    """Turns offload requests into blobs in the host tier.
+
+    Owns the offload worker (one thread) and its CUDA stream (ordered after the producer by the request's event), the
+    admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
+    the sequence's last blob holding the whole raw window. Encoding goes through :class:`SpanCoder`; placing the blobs
+    (and demoting the host's victims) through :class:`Placement`. It never raises from the worker (errors end up in the
+    :class:`OffloadResult`), never restores, and reads the engine's cache only through :class:`PagedKV`'s public
+    methods."""
+
+    def __init__(
+        self,
+        *,
+        cal: Any,
+        cfg: TierConfig,
+        kv: PagedKV | None,
+        index: BlockIndex,
+        placement: Placement,
+        codec: Callable[[float], KvtcCodec],
+        policy: RatioPolicy,
+        admit: OffloadFilter,
+        block_size: int,
+        span_blocks: int,
+        device: torch.device,
+        stats: Counter[str],
+        timings: deque,
+    ) -> None:
+        self.cal, self.cfg, self.kv = cal, cfg, kv
+        self.index, self.placement, self.codec = index, placement, codec
+        self.policy, self.admit = policy, admit
+        self.block_size, self.span_blocks, self.device = block_size, span_blocks, device
+        self.stats, self.timings = stats, timings
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every encode queued so far finished; False if that took longer than ``timeout`` seconds."""
+        try:
+            self._pool.submit(lambda: None).result(timeout)
+        except FutureTimeout:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ queueing
+    def submit(
+        self,
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        first_block: int = 0,
+        parent: int | None = None,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        block_ids: Sequence[int] | None = None,
+        ready_event: Any = None,
+        tail: bool = True,
+    ) -> Future:
+        """See :meth:`KvtcStore.submit_offload <dynamo_kvtc.tiers.store.KvtcStore.submit_offload>`."""
+        bs = self.block_size
+        n = len(hashes)
+        res = OffloadResult()
+        done: Future = Future()
+        if len(token_ids) != n * bs:
+            raise TierError(f"{len(token_ids)} token ids for {n} blocks of {bs}")
+        if keys is not None and (values is None or keys.shape[1] != n * bs or values.shape != keys.shape):
+            raise TierError(f"keys/values must be [L, {n * bs}, H, D], got {tuple(keys.shape)}")
+        if keys is None and (block_ids is None or self.kv is None or len(block_ids) != n):
+            raise TierError("offload needs keys/values, or one engine block id per hash with a registered KV cache")
+        admitted = self.admit.admit(hashes)
+        missing = self.index.missing(hashes)
+        if not missing:
+            res.skipped = "present"
+            done.set_result(res)
+            return done
+        start = end = missing[0]
+        while end < n and admitted[end]:
+            end += 1
+        if end == start:
+            res.skipped = "filtered"
+            self.stats["offload_filtered"] += 1
+            done.set_result(res)
+            return done
+        req = OffloadRequest(
+            hashes,
+            token_ids,
+            start,
+            end,
+            self.policy.choose(self.placement.host.fill),
+            first_block=first_block,
+            parent=parent,
+            keys=keys,
+            values=values,
+            block_ids=block_ids,
+            ready_event=ready_event,
+            tail=tail,
+        )
+        return self._pool.submit(self._guarded, req, res)
+
+    def _guarded(self, req: OffloadRequest, res: OffloadResult) -> OffloadResult:
+        try:
+            self._run(req, res)
+        except KvtcError as e:
+            log.warning("kvtc offload failed: %s", e)
+            self.stats[f"offload_error_{type(e).__name__}"] += 1
+            res.skipped = f"error: {e}"
+        except Exception as e:  # an offload never takes the engine down; it only loses a cache entry
+            log.warning("kvtc offload failed unexpectedly: %s: %s", type(e).__name__, e)
+            self.stats["offload_error_unexpected"] += 1
+            res.skipped = f"error: {type(e).__name__}: {e}"
+        return res
+
+    # ------------------------------------------------------------------ the worker
+    def cuts(self, req: OffloadRequest) -> list[tuple[int, int, int]]:
+        """(first block, end block, raw window) of each blob of the request; the sequence's last blob holds the whole
+        raw window (it grows past ``span_blocks`` rather than leave part of the window in a compressed blob)."""
+        bs, window = self.block_size, self.cfg.window
+        out = []
+        a = req.start
+        while a < req.end:
+            b = min(req.end, a + self.span_blocks)
+            if req.tail and req.end == req.n and (req.end - b) * bs <= window:
+                b = req.end
+            out.append((a, b, window if (req.tail and b == req.n) else 0))
+            a = b
+        return out
+
+    def _run(self, req: OffloadRequest, res: OffloadResult) -> None:
+        t0 = time.perf_counter()
+        bs = self.block_size
+        codec = self.codec(req.ratio)
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            if req.ready_event is not None and self._stream is not None:
+                self._stream.wait_event(req.ready_event)
+            cuts = self.cuts(req)
+            encoded = self._encode(codec, req, cuts)
+            if encoded.fused:
+                self.stats["offload_fused_batches"] += 1
+            fp = self.cal.fingerprint
+            itemsize = req.keys.element_size() if req.keys is not None else self.kv.dtype.itemsize
+            for (a, b, _), blob in zip(cuts, encoded.blobs):
+                raw = fp.num_layers * (b - a) * bs * fp.num_kv_heads * fp.head_dim * itemsize * 2
+                self._keep(req, a, b, blob, raw, res)
+        res.ratio = req.ratio
+        res.seconds = time.perf_counter() - t0
+        self.stats["offload_blocks"] += res.stored_blocks
+        self.stats["offload_raw_bytes"] += res.raw_bytes
+        self.stats["offload_stored_bytes"] += res.stored_bytes
+        self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
+        self.timings.append(("encode", res.seconds))
+
+    def _encode(self, codec: KvtcCodec, req: OffloadRequest, cuts: list[tuple[int, int, int]]):
+        bs = self.block_size
+        spans = [
+            EncodeSpan(a * bs, torch.arange((req.first_block + a) * bs, (req.first_block + b) * bs), w)
+            for a, b, w in cuts
+        ]
+        if req.keys is not None:
+            keys, values = req.keys, req.values
+
+            def read(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return keys[:, t0:t1], values[:, t0:t1]
+
+            return SpanCoder(codec).encode(spans, read)
+        kv, block_ids = self.kv, req.block_ids
+
+        def gather(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return kv.gather(block_ids[t0 // bs : t1 // bs])
+
+        paged = None
+        if kv.addressable and kv.device.type == self.device.type == "cuda":
+            paged = PagedView(kv.layer_views, self.cal.fingerprint.num_layers, bs)
+        return SpanCoder(codec).encode(spans, gather, paged=paged, block_ids=block_ids)
+
+    def _keep(self, req: OffloadRequest, a: int, b: int, blob: bytes, raw: int, res: OffloadResult) -> None:
+        """Put blocks a..b's blob into the tiers, tell the listeners, account it in ``res``."""
+        bs, hashes = self.block_size, req.hashes
+        meta = BlobMeta(
+            f"{hashes[a]:016x}{hashes[b - 1]:016x}",
+            list(hashes[a:b]),
+            bs,
+            (req.first_block + a) * bs,
+            req.ratio,
+            self.cal.id,
+            raw,
+            len(blob),
+        )
+        self.placement.put(meta, blob)
+        if self.index.has_blob(meta.id):
+            prev = hashes[a - 1] if a else req.parent
+            self.index.announce_stored(meta.hashes, list(req.token_ids[a * bs : b * bs]), prev)
+        res.blobs.append(meta.id)
+        res.stored_blocks += b - a
+        res.raw_bytes += raw
+        res.stored_bytes += len(blob)

@@ -1,0 +1,117 @@
+"""Where blobs live: into the host tier, host -> disk on eviction, disk -> host on a read, and out of every tier."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from ..errors import TierError, TierFullError
+from .blobs import BlobMeta
+from .disk import DiskTier
+from .host import HostTier
+from .index import BlockIndex
+
+log = logging.getLogger(__name__)
+
+
+class Placement:
+    """Moves blobs between the host tier and the (optional) disk tier, keeping the block index in step.
+
+    A new or promoted blob goes into the host tier; the host's least-recently-used victims are demoted to disk, or
+    dropped (unindexed) without one. A blob that cannot be used is dropped from every tier. The transit lock covers a
+    put and the demotions it causes, so a reader that misses a blob in both tiers waits for the move and looks once
+    more. Owns that lock and nothing else: ``host`` and ``disk`` are the store's tiers (``host`` may be replaced). It
+    never encodes or decodes, and never decides what to store."""
+
+    def __init__(self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: Counter[str]) -> None:
+        self.index = index
+        self.host = host
+        self.disk = disk
+        self.stats = stats
+        self._transit = threading.RLock()
+
+    def adopt_disk(self, cal_id: str, block_size: int) -> None:
+        """Index blobs that survived a restart (only those of this calibration and block size)."""
+        n = 0
+        for blob_id in self.disk.ids():
+            try:
+                meta = BlobMeta.from_dict(self.disk.meta(blob_id))
+            except (TypeError, KeyError):
+                self.disk.delete(blob_id)
+                continue
+            if meta.cal != cal_id or meta.block_size != block_size:
+                self.stats["disk_foreign_blobs"] += 1
+                continue
+            self.index.add(meta)
+            n += 1
+        self.stats["disk_recovered_blobs"] += n
+
+    def where(self, blob_id: str) -> str | None:
+        if blob_id in self.host:
+            return "host"
+        return "disk" if self.disk is not None and blob_id in self.disk else None
+
+    # ------------------------------------------------------------------ writes
+    def put(self, meta: BlobMeta, blob: bytes) -> None:
+        """Index a blob and keep it in the host tier (straight to disk if larger than the whole host tier). Raises
+        TierFullError when it fits nowhere (then it is not indexed)."""
+        with self._transit:  # LRU victims leave the host tier before they reach disk: a reader waits for both
+            self.index.add(meta)
+            try:
+                evicted = self.host.put(meta.id, blob, meta)
+            except TierFullError:
+                if self.disk is None:
+                    self.index.remove(meta.id)
+                    raise
+                self._demote(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
+                return
+            for old_id, data, old_meta in evicted:
+                self.stats["host_evictions"] += 1
+                self._demote(old_id, data, old_meta)
+
+    def _demote(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
+        if self.disk is None:
+            self.index.remove(blob_id)
+            return
+        try:
+            for gone in self.disk.put(blob_id, data, meta.to_dict()):
+                self.stats["disk_evictions"] += 1
+                self.index.remove(gone)
+            self.stats["disk_demotions"] += 1
+            self.stats["disk_demoted_blocks"] += len(meta.hashes)
+        except TierError as e:
+            log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
+            self.stats[f"disk_write_error_{type(e).__name__}"] += 1
+            self.index.remove(blob_id)
+
+    def drop(self, blob_id: str, why: BaseException) -> None:
+        """Forget an unusable blob everywhere (host, disk file, index)."""
+        log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
+        self.stats["blobs_dropped"] += 1
+        self.host.discard(blob_id)
+        if self.disk is not None and blob_id in self.disk:
+            self.disk.discard(blob_id)
+        self.index.remove(blob_id)
+
+    # ------------------------------------------------------------------ reads
+    def fetch(self, blob_id: str, _retry: bool = False) -> bytes:
+        """A blob's bytes from the host tier, else from disk (then promoted to the host tier). TierError if no tier
+        holds it; TransferError (a TierError) when a disk read failed but the file is kept."""
+        got = self.host.get(blob_id)
+        if got is not None:
+            self.stats["onboard_host_hits"] += 1
+            return got[0]
+        if self.disk is not None and blob_id in self.disk:
+            blob, meta = self.disk.get(blob_id)
+            self.stats["onboard_disk_hits"] += 1
+            try:  # promote: the next turn finds it in memory
+                self.put(BlobMeta.from_dict(meta), blob)
+            except TierError:
+                pass
+            return blob
+        if not _retry:
+            with self._transit:  # it may be between host and disk right now: look once more after the move
+                pass
+            return self.fetch(blob_id, _retry=True)
+        raise TierError(f"blob {blob_id} vanished from every tier")

@@ -1,0 +1,279 @@
+"""Onboard: blobs (from the tiers or a peer) -> verified -> restored layer by layer into engine blocks or a sink, on one
+worker with its own CUDA stream; each layer signalled on its own, so attention on layer 0 can start early."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ..codec.kvtc import KvtcCodec
+from ..codec.spans import PagedView, RestoreRun, SpanCoder
+from ..errors import DecodeError, KvtcError, TierError, TransferError
+from .blobs import BlobRun, Sink
+from .index import BlockIndex
+from .layout import PagedKV
+from .placement import Placement
+
+log = logging.getLogger(__name__)
+
+Source = Callable[[], list[BlobRun]]
+
+
+class OnboardHandle:
+    """Per-layer readiness of one restore. ``wait_layer(i)`` returns once layer i is in place (on CUDA the current
+    stream is also made to wait on the layer's event), or raises TierError if the restore failed.
+
+    The producer (the onboard worker) calls :meth:`mark_layer_ready` per layer in order, then :meth:`finish`, or
+    :meth:`fail` at any point; consumers read ``ok`` / ``error`` / ``finished`` / ``ready_times`` / ``bytes_read`` /
+    ``raw_bytes`` and wait. A handle never restores anything itself."""
+
+    def __init__(self, num_layers: int, hashes: Sequence[int], device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.hashes = list(hashes)
+        self.device = device
+        self._ready = [threading.Event() for _ in range(num_layers)]
+        self._cuda: list[Any] = [None] * num_layers
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.ready_times: list[float | None] = [None] * num_layers
+        self.started = time.perf_counter()
+        self.future: Future | None = None
+        self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
+        self.raw_bytes = 0  # 16-bit bytes of the KV it restores
+
+    # ------------------------------------------------------------------ producer side
+    def mark_layer_ready(self, i: int) -> None:
+        """Layer i's writes are queued on the current stream: record an event (CUDA) and release its waiters."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._cuda[i] = ev
+        self.ready_times[i] = time.perf_counter() - self.started
+        self._ready[i].set()
+
+    def fail(self, e: BaseException) -> None:
+        """The restore failed: every waiter is released and sees the error."""
+        self.error = e
+        for ev in self._ready:
+            ev.set()
+        self._done.set()
+
+    def finish(self) -> None:
+        self._done.set()
+
+    # ------------------------------------------------------------------ consumer side
+    @property
+    def finished(self) -> bool:
+        """Whether the restore ended (successfully or not); does not wait."""
+        return self._done.is_set()
+
+    def wait_layer(self, i: int, timeout: float | None = None) -> None:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} outside [0, {self.num_layers})")
+        if not self._ready[i].wait(timeout):
+            raise TierError(f"layer {i} not restored within {timeout} s")
+        if self.ready_times[i] is None:
+            raise TierError(f"restore failed before layer {i}: {self.error}")
+        if self._cuda[i] is not None:
+            torch.cuda.current_stream().wait_event(self._cuda[i])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the whole restore finished; True if every layer is in place."""
+        self._done.wait(timeout)
+        return self.ok
+
+    @property
+    def ok(self) -> bool:
+        return self._done.is_set() and self.error is None
+
+    async def done(self) -> bool:
+        await asyncio.get_running_loop().run_in_executor(None, self._done.wait)
+        return self.ok
+
+
+class Restorer:
+    """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers.
+
+    Owns the onboard worker (one thread) and its CUDA stream. Blobs come from the tiers (through :class:`Placement`,
+    which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration are then kept here
+    too). Decoding goes through :class:`SpanCoder`: every blob is fully verified before the first layer is written,
+    a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never raised
+    into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
+
+    def __init__(
+        self,
+        *,
+        cal: Any,
+        kv: PagedKV | None,
+        index: BlockIndex,
+        placement: Placement,
+        decoder: Callable[[], KvtcCodec],
+        block_size: int,
+        device: torch.device,
+        stats: Counter[str],
+        timings: deque,
+    ) -> None:
+        self.cal, self.kv, self.index, self.placement, self.decoder = cal, kv, index, placement, decoder
+        self.block_size, self.device = block_size, device
+        self.num_layers = cal.fingerprint.num_layers
+        self.stats, self.timings = stats, timings
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def start(
+        self,
+        hashes: Sequence[int],
+        dst_blocks: Sequence[int] | None = None,
+        *,
+        sink: Sink | None = None,
+        source: Source | None = None,
+    ) -> OnboardHandle:
+        """See :meth:`KvtcStore.start_onboard <dynamo_kvtc.tiers.store.KvtcStore.start_onboard>`."""
+        if sink is None and (dst_blocks is None or self.kv is None):
+            raise TierError("onboard needs dst_blocks with a registered paged KV cache, or a sink")
+        if dst_blocks is not None and len(dst_blocks) != len(hashes):
+            raise TierError(f"{len(dst_blocks)} destination blocks for {len(hashes)} hashes")
+        handle = OnboardHandle(self.num_layers, hashes, self.device)
+        dst = None if dst_blocks is None else list(dst_blocks)
+        handle.future = self._pool.submit(self._restore, handle, list(hashes), dst, sink, source)
+        return handle
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the onboard worker (after the restores queued before it)."""
+        return self._pool.submit(fn)
+
+    # ------------------------------------------------------------------ reads for others
+    def export(self, hashes: Sequence[int]) -> list[BlobRun]:
+        """The runs of blobs covering ``hashes``, each with its meta (for a peer)."""
+        out = []
+        for r in self.index.plan(hashes):
+            blob = self.placement.fetch(r.blob_id)
+            meta = self.index.meta(r.blob_id)
+            if meta is None:
+                raise TierError(f"blob {r.blob_id} left the tiers while being exported")
+            out.append(BlobRun(blob, r.first, r.count, r.at, meta))
+        return out
+
+    def prefetch(self, hashes: Sequence[int]) -> int:
+        """Promote disk-resident blobs of the matched prefix of ``hashes`` into the host tier; returns blobs moved."""
+        moved = 0
+        place = self.placement
+        for r in self.index.plan(hashes[: self.index.match(hashes)]):
+            if r.blob_id not in place.host and place.disk is not None and r.blob_id in place.disk:
+                try:
+                    place.fetch(r.blob_id)
+                    moved += 1
+                except TransferError:
+                    pass  # transient: the blob stays on disk
+                except TierError as e:
+                    place.drop(r.blob_id, e)
+        return moved
+
+    # ------------------------------------------------------------------ the worker
+    def _restore(self, handle: OnboardHandle, hashes: list[int], dst_blocks, sink, source: Source | None) -> None:
+        try:
+            decoder = self.decoder()
+            if source is not None:
+                runs, ids = self._from_source(handle, hashes, source), None
+                tiers: Counter[str] = Counter({"peer": len(hashes)})
+            else:
+                runs, ids, tiers = self._from_tiers(handle, hashes)
+            ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            with ctx:
+                self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
+            fp = self.cal.fingerprint
+            bs = self.block_size
+            handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
+            self.stats["onboard_blocks"] += len(hashes)
+            for tier, n in tiers.items():
+                self.stats[f"onboard_{tier}_blocks"] += n
+            self.stats["onboards"] += 1
+            if source is not None:
+                self._adopt(runs)
+            self.timings.append(("restore", time.perf_counter() - handle.started))
+            self.timings.append(("first_layer", handle.ready_times[0] or 0.0))
+            handle.finish()
+        except BaseException as e:  # any failure is a miss: the engine recomputes
+            self.stats[f"onboard_error_{type(e).__name__}"] += 1
+            log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
+            handle.fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
+
+    def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source) -> list[BlobRun]:
+        runs = source()
+        covered = sum(r.count for r in runs)
+        if covered != len(hashes):
+            raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
+        for r in runs:
+            handle.bytes_read += len(r.blob)
+        return runs
+
+    def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
+        runs, ids = [], []
+        tiers: Counter[str] = Counter()
+        for r in self.index.plan(hashes):
+            tiers["host" if r.blob_id in self.placement.host else "disk"] += r.count
+            try:
+                blob = self.placement.fetch(r.blob_id)
+            except TransferError:
+                raise  # a failed read of an intact file: a miss now, the blob stays for the next try
+            except TierError as e:
+                self.placement.drop(r.blob_id, e)
+                raise
+            handle.bytes_read += len(blob)
+            runs.append(BlobRun(blob, r.first, r.count, r.at))
+            ids.append(r.blob_id)
+        return runs, ids, tiers
+
+    def _write_layers(
+        self, decoder: KvtcCodec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
+    ) -> None:
+        """Decode every run (all verified first) and write each layer, in order (call on the onboard stream)."""
+        bs = self.block_size
+        paged = None
+        if sink is None and self.kv.addressable and self.kv.device.type == "cuda":
+            paged = PagedView(self.kv.layer_views, self.num_layers, bs)
+
+        def bad(i: int, e: DecodeError) -> None:
+            if ids is not None:
+                self.placement.drop(ids[i], e)
+
+        specs = [
+            RestoreRun(
+                r.blob, r.first * bs, r.count * bs, None if sink is not None else dst_blocks[r.at : r.at + r.count]
+            )
+            for r in runs
+        ]
+        restore = SpanCoder(decoder).restore(specs, paged=paged, bad=bad)
+        for layer, parts in restore:
+            for r, (k, v) in zip(runs, parts or ()):
+                if sink is not None:
+                    sink(layer, r.at * bs, k, v)
+                else:
+                    self.kv.scatter_layer(layer, dst_blocks[r.at : r.at + r.count], k, v)
+            handle.mark_layer_ready(layer)
+        if restore.fused:
+            self.stats["onboard_fused_batches"] += 1
+
+    def _adopt(self, runs: list[BlobRun]) -> None:
+        """A peer's blobs of this calibration: keep them in the tiers for the next turn on this side."""
+        for r in runs:
+            m = r.meta
+            if m is None:
+                continue
+            try:
+                if m.cal == self.cal.id and m.block_size == self.block_size and not self.index.has_blob(m.id):
+                    self.placement.put(m, r.blob)
+            except (TypeError, KeyError, TierError) as e:
+                log.info("kvtc: not keeping a transferred blob: %s", e)
