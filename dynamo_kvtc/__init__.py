@@ -6,10 +6,15 @@ Public API::
     cal = calibrate(samples_or_model, ...); cal.save(path); cal = Calibration.load(path)
     codec = KvtcCodec(cal, ratio=16, device="cpu")
     blob = codec.encode(keys, values, positions); keys2, values2 = codec.decode(blob)
+
+The names load on first use (PEP 562): ``import dynamo_kvtc`` and the errors import no torch.
 """
 
-from .calibration import Calibration, CalibrationConfig, KvSample, calibrate
-from .codec import KvtcCodec, ModelFingerprint, RotaryConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CalibrationError,
     CalibrationMismatchError,
@@ -24,6 +29,16 @@ from .errors import (
 )
 
 __version__ = "0.1.0"
+
+_LAZY = {  # name -> the module that defines it
+    "Calibration": ".calibration.artifact",
+    "CalibrationConfig": ".calibration.calibrate",
+    "KvSample": ".calibration.calibrate",
+    "calibrate": ".calibration.calibrate",
+    "KvtcCodec": ".codec.kvtc",
+    "ModelFingerprint": ".codec.model",
+    "RotaryConfig": ".codec.rope",
+}
 
 __all__ = [
     "Calibration",
@@ -44,3 +59,20 @@ __all__ = [
     "WrongCalibrationError",
     "calibrate",
 ]
+
+if TYPE_CHECKING:
+    from .calibration import Calibration, CalibrationConfig, KvSample, calibrate
+    from .codec import KvtcCodec, ModelFingerprint, RotaryConfig
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

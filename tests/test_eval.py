@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dynamo_kvtc.cli.common import find_calibration
+from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.cli.main import main
 
 pytestmark = pytest.mark.model

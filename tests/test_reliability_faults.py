@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_kvtc.cli import chaos
+from dynamo_kvtc.reliability.calibration_faults import scenario_calibration
+from dynamo_kvtc.reliability.disk_faults import FILE_OPS, scenario_disk_files, scenario_enospc
+from dynamo_kvtc.reliability.ledger import Ledger
+from dynamo_kvtc.reliability.memory_faults import scenario_host_alloc, scenario_host_flips
+from dynamo_kvtc.reliability.nixl_faults import scenario_nixl_disk
+from dynamo_kvtc.reliability.process import scenario_kill9
+from dynamo_kvtc.reliability.soak import scenario_soak
+from dynamo_kvtc.reliability.transfer_faults import scenario_transfer
+from dynamo_kvtc.reliability.world import World
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, synth_cal):
-    return chaos.World(tmp_path_factory.mktemp("chaos"), seed=0, cal=synth_cal)
+    return World(tmp_path_factory.mktemp("chaos"), seed=0, cal=synth_cal)
 
 
-def clean(ledger: chaos.Ledger, *kinds: str, all_detected: bool = True) -> None:
+def clean(ledger: Ledger, *kinds: str, all_detected: bool = True) -> None:
     assert not ledger.problems, ledger.problems
     for kind in kinds:
         c = ledger.kinds[kind]
@@ -32,22 +40,22 @@ def clean(ledger: chaos.Ledger, *kinds: str, all_detected: bool = True) -> None:
 def test_disk_file_damage_anywhere_is_never_served(world):
     """Bit flips, scribbles, truncation, extension, deleted/swapped/renamed/symlinked files, in the index record, the
     blob header and the sections, at rest (then a restart) and under a running store; lossless and lossy."""
-    ledger = chaos.Ledger()
-    chaos.scenario_disk_files(world, ledger, 12)
+    ledger = Ledger()
+    scenario_disk_files(world, ledger, 12)
     clean(ledger, "bitflip_disk", "truncate_disk", "misfile_disk")
-    details = {k for kind in chaos.FILE_OPS for k in ledger.details[kind]}
+    details = {k for kind in FILE_OPS for k in ledger.details[kind]}
     assert {"at_rest", "at_runtime"} <= details
 
 
 def test_host_arena_bit_flips_are_refused_by_the_decoder(world):
-    ledger = chaos.Ledger()
-    chaos.scenario_host_flips(world, ledger, 4)
+    ledger = Ledger()
+    scenario_host_flips(world, ledger, 4)
     clean(ledger, "bitflip_host")
 
 
 def test_enospc_on_a_small_tmpfs_keeps_committed_blobs(world):
-    ledger = chaos.Ledger()
-    chaos.scenario_enospc(world, ledger, 1)
+    ledger = Ledger()
+    scenario_enospc(world, ledger, 1)
     if "skipped" in ledger.details.get("enospc", {}):
         pytest.skip(ledger.details["enospc"]["skipped"])
     clean(ledger, "enospc")
@@ -59,8 +67,8 @@ def test_kill9_in_the_middle_of_disk_writes_then_restart(world):
     """A writer process is SIGKILLed at random moments while committing blobs (writes slowed so kills land inside
     them); the next process recovers the directory and restores every blob the killed one reported committed, bit for
     bit; torn .tmp files are removed, never served."""
-    ledger = chaos.Ledger()
-    chaos.scenario_kill9(world, ledger, 2)
+    ledger = Ledger()
+    scenario_kill9(world, ledger, 2)
     clean(ledger, "kill9_write")
     assert ledger.details["kill9_write"]["committed_checked"] > 0
 
@@ -69,16 +77,16 @@ def test_nixl_write_failures_store_nothing(world):
     """raise / ERR state / stall (timeout) / rejected descriptors / DONE without data / corrupted bytes on the disk
     tier's WRITE: the blob is refused (or, for the silent ones, refused when read), nothing torn is left, and every
     committed blob still restores exactly."""
-    ledger = chaos.Ledger()
-    chaos.scenario_nixl_disk(world, ledger, 12, ops=("WRITE",))
+    ledger = Ledger()
+    scenario_nixl_disk(world, ledger, 12, ops=("WRITE",))
     clean(ledger, "nixl_disk")
 
 
 def test_nixl_read_failures_keep_the_committed_blob(world):
     """The same failures on READ: the restore fails (the engine recomputes) and the committed file is kept, so the
     block restores exactly once the fault is gone."""
-    ledger = chaos.Ledger()
-    chaos.scenario_nixl_disk(world, ledger, 12, ops=("READ",))
+    ledger = Ledger()
+    scenario_nixl_disk(world, ledger, 12, ops=("READ",))
     clean(ledger, "nixl_disk")
 
 
@@ -86,21 +94,21 @@ def test_two_process_transfer_faults(world):
     """Prefill side in its own process (real KvtcStore behind a TransferServer), decode side here with its real UCX
     agent wrapped: failed transfer, ERR, timeout, corrupted bytes, peer killed mid-fetch. Each fetch fails cleanly and
     the next clean fetch restores bit for bit; lying replies and garbage requests are refused."""
-    ledger = chaos.Ledger()
-    chaos.scenario_transfer(world, ledger, 5, timeout=2.5, modes=("raise", "stall", "corrupt", "drop", "kill_peer"))
+    ledger = Ledger()
+    scenario_transfer(world, ledger, 5, timeout=2.5, modes=("raise", "stall", "corrupt", "drop", "kill_peer"))
     clean(ledger, "nixl_transfer", "transfer_malformed")
     assert ledger.details["nixl_transfer"]["clean_fetches_ok"] == 5
 
 
 def test_calibration_replaced_or_mismatched(world):
-    ledger = chaos.Ledger()
-    chaos.scenario_calibration(world, ledger)
+    ledger = Ledger()
+    scenario_calibration(world, ledger)
     clean(ledger, "calibration")
 
 
 def test_host_allocation_failure_and_rlimit(world):
-    ledger = chaos.Ledger()
-    chaos.scenario_host_alloc(world, ledger, 5)
+    ledger = Ledger()
+    scenario_host_alloc(world, ledger, 5)
     clean(ledger, "host_alloc", all_detected=False)
     assert ledger.kinds["host_alloc"]["faults_detected"] == ledger.kinds["host_alloc"]["faults_injected"]
 
@@ -110,8 +118,8 @@ def test_soak_concurrent_multi_turn(world, lossless):
     """Concurrent clients, multi-turn, host and disk tiers small enough to evict/demote/promote constantly: every
     restored block equals its reference (bit-exact lossless; the codec's own decode of its blob, lossy); tiers stay
     within capacity and memory stops growing."""
-    ledger = chaos.Ledger()
-    chaos.scenario_soak(world, ledger, 5.0, 4, lossless)
+    ledger = Ledger()
+    scenario_soak(world, ledger, 5.0, 4, lossless)
     kind = "soak_lossless" if lossless else "soak_lossy"
     clean(ledger, kind, all_detected=False)
     d = ledger.details[kind]

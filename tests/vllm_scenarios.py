@@ -19,7 +19,7 @@ import torch
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
-from dynamo_kvtc.cli.engine import EngineConfig, build_engine, chat, conversation, run_turn, worker_of
+from dynamo_kvtc.demo.engine import EngineConfig, build_engine, chat, conversation, run_turn, worker_of
 
 MODEL = "smollm2-135m-instruct"
 LOSSLESS = {"window": 1 << 20}  # every saved token stays raw: restored blocks must equal the originals bit for bit

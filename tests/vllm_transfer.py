@@ -19,7 +19,7 @@ from pathlib import Path
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
-from dynamo_kvtc.cli.engine import EngineConfig, _vllm, build_engine, chat, worker_of
+from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of
 
 MODEL = "smollm2-135m-instruct"
 

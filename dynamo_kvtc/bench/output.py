@@ -1,4 +1,4 @@
-"""Helpers shared by CLI commands: where calibrations live, machine description, JSON output."""
+"""What every benchmark and report writes: a description of the machine, and JSON output."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ..calibration.catalog import find_calibration, shipped_calibrations
-
-__all__ = ["find_calibration", "machine", "shipped_calibrations", "write_json"]
+__all__ = ["machine", "write_json"]
 
 
 def machine() -> dict[str, Any]:
+    """Platform, CPU, torch version and threads, GPU and nvCOMP where present."""
+    import torch
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "cpu": platform.processor() or platform.machine(),
@@ -36,6 +35,7 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: str | os.PathLike | None, data: Any) -> None:
+    """Write ``data`` as indented JSON to ``path`` (parents made); nothing when ``path`` is empty."""
     if not path:
         return
     p = Path(path)

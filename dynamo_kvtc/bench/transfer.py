@@ -39,7 +39,7 @@ from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore
-from .common import machine, write_json
+from .output import machine, write_json
 from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
@@ -162,27 +162,89 @@ def _raw_pull(agent: _Agent, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor
     return seconds
 
 
-def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str, Any]:
-    dev = torch.device(args.decode_device)
-    cal = Calibration.load(cal_path)
-    fp = cal.fingerprint
+def _start_prefill(shape: str, tokens: int, args, cal_path: Path, work: Path) -> tuple[subprocess.Popen, dict]:
+    """Start the prefill process and wait for what it reports (ports, encode time, bytes)."""
     port_file = work / f"prefill-{shape}-{tokens}.json"
     env = {**os.environ}
     child = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_kvtc.cli.transfer_bench", "serve", str(cal_path), str(tokens)]
+        [sys.executable, "-m", "dynamo_kvtc.bench.transfer", "serve", str(cal_path), str(tokens)]
         + [args.prefill_device, str(args.ratio), str(port_file)],
         stdin=subprocess.PIPE,
         env=env,
         text=True,
     )
+    deadline = time.monotonic() + args.timeout
+    while not port_file.exists():
+        if child.poll() is not None or time.monotonic() > deadline:
+            _stop(child)
+            raise TransferError(f"prefill process did not come up (exit {child.returncode})")
+        time.sleep(0.1)
+    time.sleep(0.2)
+    return child, json.loads(port_file.read_text())
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.stdin:
+        child.stdin.close()
     try:
-        deadline = time.monotonic() + args.timeout
-        while not port_file.exists():
-            if child.poll() is not None or time.monotonic() > deadline:
-                raise TransferError(f"prefill process did not come up (exit {child.returncode})")
-            time.sleep(0.1)
-        time.sleep(0.2)
-        pre = json.loads(port_file.read_text())
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
+def _compressed_runs(store: KvtcStore, client: TransferClient, pre: dict, tokens: int, args, dev) -> list[dict]:
+    """Fetch the blobs over NIXL and restore them layer by layer, ``args.repeat`` times after one warm-up."""
+    hashes = sequence_hashes(_tokens(tokens), BS)
+    dst = list(range(1, tokens // BS + 1))
+    runs = []
+    for i in range(args.repeat + 1):
+        fetch = {}
+
+        def source(fetch=fetch):
+            t = time.perf_counter()
+            got = client.fetch("127.0.0.1", pre["port"], hashes)
+            fetch["s"] = time.perf_counter() - t
+            fetch["bytes"] = sum(len(b[0]) for b in got)
+            return got
+
+        t0 = time.perf_counter()
+        h = store.start_onboard(hashes, dst, source=source)
+        if not h.wait(args.timeout):
+            raise TransferError(f"compressed restore failed: {h.error}")
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        total = time.perf_counter() - t0
+        if i:  # the first round warms up connections and kernels
+            runs.append(
+                {
+                    "transfer_s": fetch["s"],
+                    "first_layer_s": h.ready_times[0],
+                    "all_layers_s": total,
+                    "bytes": fetch["bytes"],
+                }
+            )
+    return runs
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    comp, raw_s = row["compressed"], row["raw"]["transfer_s"]
+    print(
+        f"{row['shape']:>18} {row['tokens']:>6} | raw {row['raw_bytes'] / 2**20:8.1f} MiB {1000 * raw_s:8.1f} ms"
+        f" | kvtc "
+        f"{comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x) "
+        f"transfer {1000 * comp['transfer_s']:7.1f} ms"
+        f" layer 0 {1000 * comp['first_layer_s']:7.1f} ms all {1000 * comp['all_layers_s']:7.1f} ms"
+        f" | err K {row['rel_err_k']:.3f} V {row['rel_err_v']:.3f}",
+        flush=True,
+    )
+
+
+def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str, Any]:
+    dev = torch.device(args.decode_device)
+    cal = Calibration.load(cal_path)
+    fp = cal.fingerprint
+    child, pre = _start_prefill(shape, tokens, args, cal_path, work)
+    try:
         n = tokens // BS
         caches = [
             torch.zeros(2, n + 1, BS, fp.num_kv_heads, fp.head_dim, dtype=torch.bfloat16, device=dev)
@@ -194,48 +256,17 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
             transfer_timeout_s=args.timeout,
         )
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
-        client = TransferClient(cfg)
-        hashes = sequence_hashes(_tokens(tokens), BS)
-        dst = list(range(1, n + 1))
-        runs = []
-        for i in range(args.repeat + 1):
-            fetch = {}
-
-            def source(fetch=fetch):
-                t = time.perf_counter()
-                got = client.fetch("127.0.0.1", pre["port"], hashes)
-                fetch["s"] = time.perf_counter() - t
-                fetch["bytes"] = sum(len(b[0]) for b in got)
-                return got
-
-            t0 = time.perf_counter()
-            h = store.start_onboard(hashes, dst, source=source)
-            if not h.wait(args.timeout):
-                raise TransferError(f"compressed restore failed: {h.error}")
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            total = time.perf_counter() - t0
-            if i:  # the first round warms up connections and kernels
-                runs.append(
-                    {
-                        "transfer_s": fetch["s"],
-                        "first_layer_s": h.ready_times[0],
-                        "all_layers_s": total,
-                        "bytes": fetch["bytes"],
-                    }
-                )
+        runs = _compressed_runs(store, TransferClient(cfg), pre, tokens, args, dev)
         k_ref, v_ref, _ = synthetic_kv(cal, tokens, device=str(dev))
-        k_got, v_got = store.kv.gather(dst)
+        k_got, v_got = store.kv.gather(list(range(1, n + 1)))
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
         dst_k, dst_v = torch.empty_like(k_ref), torch.empty_like(v_ref)
         raw_agent = _Agent(cfg.nixl_backend, "kvtc-bench-raw-decode")
-        raw_runs = [_raw_pull(raw_agent, pre["raw_port"], dst_k, dst_v, args.timeout) for _ in range(args.repeat + 1)][
-            1:
-        ]
+        raw_runs = [_raw_pull(raw_agent, pre["raw_port"], dst_k, dst_v, args.timeout) for _ in range(args.repeat + 1)]
         raw_ok = bool(torch.equal(dst_k, k_ref) and torch.equal(dst_v, v_ref))
         comp = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        raw_s = statistics.median(raw_runs)
+        raw_s = statistics.median(raw_runs[1:])
         row = {
             "shape": shape,
             "tokens": tokens,
@@ -248,27 +279,15 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
             "raw": {"transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s, "bit_exact": raw_ok},
             **err,
         }
-        print(
-            f"{shape:>18} {tokens:>6} | raw {pre['raw_bytes'] / 2**20:8.1f} MiB {1000 * raw_s:8.1f} ms | kvtc "
-            f"{comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x) "
-            f"transfer {1000 * comp['transfer_s']:7.1f} ms"
-            f" layer 0 {1000 * comp['first_layer_s']:7.1f} ms all {1000 * comp['all_layers_s']:7.1f} ms"
-            f" | err K {err['rel_err_k']:.3f} V {err['rel_err_v']:.3f}",
-            flush=True,
-        )
+        _print_row(row)
         return row
     finally:
-        if child.stdin:
-            child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        _stop(child)
 
 
 def run_bench_transfer(args) -> int:
-    shapes = args.shapes.split(",")
-    lengths = [int(x) for x in args.tokens.split(",")]
+    shapes = args.shapes.split(",") if isinstance(args.shapes, str) else list(args.shapes)
+    lengths = [int(x) for x in args.tokens.split(",")] if isinstance(args.tokens, str) else list(args.tokens)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtc-transfer-") as tmp:
         work = Path(tmp)

