@@ -58,6 +58,20 @@ def test_inspect_calibration_reads_its_card_without_torch():
     assert heavy == []
 
 
+def test_inspect_blob_reads_its_header_without_torch(tmp_path, synth_cal):
+    from dynamo_kvtc.calibration.synthetic import synthetic_kv
+    from dynamo_kvtc.codec.kvtc import KvtcCodec
+
+    k, v, pos = synthetic_kv(synth_cal, 300)
+    blob = tmp_path / "span.kvtc"
+    blob.write_bytes(KvtcCodec(synth_cal, ratio=synth_cal.ratios[0]).encode(k, v, pos))
+    p, heavy = cli("inspect", str(blob))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["header"]["tokens"] == 300 and info["sections"]
+    assert heavy == []
+
+
 def test_inspect_missing_path_is_one_error_line():
     p, heavy = cli("inspect", "/nonexistent")
     assert p.returncode == 2
