@@ -383,3 +383,67 @@ def test_nixl_failures_become_tier_errors(tmp_path):
     with pytest.raises(TierError, match="NIXL WRITE failed"):
         writer.put("y", os.urandom(5000), {})
     assert "y" not in writer and not list((tmp_path / "b").iterdir())  # nothing torn left behind
+
+
+async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synth_cal):
+    """export -> BlobRuns with metas; a second store restores them from that source (no tiers read) and keeps them;
+    the index, host-tier extents, demotion and the idle wait through public names only."""
+    from dynamo_kvtc.tiers import BlobRun
+
+    a = _store(synth_cal, tmp_path / "a", disk=1 << 20)
+    toks, (k, v, _) = _tokens(320, 21), synth.sample(320)
+    fut = a.submit_offload(a.hashes(toks), toks, keys=k[:, :320], values=v[:, :320])
+    assert a.wait_idle(30) and fut.done() and fut.result().stored_blocks == 20
+    hashes = a.hashes(toks)
+    runs = a.export(hashes[2:])
+    assert all(isinstance(r, BlobRun) and r.meta is not None for r in runs)
+    assert runs[0].at == 0 and sum(r.count for r in runs) == 18 and runs[0].first == 2
+    assert a.index.blob_ids() == {r.meta.id for r in a.export(hashes)}
+    bid = a.blob_of(hashes[0])
+    assert a.index.meta(bid).hashes[0] == hashes[0] and hashes[0] in a.index and a.index.locate(hashes[0]) == (bid, 0)
+    assert sum(n for _, n in a.host.extents(bid)) == a.index.meta(bid).stored_bytes
+    assert a.placement.demote(bid) and a.where(hashes[0]) == "disk" and not a.placement.demote(bid)
+
+    b = _store(synth_cal)
+    sink = Collect(k.shape[0], 18 * BS, *k.shape[2:])
+    h = b.start_onboard(hashes[2:], sink=sink, source=lambda: runs)
+    assert h.wait(30) and h.finished and h.bytes_read == sum(len(r.blob) for r in runs)
+    ref = Collect(k.shape[0], 18 * BS, *k.shape[2:])
+    assert await (await a.onboard(hashes[2:], sink=ref)).done()
+    assert torch.equal(sink.k, ref.k) and torch.equal(sink.v, ref.v)
+    snap = b.snapshot()
+    assert snap["onboard_peer_blocks"] == 18 and b.match(hashes) == 20  # the peer's whole blobs are kept here
+    short = b.start_onboard(hashes, sink=Collect(k.shape[0], 20 * BS, *k.shape[2:]), source=lambda: runs)
+    assert not short.wait(30) and short.finished and isinstance(short.error, TierError)
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_span_coder_encodes_restores_and_names_bad_blobs(synth, synth_cal, fused):
+    from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
+    from dynamo_kvtc.errors import DecodeError
+
+    codec = KvtcCodec(synth_cal, ratio=8, window=32, fused=fused)
+    coder = SpanCoder(codec)
+    k, v, _ = synth.sample(256)
+    spans = [EncodeSpan(0, torch.arange(0, 128), 0), EncodeSpan(128, torch.arange(128, 256), 32)]
+    enc = coder.encode(spans, lambda a, b: (k[:, a:b], v[:, a:b]))
+    blobs = list(enc.blobs)
+    assert enc.fused == fused and len(blobs) == 2
+    restore = coder.restore([RestoreRun(blobs[0], 16, 32), RestoreRun(blobs[1], 0, 128)])
+    got = list(restore)
+    assert restore.fused == fused and [layer for layer, _ in got] == list(range(k.shape[0]))
+    ref0, ref1 = KvtcCodec(synth_cal, ratio=8).decode(blobs[0]), KvtcCodec(synth_cal, ratio=8).decode(blobs[1])
+    for layer, ((k0, v0), (k1, _)) in got:
+        tol = 0.02 if fused else 0.0  # fp16 tensor-core projections vs the float32 reference
+        assert (k0.float() - ref0[0][layer, 16:48].float()).norm() <= tol * ref0[0][layer, 16:48].float().norm()
+        assert (k1.float() - ref1[0][layer].float()).norm() <= tol * ref1[0][layer].float().norm()
+        assert v0.shape == (32, *k.shape[2:])
+    bad_blob = bytearray(blobs[1])
+    bad_blob[len(bad_blob) // 2] ^= 0xFF
+    told = []
+    runs = [RestoreRun(blobs[0], 0, 128), RestoreRun(bytes(bad_blob), 0, 128)]
+    with pytest.raises(DecodeError):
+        next(iter(coder.restore(runs, bad=lambda i, e: told.append(i))))
+    assert told == [1]

@@ -1,4 +1,9 @@
-"""Compressed storage tiers: host (G2c) and disk (G3c) stores of KVTC blobs, NIXL file I/O, layer-ordered restore."""
+"""Compressed storage tiers: host (G2c) and disk (G3c) stores of KVTC blobs, NIXL file I/O, layer-ordered restore.
+
+:class:`KvtcStore` (store.py) is the facade; its parts: blobs.py (records), index.py (hash -> blob, listeners),
+base.py / host.py / disk.py (the blob tiers), placement.py (host <-> disk moves), offloader.py (encode worker),
+restorer.py (restore worker, :class:`OnboardHandle`); the fused-or-reference codec choice is codec/spans.py.
+"""
 
 from .base import BlobTier
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult

@@ -70,6 +70,16 @@ class Placement:
                 self.stats["host_evictions"] += 1
                 self._demote(old_id, data, old_meta)
 
+    def demote(self, blob_id: str) -> bool:
+        """Move one blob out of the host tier to disk now (dropped without a disk tier, as an LRU victim is);
+        False if the host tier does not hold it."""
+        with self._transit:
+            got = self.host.pop(blob_id)
+            if got is None:
+                return False
+            self._demote(blob_id, got[0], got[1])
+            return True
+
     def _demote(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
         if self.disk is None:
             self.index.remove(blob_id)
