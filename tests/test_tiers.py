@@ -447,3 +447,27 @@ def test_span_coder_encodes_restores_and_names_bad_blobs(synth, synth_cal, fused
     with pytest.raises(DecodeError):
         next(iter(coder.restore(runs, bad=lambda i, e: told.append(i))))
     assert told == [1]
+
+
+def test_span_coder_falls_back_to_the_reference_path(monkeypatch, synth, synth_cal):
+    """An unexpected failure of the fused path turns it off (codec.disable_fused) and the reference path does the
+    work: for an encode, and for a restore (before anything was written)."""
+    from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
+
+    monkeypatch.delenv("DYN_KVTC_FUSED_STRICT", raising=False)
+    k, v, _ = synth.sample(128)
+
+    def boom(*a, **kw):
+        raise RuntimeError("simulated fused failure")
+
+    for what in ("encode_batch", "open"):
+        codec = KvtcCodec(synth_cal, ratio=8, window=32, fused=True)
+        monkeypatch.setattr(codec.fused, what, boom)
+        coder = SpanCoder(codec)
+        enc = coder.encode([EncodeSpan(0, torch.arange(128), 32)], lambda a, b: (k[:, a:b], v[:, a:b]))
+        blob = next(iter(enc.blobs))
+        restore = coder.restore([RestoreRun(blob, 0, 128)])
+        got = list(restore)
+        assert codec.fused is None and enc.fused == (what == "open") and not restore.fused and len(got) == k.shape[0]
+        ref = KvtcCodec(synth_cal, ratio=8).decode(blob)
+        assert torch.equal(got[-1][1][0][0], ref[0][-1])
