@@ -165,8 +165,6 @@ class KvtcCodec:
         )
         self._use_fused = False
 
-    _fused_failed = disable_fused  # the old private name, until every caller uses disable_fused
-
     def blob_header(
         self, dtype: torch.dtype, positions: torch.Tensor, mode: str, sinks: int, window: int
     ) -> BlobHeader:
