@@ -26,13 +26,13 @@ says how the spectrum was chosen against the real SmolLM2 calibration). Throughp
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
 import torch
 
+from .. import settings
 from ..errors import ConfigError
 from . import gpu_timing as gt
 from .gpu_checks import accuracy_check, codec_choice, cpu_path, measure_ceilings, nvcomp_sync_check, overlap_check
@@ -302,7 +302,7 @@ def run_config(
 
 
 def _select_device(args) -> torch.device:
-    if os.environ.get("DYN_KVTC_BENCH_SMOKE") == "1":  # code check on a CPU machine; numbers meaningless
+    if settings.env_value("bench_smoke"):  # code check on a CPU machine; numbers meaningless
         gt.cuda, gt.PIN[0], dev = gt.CpuCuda(), False, torch.device("cpu")
         args.tag = args.tag or "deflate"
     elif not torch.cuda.is_available():

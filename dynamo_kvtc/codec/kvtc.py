@@ -16,7 +16,6 @@ are needed.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..errors import (
     ConfigError,
     CorruptBlobError,
@@ -141,7 +141,7 @@ class KvtcCodec:
         self._coders: dict[str, EntropyCoder] = {}
         self.last_timings: dict[str, float] = {}
         if fused is None:  # DYN_KVTC_FUSED: 0 = never, force = on every device (torch stages on the CPU: tests)
-            env = os.environ.get("DYN_KVTC_FUSED", "1")
+            env = settings.env_value("fused")
             fused = env == "force" or (self.device.type == "cuda" and env != "0")
         self._use_fused = bool(fused)
         self._fused = None
@@ -158,7 +158,7 @@ class KvtcCodec:
     def disable_fused(self, what: str, error: BaseException) -> None:
         """The fused path failed doing ``what``: log it and use the reference path from now on (re-raises ``error``
         instead when ``DYN_KVTC_FUSED_STRICT=1``, as tests set, so a failure of the fast path is never hidden)."""
-        if os.environ.get("DYN_KVTC_FUSED_STRICT") == "1":
+        if settings.env_value("fused_strict"):
             raise error
         log.warning(
             "kvtc fused %s failed (%s: %s); using the reference path from now on", what, type(error).__name__, error

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -36,9 +35,6 @@ from .config import ConnectorConfig
 from .protocol import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
-
-# engine id -> worker, so a scheduler in the same process (TP=1) can match without a socket
-LOCAL_WORKERS: dict[str, KvtcWorker] = {}
 
 
 def layer_index(name: str) -> int:
@@ -80,6 +76,14 @@ def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size:
 
 
 class KvtcWorker:
+    """The worker half: one object per TP rank, answering every worker-side vLLM hook.
+
+    Owns the store (compressed tiers) of this rank and the services rank 0 offers (lookup channel, metrics, the
+    hand-off server on a prefill engine). Its blob sources are given at construction: its own tiers always, and
+    ``peer`` (a :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`) on a decode engine. It never decides
+    what to load or save (the scheduler's plan does), never writes a block it has not verified, and never raises into
+    the engine: every fault is a miss (recompute) or a lost cache entry."""
+
     def __init__(
         self,
         config: ConnectorConfig,
@@ -91,6 +95,8 @@ class KvtcWorker:
         num_blocks: int | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        peer: Any = None,
+        listeners: tuple = (),
     ) -> None:
         self.cfg = config
         self.engine_id = engine_id
@@ -113,14 +119,17 @@ class KvtcWorker:
         self.metrics_port: int | None = None
         self.restores: list[dict[str, Any]] = []  # recent restores (tokens, first layer / all layers seconds)
         self.lookup_server = None
-        self.transfer = None  # TransferSide when compressed prefill->decode transfer is on
+        self.peer = peer  # HandoffClient on a decode engine with compressed hand-off
+        self.handoff_server = None  # HandoffServer on a prefill engine (rank 0)
+        self.listeners = tuple(listeners)  # store listeners (vLLM KV events)
 
     # ------------------------------------------------------------------ setup
     def _disable(self, why: str) -> None:
-        LOCAL_WORKERS[self.engine_id] = self  # still answers lookups (always a miss) and reports its stats
         self.disabled = why
         self.stats["fallback_disabled"] += 1
         log.error("KvtcConnector disabled, every request recomputes: %s", why)
+        if self.tp_rank == 0:
+            self._start_lookup()  # still answers lookups (always a miss), so schedulers elsewhere never wait
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
@@ -140,7 +149,7 @@ class KvtcWorker:
             return
         self.layers = {n: i for i, n in enumerate(names)}
         self.store = store
-        LOCAL_WORKERS[self.engine_id] = self
+        store.listeners.extend(self.listeners)
         log.info(
             "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB, disk %s",
             kv.num_layers,
@@ -169,13 +178,24 @@ class KvtcWorker:
         cal.check_model(fp)
         return cal
 
-    def _start_services(self) -> None:
+    def _start_lookup(self) -> None:
         from .lookup import LookupServer
 
         try:
-            self.lookup_server = LookupServer(self.engine_id, self.match)
+            self.lookup_server = LookupServer(self.engine_id, self)
         except Exception as e:  # in-process matching still works
             log.warning("kvtc lookup channel not started (%s); schedulers in other processes will miss", e)
+
+    def _start_services(self) -> None:
+        self._start_lookup()
+        if self.cfg.transfer == "prefill":
+            from .handoff.server import HandoffServer
+
+            try:
+                self.handoff_server = HandoffServer(self.cfg, self.store)
+            except Exception as e:
+                log.error("kvtc compressed hand-off unavailable (decode peers recompute instead): %s", e)
+                self.stats["fallback_transfer_setup"] += 1
         if self.cfg.metrics_port is not None:
             from .metrics import KvtcMetrics
 
@@ -189,6 +209,18 @@ class KvtcWorker:
             return 0, 0
         return self.store.match_tiers(hashes)
 
+    def handoff_port(self) -> int | None:
+        return self.handoff_server.port if self.handoff_server is not None else None
+
+    def _source(self, op: LoadOp):
+        """Where a load's blobs come from: the tiers (None), or the prefill peer named in the op."""
+        if op.remote is None:
+            return None
+        if self.peer is None:
+            raise TierError("a remote load reached a worker without compressed hand-off")
+        host, port = op.remote
+        return lambda: self.peer.fetch(host, port, list(op.hashes))
+
     # ------------------------------------------------------------------ per step
     def start_load(self, plan: StepPlan | None) -> None:
         if plan is None:
@@ -200,10 +232,7 @@ class KvtcWorker:
                 self._fail_load(op, f"connector disabled: {self.disabled}")
                 continue
             try:
-                source = self.transfer.source(op) if op.remote is not None and self.transfer is not None else None
-                if op.remote is not None and source is None:
-                    raise TierError("a remote load reached a worker without compressed transfer")
-                handle = self.store.start_onboard(op.hashes, op.block_ids, source=source)
+                handle = self.store.start_onboard(op.hashes, op.block_ids, source=self._source(op))
             except KvtcError as e:
                 self._fail_load(op, str(e))
                 continue
@@ -304,7 +333,7 @@ class KvtcWorker:
         """(done sending, done receiving, failed receiving) since the last call."""
         recv, failed = set(), set()
         for req_id, (op, handle) in list(self._async.items()):
-            if handle._done.is_set():
+            if handle.finished:
                 del self._async[req_id]
                 recv.add(req_id)
                 if handle.ok:
@@ -322,16 +351,14 @@ class KvtcWorker:
         return out
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until every queued encode finished (tests, shutdown)."""
-        if self.store is None:
-            return True
-        deadline = time.monotonic() + timeout
-        f = self.store._offload_pool.submit(lambda: None)
-        f.result(max(0.0, deadline - time.monotonic()))
-        return True
+        """Block until every queued encode finished (tests, shutdown); False if some did not within ``timeout``."""
+        return self.store is None or self.store.wait_idle(timeout)
 
     def shutdown(self) -> None:
-        LOCAL_WORKERS.pop(self.engine_id, None)
+        if self.handoff_server is not None:
+            self.handoff_server.close()
+        if self.peer is not None:
+            self.peer.close()
         if self.lookup_server is not None:
             self.lookup_server.close()
         if self.store is not None:

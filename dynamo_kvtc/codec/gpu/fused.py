@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ... import settings
 from ...errors import ConfigError, InputError
 from ..entropy import nvcomp_available
 from ..model import DTYPES
@@ -112,7 +113,7 @@ class FusedCodec:
             try:
                 return getattr(self.ops, name)(*args, **kw)
             except Exception as e:  # noqa: BLE001 - compilation/launch problems of an optional backend
-                if os.environ.get("DYN_KVTC_FUSED_STRICT") == "1":
+                if settings.env_value("fused_strict"):
                     raise
                 msg = f"triton {name} failed ({type(e).__name__}: {e}); using torch ops"
                 self.kernel_errors.append(msg)
@@ -182,5 +183,5 @@ def fused_status(device: str | torch.device) -> dict[str, Any]:
         "ops": "triton" if (ok and dev.type == "cuda") else "torch",
         "triton": why,
         "nvcomp": dev.type == "cuda" and nvcomp_available(),
-        "env_disabled": os.environ.get("DYN_KVTC_FUSED", "1") == "0",
+        "env_disabled": settings.env_value("fused") == "0",
     }
