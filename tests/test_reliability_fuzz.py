@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc import settings as kvtc_settings
 from dynamo_kvtc.codec.container import MAGIC, PREFIX, parse_blob
-from dynamo_kvtc.connector import lookup, transfer
+from dynamo_kvtc.connector import lookup
+from dynamo_kvtc.connector.handoff import messages
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, DecodeError, TierError, TransferError
-from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig
+from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig, channel
 from dynamo_kvtc.tiers import disk as disk_mod
 
 FUZZ = settings(
@@ -249,11 +250,19 @@ def test_disk_index_record_parser(raw):
 @settings(FUZZ, max_examples=300)
 @given(st.binary(max_size=512) | msgpack_values.map(lambda v: msgpack.packb(v, use_bin_type=True)))
 def test_control_messages_parse_or_transfer_error(raw):
-    for unpack in (transfer._unpack, lookup._unpack):
+    """The control channel's one parser, under each channel's limits, returns a map or raises TransferError; a
+    parsed message is then either a well-formed fetch request or refused with TransferError."""
+    for limits in (messages.LIMITS, lookup.LIMITS):
         try:
-            assert isinstance(unpack(raw), dict)
+            msg = channel.unpack(raw, limits)
         except TransferError:
-            pass
+            continue
+        assert isinstance(msg, dict)
+        try:
+            hashes, peer, md = messages.check_fetch(msg)
+        except TransferError:
+            continue
+        assert 0 < len(hashes) <= messages.MAX_FETCH_BLOCKS and messages.peer_ok(peer, md)
 
 
 def _reply_strategy():
@@ -281,14 +290,16 @@ def test_transfer_reply_checks(reply):
     """Whatever a peer replies, the decode side either refuses it (TransferError) or accepts a plan whose runs tile
     exactly the requested blocks, name them in the blob metadata, and whose descriptors add up to each blob."""
     try:
-        runs, remote, spans = transfer.TransferClient._plan(reply, REQUESTED)
+        runs, remote = messages.plan_reply(reply, REQUESTED)
     except TransferError:
         return
-    j = 0
-    for (first, count, jj, meta), (_, size) in zip(runs, spans):
-        assert jj == j and meta["hashes"][first : first + count] == REQUESTED[j : j + count] and size > 0
-        j += count
-    assert j == len(REQUESTED) and sum(n for _, n, _ in remote) == sum(n for _, n in spans)
+    j = offset = 0
+    for r in runs:
+        assert r.at == j and r.meta["hashes"][r.first : r.first + r.count] == REQUESTED[j : j + r.count] and r.size > 0
+        assert r.offset == offset
+        j += r.count
+        offset += r.size
+    assert j == len(REQUESTED) and sum(n for _, n, _ in remote) == offset
 
 
 # ---------------------------------------------------------------------------------------------- configuration

@@ -1,6 +1,15 @@
-"""Serving integration: Dynamo KV-router events and Prometheus metrics for the compressed tiers.
+"""Serving integration: the vLLM ``KvtcConnector``, Dynamo KV-router events and Prometheus metrics.
 
-(The vLLM ``KvtcConnector`` itself lands here too; see the connector issue.)
+- :mod:`.vllm` — ``KvtcConnector`` (vLLM's ``KVConnectorBase_V1``): builds exactly one of the two halves by role and
+  delegates every hook to it. :mod:`.vllm_parts` holds its vLLM-specific helpers (KV events, CPU layout probe).
+- :mod:`.scheduler` — ``KvtcScheduler``: matching, load and save plans (:mod:`.protocol`: what it sends the workers).
+- :mod:`.worker` — ``KvtcWorker``: the store of one TP rank, layer-by-layer restore, copy-out and encode.
+- :mod:`.lookup` — how the scheduler asks the worker's store (in-process, or the IPC lookup channel).
+- :mod:`.handoff` — the compressed prefill→decode hand-off (policy, server, client, messages).
+- :mod:`.config` — the connector's settings (parsed from the one settings table, :mod:`dynamo_kvtc.settings`).
+- :mod:`.events`, :mod:`.metrics` — Dynamo router events and the ``kvtc_*`` Prometheus metrics.
+
+Importing this package does not import vLLM; :mod:`.vllm` does.
 """
 
 from .events import RouterEvents

@@ -1,7 +1,8 @@
-"""The lookup channel: a scheduler in another process than the worker (TP > 1) asks rank 0's store what it holds.
+"""The lookup channel: the scheduler asks the worker's store (TP rank 0) what it holds.
 
-One ZMQ REQ/REP pair over an IPC socket named after the engine id; requests and replies are msgpack (never pickle),
-unpacked with size limits (ZMQ drops a connection that sends a bigger message before it is buffered). The socket lives
+:class:`LazyLookup` is the factory the scheduler gets: the worker itself when vLLM runs it in the same process, else
+:class:`LookupClient`, one ZMQ REQ/REP pair over an IPC socket named after the engine id, through the control channel
+(:mod:`dynamo_kvtc.tiers.channel`: msgpack with size limits, never pickle; deadlines on every request). The socket lives
 in a private directory (``$TMPDIR/kvtc-<uid>``, 0700, owned by this user, not a symlink): other users cannot connect
 to it or plant a socket of their own under its name. A slow or absent worker is a miss, never a stall: the client
 gives up after a deadline.
@@ -13,23 +14,14 @@ import logging
 import os
 import stat
 import tempfile
-import threading
-from collections.abc import Callable, Sequence
-
-import msgpack
+from collections.abc import Sequence
+from typing import Protocol
 
 from ..errors import ConfigError, TransferError
+from ..tiers.channel import Limits, RepServer, ReqClient
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 22  # 4 MiB: ~500K hashes, far above any request
-
-
-def _zmq():
-    try:
-        import zmq
-    except ImportError as e:  # vLLM depends on pyzmq; this only hits outside an engine
-        raise ConfigError("the lookup channel needs pyzmq") from e
-    return zmq
 
 
 def socket_dir() -> str:
@@ -60,73 +52,48 @@ def socket_path(engine_id: str) -> str:
     return os.path.join(socket_dir(), f"lookup-{safe}.sock")
 
 
-def _unpack(data: bytes) -> dict:
-    if len(data) > MAX_MESSAGE:
-        raise TransferError(f"lookup message of {len(data)} bytes exceeds {MAX_MESSAGE}")
-    try:
-        msg = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=4096,
-            max_bin_len=0,
-            max_ext_len=0,
-            max_array_len=1 << 20,
-            max_map_len=16,
-        )
-    except Exception as e:  # msgpack raises several unrelated types for bad input
-        raise TransferError(f"lookup message is not valid msgpack: {type(e).__name__}") from None
-    if not isinstance(msg, dict):
-        raise TransferError("lookup message is not a map")
-    return msg
+LIMITS = Limits(max_message=MAX_MESSAGE, max_str=4096, max_bin=0, max_array=1 << 20, max_map=16)
+
+
+class Matcher(Protocol):
+    """What a scheduler asks of the worker's store: how many leading blocks any tier holds, and host memory holds,
+    and the worker's hand-off port (prefill side; None when it serves none)."""
+
+    def match(self, hashes: Sequence[int]) -> tuple[int, int]: ...
+
+    def handoff_port(self) -> int | None: ...
 
 
 class LookupServer:
-    def __init__(self, engine_id: str, match: Callable[[list[int]], tuple[int, int]]) -> None:
-        zmq = _zmq()
+    """The worker's end of the lookup channel (TP rank 0): answers ``match`` and ``info`` from its store.
+
+    Owns the IPC socket in the private socket directory; it only reads the store through ``match``."""
+
+    def __init__(self, engine_id: str, worker: Matcher) -> None:
         private_dir(socket_dir())
         self.path = socket_path(engine_id)
         if os.path.lexists(self.path):
             os.unlink(self.path)  # a stale socket of a dead engine with the same id
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        self._sock.bind(f"ipc://{self.path}")
+        self._worker = worker
+        self._rep = RepServer(f"ipc://{self.path}", self._handle, LIMITS, name="kvtc-lookup")
         os.chmod(self.path, 0o600)  # inside our 0700 directory: nobody else can swap the path
-        self._match = match
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvtc-lookup", daemon=True)
-        self._thread.start()
 
-    def _serve(self) -> None:
-        zmq = _zmq()
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            data = self._sock.recv()
-            try:
-                msg = _unpack(data)
-                hashes = msg.get("hashes")
-                if (
-                    msg.get("op") != "match"
-                    or not isinstance(hashes, list)
-                    or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
-                ):
-                    raise TransferError("bad lookup request")
-                n, n_host = self._match(hashes)
-                reply = {"n": n, "host": n_host}
-            except Exception as e:
-                log.warning("kvtc lookup request rejected: %s", e)
-                reply = {"error": str(e)}
-            self._sock.send(msgpack.packb(reply))
+    def _handle(self, msg: dict) -> dict:
+        op = msg.get("op")
+        if op == "info":
+            return {"handoff_port": self._worker.handoff_port() or 0}
+        hashes = msg.get("hashes")
+        if (
+            op != "match"
+            or not isinstance(hashes, list)
+            or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
+        ):
+            raise TransferError("bad lookup request")
+        n, n_host = self._worker.match(hashes)
+        return {"n": n, "host": n_host}
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close(0)
+        self._rep.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -134,42 +101,69 @@ class LookupServer:
 
 
 class LookupClient:
+    """The scheduler's end when the worker is in another process: ZMQ over the engine's IPC socket.
+
+    A slow or absent worker is a miss (TransferError, which the scheduler turns into 0 matched tokens), never a stall
+    longer than the deadline."""
+
     def __init__(self, engine_id: str, timeout_s: float = 1.0) -> None:
         self.path = socket_path(engine_id)
-        self.timeout_ms = int(timeout_s * 1000)
-        self._sock = None
-        self._lock = threading.Lock()
+        self._req = ReqClient(f"ipc://{self.path}", LIMITS, timeout_s, name="kvtc lookup")
 
-    def _socket(self):
-        zmq = _zmq()
-        if self._sock is None:
-            self._sock = zmq.Context.instance().socket(zmq.REQ)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-            self._sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
-            self._sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
-            self._sock.connect(f"ipc://{self.path}")
-        return self._sock
-
-    def __call__(self, hashes: Sequence[int]) -> tuple[int, int]:
-        zmq = _zmq()
-        with self._lock:
-            sock = self._socket()
-            try:
-                sock.send(msgpack.packb({"op": "match", "hashes": [int(h) for h in hashes]}))
-                reply = _unpack(sock.recv())
-            except zmq.ZMQError as e:
-                self._sock.close(0)  # a REQ socket that missed its reply is stuck: start over
-                self._sock = None
-                raise TransferError(f"kvtc lookup channel {self.path}: {e}") from e
-        if "error" in reply:
-            raise TransferError(f"kvtc lookup refused: {str(reply['error'])[:200]}")
+    def match(self, hashes: Sequence[int]) -> tuple[int, int]:
+        reply = self._req.ask({"op": "match", "hashes": [int(h) for h in hashes]})
         n, n_host = reply.get("n"), reply.get("host")
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (n, n_host)) or not 0 <= n_host <= n:
             raise TransferError(f"kvtc lookup reply malformed: {reply!r:.200}")
         return min(n, len(hashes)), min(n_host, len(hashes))
 
+    def handoff_port(self) -> int | None:
+        port = self._req.ask({"op": "info"}).get("handoff_port")
+        return port if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536 else None
+
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        self._req.close()
+
+
+def _in_process_worker(engine_id: str) -> Matcher | None:
+    """The KvtcConnector worker half of this engine when vLLM runs it in this process (uniprocess executor)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return None
+    if not has_kv_transfer_group():
+        return None
+    worker = getattr(get_kv_transfer_group(), "worker", None)
+    if worker is None or getattr(worker, "engine_id", None) != engine_id:
+        return None
+    return worker
+
+
+class LazyLookup:
+    """Lookup-client factory: the worker in this process when vLLM has one here, else the IPC client — decided at
+    the first lookup (vLLM creates the scheduler's connector after the workers' in one process, but not in all
+    executors), and kept."""
+
+    def __init__(self, engine_id: str, timeout_s: float = 1.0) -> None:
+        self.engine_id = engine_id
+        self.timeout_s = timeout_s
+        self._impl: Matcher | None = None
+
+    def _get(self) -> Matcher:
+        if self._impl is None:
+            self._impl = _in_process_worker(self.engine_id) or LookupClient(self.engine_id, self.timeout_s)
+        return self._impl
+
+    def match(self, hashes: Sequence[int]) -> tuple[int, int]:
+        return self._get().match(hashes)
+
+    def handoff_port(self) -> int | None:
+        try:
+            return self._get().handoff_port()
+        except TransferError as e:
+            log.warning("kvtc: cannot ask the worker for its hand-off port: %s", e)
+            return None
+
+    def close(self) -> None:
+        if isinstance(self._impl, LookupClient):
+            self._impl.close()

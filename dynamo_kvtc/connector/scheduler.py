@@ -12,17 +12,17 @@ blocks in the step after it finished (vLLM holds the blocks until the worker has
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..tiers.keys import block_hashes, chain
 from .config import ConnectorConfig
+from .handoff.policy import RemotePrefill
+from .lookup import Matcher
 from .protocol import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
-
-Matcher = Callable[[Sequence[int]], tuple[int, int]]  # hashes -> (blocks in any tier, blocks in host memory)
 
 
 @dataclass
@@ -38,10 +38,20 @@ class _Req:
 
 
 class KvtcScheduler:
-    def __init__(self, config: ConnectorConfig, block_size: int, matcher: Matcher) -> None:
+    """The scheduler half: one object per engine, answering every scheduler-side vLLM hook.
+
+    Owns the per-request bookkeeping (hashes, what was saved, pending loads) and the plan shipped to the workers each
+    step. It asks the worker's store through ``lookup`` (in-process or over the lookup channel) and consults the
+    injected ``remote`` policy for requests whose prompt KV comes from, or goes to, a prefill/decode peer. It never
+    touches KV bytes, sockets other than through ``lookup``, or the worker's state."""
+
+    def __init__(
+        self, config: ConnectorConfig, block_size: int, lookup: Matcher, remote: RemotePrefill | None = None
+    ) -> None:
         self.cfg = config
         self.block_size = block_size
-        self.matcher = matcher
+        self.lookup = lookup
+        self.remote = remote
         self.flush_blocks = max(1, config.flush_tokens // block_size)
         self._reqs: dict[str, _Req] = {}
         self._plan = StepPlan()
@@ -63,19 +73,24 @@ class KvtcScheduler:
         return st
 
     # ------------------------------------------------------------------ vLLM hooks
+    def _is_remote(self, request: Any) -> bool:
+        return self.remote is not None and self.remote.applies(request)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.block_size
+        st = self._state(request)
+        st.local, st.asynchronous = num_computed_tokens, False
+        if self._is_remote(request):
+            return self.remote.matched(request, num_computed_tokens)
         prompt = request.prompt_token_ids or []
         usable = (len(prompt) - 1) // bs  # at least one prompt token is always computed by the engine
         if usable <= 0:
             return 0, False
-        st = self._state(request)
-        st.local, st.asynchronous = num_computed_tokens, False
         if num_computed_tokens >= usable * bs:
             return 0, False
         hashes = self._hashes(st, prompt, usable)
         try:
-            n, n_host = self.matcher(hashes)
+            n, n_host = self.lookup.match(hashes)
         except Exception as e:  # lookup trouble is a miss, never an engine failure
             log.warning("kvtc lookup failed (%s); treating request %s as a miss", e, request.request_id)
             return 0, False
@@ -87,17 +102,22 @@ class KvtcScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = request.prompt_token_ids or []
-        self._plan.lookup_tokens += len(prompt)
+        remote = self._is_remote(request)
+        if not remote:
+            self._plan.lookup_tokens += len(prompt)
         if num_external_tokens <= 0:
             return
-        self._plan.hit_tokens += num_external_tokens
         bs = self.block_size
         st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
         local = st.local // bs
         n = num_external_tokens // bs
-        hashes = self._hashes(st, prompt, local + n)
-        st.load = LoadOp(request.request_id, hashes[local : local + n], block_ids[local : local + n], st.asynchronous)
+        hashes = self._hashes(st, prompt, local + n)[local : local + n]
+        if remote:  # fetched from the prefill peer; saves on this side start after it
+            st.load = self.remote.load(request, hashes, block_ids[local : local + n])
+        else:
+            self._plan.hit_tokens += num_external_tokens
+            st.load = LoadOp(request.request_id, hashes, block_ids[local : local + n], st.asynchronous)
         st.saved = max(st.saved, local + n)
         self._plan.loads.append(st.load)
 
@@ -152,10 +172,12 @@ class KvtcScheduler:
         return True
 
     def request_finished(self, request: Any, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
-        """Hold the request's blocks if its last full blocks still need copying out."""
+        """Hold the request's blocks if its last full blocks still need copying out; on a prefill engine, also say
+        where the decode side fetches the prompt's KV."""
         st = self._reqs.pop(request.request_id, None)
-        if st is None:
-            return False, None
-        st.block_ids = list(block_ids)
-        held = self._plan_save(st, request.num_computed_tokens, final=True)
-        return held, None
+        held = False
+        if st is not None:
+            st.block_ids = list(block_ids)
+            held = self._plan_save(st, request.num_computed_tokens, final=True)
+        params = self.remote.handoff_params(request) if self.remote is not None else None
+        return held, params

@@ -1,8 +1,10 @@
 """atheris: the control messages of the lookup and transfer channels (msgpack, never pickle).
 
-Invariants: ``transfer._unpack`` / ``lookup._unpack`` return a dict or raise ``TransferError``; a fetch reply either
-is refused by ``TransferClient._plan`` with ``TransferError`` or yields runs that tile exactly the requested blocks,
-name them in the blob metadata, and whose descriptors add up to each blob's size. Nothing else escapes.
+Invariants: ``tiers.channel.unpack`` under the hand-off's and the lookup's limits returns a dict or raises
+``TransferError``; a fetch request is accepted by ``handoff.messages.check_fetch`` only when well-formed; a fetch
+reply either is refused by ``handoff.messages.plan_reply`` with ``TransferError`` or yields runs that tile exactly
+the requested blocks, name them in the blob metadata, and whose descriptors add up to each blob's size. Nothing else
+escapes.
 """
 
 import sys
@@ -10,28 +12,37 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["dynamo_kvtc"]):
-    from dynamo_kvtc.connector import lookup, transfer
+    from dynamo_kvtc.connector import lookup
+    from dynamo_kvtc.connector.handoff import messages
     from dynamo_kvtc.errors import TransferError
+    from dynamo_kvtc.tiers import channel
 
 REQUESTED = [11, 22, 33, 44]
 
 
 def TestOneInput(data: bytes) -> None:
-    for unpack in (transfer._unpack, lookup._unpack):
+    for limits in (messages.LIMITS, lookup.LIMITS):
         try:
-            msg = unpack(data)
+            msg = channel.unpack(data, limits)
         except TransferError:
             continue
         assert isinstance(msg, dict)
         try:
-            runs, remote, spans = transfer.TransferClient._plan(msg, REQUESTED)
+            hashes, peer, md = messages.check_fetch(msg)
+            assert 0 < len(hashes) <= messages.MAX_FETCH_BLOCKS and messages.peer_ok(peer, md)
+        except TransferError:
+            pass
+        try:
+            runs, remote = messages.plan_reply(msg, REQUESTED)
         except TransferError:
             continue
-        j = 0
-        for (first, count, jj, meta), (_, size) in zip(runs, spans):
-            assert jj == j and meta["hashes"][first : first + count] == REQUESTED[j : j + count] and size > 0
-            j += count
-        assert j == len(REQUESTED) and sum(n for _, n, _ in remote) == sum(n for _, n in spans)
+        j = offset = 0
+        for r in runs:
+            assert r.at == j and r.meta["hashes"][r.first : r.first + r.count] == REQUESTED[j : j + r.count]
+            assert r.size > 0 and r.offset == offset
+            j += r.count
+            offset += r.size
+        assert j == len(REQUESTED) and sum(n for _, n, _ in remote) == offset
 
 
 def main() -> None:

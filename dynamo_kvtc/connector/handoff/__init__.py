@@ -1,0 +1,16 @@
+"""Compressed prefill→decode hand-off: only KVTC blobs cross the wire, over NIXL, described by msgpack messages.
+
+- :mod:`.policy` — the scheduler side: which requests hand off (prefill) or fetch (decode), and the params between.
+- :mod:`.server` — the prefill worker serves its store's blobs from a NIXL-registered staging arena.
+- :mod:`.client` — the decode worker fetches them and hands them to its store as blob runs to verify and restore.
+- :mod:`.messages` — the messages and every check made on them before a byte is read.
+
+The prefill engine's blocks are free as soon as they were copied out, not after the decode side read them. Anything
+that goes wrong (peer gone, timeout, NIXL error, corrupt bytes, blocks not there) fails the receive and vLLM
+recomputes. NIXL's own descriptor serialisation (pickle) is not used.
+"""
+
+from .messages import MAX_FETCH_BLOCKS, MAX_FETCH_BYTES, MAX_MESSAGE
+from .policy import RemotePrefill
+
+__all__ = ["MAX_FETCH_BLOCKS", "MAX_FETCH_BYTES", "MAX_MESSAGE", "RemotePrefill"]

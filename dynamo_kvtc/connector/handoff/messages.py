@@ -1,0 +1,119 @@
+"""The hand-off's control messages (msgpack over the control channel) and their validation.
+
+- ``fetch`` (decode → prefill): ``hashes`` (the requested blocks' Dynamo sequence hashes, 1..``MAX_FETCH_BLOCKS``
+  unsigned 64-bit integers), ``agent`` and ``agent_md`` (the decode side's NIXL agent name and metadata).
+- fetch reply: ``lease``, ``agent``, ``agent_md`` (the prefill side's), and ``blobs``: one entry per blob run with
+  ``size``, ``first`` (first block inside the blob), ``count`` (blocks used), ``j`` (index of its first block among
+  the requested hashes), ``meta`` (the blob's :class:`~dynamo_kvtc.tiers.blobs.BlobMeta` as a map) and ``descs``
+  (``[address, length]`` pairs of the staged bytes in the prefill side's registered memory).
+- ``release`` (decode → prefill): ``lease``; the prefill side frees the staged bytes (or when the lease expires).
+
+:func:`plan_reply` checks a fetch reply against the request before anything is allocated or read: types and ranges,
+at most ``MAX_FETCH_BYTES`` in all, runs that tile the requested blocks exactly and in order, each run's block hashes
+(from the blob's metadata) equal to the requested ones, descriptors that add up to each blob's size.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import TransferError
+from ...tiers.channel import Limits
+
+MAX_MESSAGE = 1 << 24
+MAX_FETCH_BLOCKS = 1 << 16  # 1M tokens at block size 16
+MAX_FETCH_BYTES = MAX_MESSAGE * 64  # 1 GiB of compressed blobs for one prompt
+MAX_AGENT_MD = 1 << 22
+LIMITS = Limits(max_message=MAX_MESSAGE, max_str=1 << 16, max_bin=MAX_AGENT_MD, max_array=1 << 20, max_map=64)
+PEER_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
+
+
+def hashes_ok(hashes: Any) -> bool:
+    return isinstance(hashes, list) and all(
+        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in hashes
+    )
+
+
+def peer_ok(name: Any, md: Any) -> bool:
+    return isinstance(name, str) and PEER_NAME.fullmatch(name) is not None and isinstance(md, bytes) and bool(md)
+
+
+def fetch_request(hashes: list[int], agent: str, agent_md: bytes) -> dict[str, Any]:
+    return {"op": "fetch", "hashes": hashes, "agent": agent, "agent_md": agent_md}
+
+
+def check_fetch(msg: dict[str, Any]) -> tuple[list[int], str, bytes]:
+    """The (hashes, peer agent name, peer metadata) of a well-formed fetch request; TransferError otherwise."""
+    hashes = msg.get("hashes")
+    if not hashes_ok(hashes) or not hashes or len(hashes) > MAX_FETCH_BLOCKS:
+        raise TransferError(f"fetch needs a list of 1..{MAX_FETCH_BLOCKS} 64-bit block hashes")
+    peer, md = msg.get("agent"), msg.get("agent_md")
+    if not peer_ok(peer, md):
+        raise TransferError("fetch needs the peer's NIXL agent name and metadata")
+    return hashes, peer, md
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One blob of a checked fetch reply: where its bytes go in the local buffer and which blocks it covers."""
+
+    offset: int
+    size: int
+    first: int
+    count: int
+    at: int
+    meta: dict[str, Any]
+
+
+def _whole(v: Any, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_run(b: Any, hashes: list[int], at: int) -> tuple[int, int, int, dict[str, Any], list]:
+    if not isinstance(b, dict):
+        raise TransferError("malformed fetch reply: a blob entry is not a map")
+    size, first, count, j = b.get("size"), b.get("first"), b.get("count"), b.get("j")
+    descs, meta = b.get("descs"), b.get("meta")
+    if not (
+        _whole(size, 1, MAX_FETCH_BYTES)
+        and _whole(first, 0, 1 << 32)
+        and _whole(count, 1, len(hashes))
+        and j == at
+        and _whole(j, 0, len(hashes) - count)
+    ):
+        raise TransferError("fetch reply runs do not tile the requested blocks in order")
+    held = meta.get("hashes") if isinstance(meta, dict) else None
+    if not isinstance(held, list) or held[first : first + count] != hashes[j : j + count]:
+        raise TransferError(f"fetch reply blob for blocks {j}..{j + count - 1} holds other blocks")
+    if not isinstance(descs, list) or not 0 < len(descs) <= 1 << 16:
+        raise TransferError("malformed fetch reply: descriptors")
+    for d in descs:
+        if not (isinstance(d, list) and len(d) == 2 and _whole(d[0], 1, (1 << 64) - 1) and _whole(d[1], 1, size)):
+            raise TransferError("malformed fetch reply: a descriptor")
+    if sum(d[1] for d in descs) != size:
+        raise TransferError("fetch reply descriptors do not add up to the blob size")
+    return size, first, count, meta, descs
+
+
+def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRun], list[tuple]]:
+    """Check a fetch reply's blob list against the requested ``hashes``; return the runs (with their offsets in one
+    local buffer) and the remote (address, length, 0) descriptors in buffer order."""
+    blobs = reply.get("blobs")
+    if not isinstance(blobs, list) or not 0 < len(blobs) <= len(hashes):
+        raise TransferError("malformed fetch reply: no blob list")
+    runs: list[PlannedRun] = []
+    remote: list[tuple] = []
+    total = at = 0
+    for b in blobs:
+        size, first, count, meta, descs = _check_run(b, hashes, at)
+        remote.extend((addr, n, 0) for addr, n in descs)
+        runs.append(PlannedRun(total, size, first, count, at, meta))
+        total += size
+        at += count
+        if total > MAX_FETCH_BYTES:
+            raise TransferError(f"peer offers more than {MAX_FETCH_BYTES} bytes, more than a prompt's blobs can be")
+    if at != len(hashes):
+        raise TransferError(f"fetch reply covers {at} of {len(hashes)} requested blocks")
+    return runs, remote

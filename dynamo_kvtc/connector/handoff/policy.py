@@ -1,0 +1,82 @@
+"""The scheduler's remote-prefill policy: which requests hand their prompt's KV off, and which fetch it from a peer.
+
+vLLM's disaggregation protocol, as Dynamo drives it:
+
+1. The prefill engine gets the request with ``kv_transfer_params={"do_remote_decode": true}``. Its prompt blocks are
+   saved as usual (encoded into the host tier); :meth:`RemotePrefill.handoff_params` answers ``request_finished`` with
+   ``do_remote_prefill`` and where to fetch them: ``kvtc_host``, ``kvtc_port``, ``kvtc_blocks``.
+2. The decode engine gets those params. :meth:`RemotePrefill.matched` asks for the prompt's full blocks as an
+   asynchronous load, and :meth:`RemotePrefill.load` turns the allocation into a
+   :class:`~dynamo_kvtc.connector.protocol.LoadOp` with ``remote=(host, port)``; the worker fetches and restores it
+   through its :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`.
+3. Anything that goes wrong fails the receive: vLLM recomputes the prompt on the decode side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..config import ConnectorConfig
+from ..protocol import LoadOp
+
+log = logging.getLogger(__name__)
+
+
+class RemotePrefill:
+    """Scheduler-side hand-off rules for one engine (``transfer`` = ``prefill`` or ``decode``).
+
+    Owns no KV and no sockets; it reads requests' ``kv_transfer_params`` and answers for the scheduler. ``port`` tells
+    the prefill side the port its worker's hand-off server listens on (the configured one, or asked of the worker)."""
+
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, port: Callable[[], int | None]) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self._port = port
+
+    def applies(self, request: Any) -> bool:
+        """Decode side: this request's prompt KV is to be fetched from a prefill peer."""
+        p = getattr(request, "kv_transfer_params", None) or {}
+        return self.cfg.transfer == "decode" and bool(p.get("do_remote_prefill")) and "kvtc_port" in p
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens the peer provides beyond ``num_computed_tokens``, asynchronous) — always asynchronous."""
+        prompt = request.prompt_token_ids or []
+        n = min((len(prompt) - 1) // self.block_size, int(request.kv_transfer_params.get("kvtc_blocks", 0)))
+        ext = n * self.block_size - num_computed_tokens
+        return (ext, True) if ext > 0 else (0, False)
+
+    def load(self, request: Any, hashes: list[int], block_ids: list[int]) -> LoadOp:
+        """The fetch-and-restore of ``hashes`` into ``block_ids``; consumes the request's remote-prefill flag so a
+        preemption later recomputes instead of fetching again."""
+        p = request.kv_transfer_params
+        op = LoadOp(request.request_id, hashes, block_ids, True, remote=(str(p["kvtc_host"]), int(p["kvtc_port"])))
+        p["do_remote_prefill"] = False
+        return op
+
+    def handoff_params(self, request: Any) -> dict[str, Any] | None:
+        """Prefill side: the ``kv_transfer_params`` that tell the decode side where to fetch this prompt, or None."""
+        p = getattr(request, "kv_transfer_params", None) or {}
+        if self.cfg.transfer != "prefill" or not p.get("do_remote_decode"):
+            return None
+        n = (request.num_prompt_tokens - 1) // self.block_size
+        port = self.cfg.transfer_port or self._port()
+        if not port:
+            log.warning(
+                "kvtc: transfer=prefill but the worker's hand-off port is unknown (no transfer_port and no answer "
+                "from the worker); request %s hands off nothing.",
+                request.request_id,
+            )
+            return None
+        if n <= 0:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvtc_host": self.cfg.transfer_host,
+            "kvtc_port": int(port),
+            "kvtc_blocks": n,
+            "remote_engine_id": self.engine_id,
+        }

@@ -1,0 +1,144 @@
+"""vLLM-specific pieces of the connector that are not hooks: KV cache events and the CPU block layout probe.
+
+- :class:`EventQueue` (worker) turns the store's stored/removed notifications into vLLM ``BlockStored`` /
+  ``BlockRemoved`` events (medium ``CPU``), which vLLM's KV event stream carries to Dynamo's router;
+  :class:`EventCollector` (scheduler) aggregates the TP workers' batches of one step.
+- :func:`probe_cpu_offsets` learns the element order of vLLM's CPU attention kernel inside a block.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents, KVEventAggregator
+
+if TYPE_CHECKING:
+    import torch
+
+MEDIUM = "CPU"  # the compressed tiers live in host memory (and on local disk behind it)
+
+
+class KvtcKVEvents(KVConnectorKVEvents):
+    """Compressed-tier BlockStored/BlockRemoved events, aggregated over TP workers (kept when all ranks report)."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._agg = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list) -> None:
+        self._agg.add_events(events)
+
+    def aggregate(self) -> KvtcKVEvents:
+        common = self._agg.get_common_events()
+        self._agg.clear_events()
+        self._agg.add_events(common)
+        self._agg.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._agg.increment_workers(count)
+
+    def get_all_events(self) -> list:
+        return self._agg.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._agg.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._agg.clear_events()
+        self._agg.reset_workers()
+
+
+class EventQueue:
+    """Store listener turning committed/dropped blobs into vLLM KV cache events (relayed by dynamo.vllm).
+
+    Owns the events of one worker between two steps; it never blocks or raises into the store."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.events: list = []
+
+    def stored(self, hashes, token_ids, parent) -> None:
+        self.events.append(
+            BlockStored(
+                block_hashes=list(hashes),
+                parent_block_hash=parent,
+                token_ids=list(token_ids),
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM,
+                lora_name=None,
+            )
+        )
+
+    def removed(self, hashes) -> None:
+        self.events.append(BlockRemoved(block_hashes=list(hashes), medium=MEDIUM))
+
+    def take(self) -> KvtcKVEvents | None:
+        """This step's events as vLLM's connector event batch (None when there are none)."""
+        events, self.events = self.events, []
+        if not events:
+            return None
+        out = KvtcKVEvents(num_workers=1)
+        out.add_events(events)
+        return out
+
+
+class EventCollector:
+    """Scheduler side: gathers the workers' event batches of one step (``update_connector_output``) and hands the
+    events that every TP worker reported to vLLM's event stream (``take_events``)."""
+
+    def __init__(self) -> None:
+        self._batch: KvtcKVEvents | None = None
+
+    def add(self, connector_output: Any) -> None:
+        ev = getattr(connector_output, "kv_cache_events", None)
+        if not isinstance(ev, KvtcKVEvents):
+            return
+        if self._batch is None:
+            self._batch = ev
+        else:
+            self._batch.add_events(ev.get_all_events())
+            self._batch.increment_workers(ev.get_number_of_workers())
+
+    def take(self):
+        if self._batch is not None:
+            batch, self._batch = self._batch, None  # this step's batch (all workers) is consumed here
+            batch.aggregate()
+            yield from batch.get_all_events()
+
+
+def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):
+    """Learn where vLLM's CPU attention kernel puts each (token, dim) element of a block's K and V halves, by writing
+    token and dim indices through the kernel itself into a scratch block. Returns (k_offsets, v_offsets) for
+    :class:`~dynamo_kvtc.tiers.layout.PagedKV`, or None when the kernel is unavailable (the plain layout is used)."""
+    import torch
+
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    _, H, bs, d2 = kv_cache.shape
+    D = d2 // 2
+    if bs * D > 4096 * 256 or max(bs, D) >= 256:  # indices must stay exact in 16-bit floats
+        return None
+    isa = _get_attn_isa(kv_cache.dtype, block_size, D, cache_dtype)
+    found = []
+    for which in ("token", "dim"):
+        scratch = torch.zeros(1, H, bs, d2, dtype=kv_cache.dtype)
+        kc, vc = scratch.view(1, H, 2 * bs, D).chunk(2, dim=2)
+        idx = torch.arange(bs)[:, None, None] if which == "token" else torch.arange(D)[None, None, :]
+        x = (idx + 1).expand(bs, H, D).to(kv_cache.dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
+        found.append(scratch.view(H, 2 * bs * D)[0].to(torch.int64) - 1)
+    tok, dim = found
+    half = bs * D
+    out = []
+    for lo in (0, half):
+        t, d = tok[lo : lo + half], dim[lo : lo + half]
+        if (t < 0).any() or (d < 0).any():
+            return None  # the kernel left holes: not a layout we understand
+        offsets = torch.empty(half, dtype=torch.int64)
+        offsets[t * D + d] = torch.arange(half)
+        out.append(offsets)
+    return out[0], out[1]
