@@ -42,11 +42,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import msgpack
 import torch
 
 from ..errors import ConfigError, TierError, TierFullError, TransferError
 from .base import BlobTier
+from .channel import Limits, pack, unpack
 from .nixl_io import NixlFiles
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class DiskTier(BlobTier):
         name = self._name(blob_id)
         crc = zlib.crc32(blob)
         try:
-            mbytes = msgpack.packb({"id": blob_id, "len": len(blob), "crc": crc, "meta": meta}, use_bin_type=True)
+            mbytes = pack({"id": blob_id, "len": len(blob), "crc": crc, "meta": meta})
         except (TypeError, ValueError, OverflowError) as e:
             raise TierError(f"blob {blob_id}: metadata cannot be stored: {e}") from None
         if len(mbytes) > MAX_META:
@@ -513,21 +513,12 @@ class DiskTier(BlobTier):
                 self._unlink(self._name(blob_id))
 
 
+RECORD_LIMITS = Limits(max_message=MAX_META, max_str=4096, max_bin=0, max_array=1 << 20, max_map=64)
+
+
 def _unpack(b: bytes) -> dict[str, Any]:
-    try:
-        m = msgpack.unpackb(
-            b,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=4096,
-            max_bin_len=0,
-            max_ext_len=0,
-            max_array_len=1 << 20,
-            max_map_len=64,
-        )
-    except Exception as e:
-        raise _Corrupt(f"bad metadata: {type(e).__name__}") from None
-    if not isinstance(m, dict) or not {"id", "len", "crc", "meta"} <= set(m):
+    m = unpack(b, RECORD_LIMITS, what="index record", error=_Corrupt)
+    if not {"id", "len", "crc", "meta"} <= set(m):
         raise _Corrupt("metadata lacks required fields")
     if not isinstance(m["id"], str) or not _ID.fullmatch(m["id"]):
         raise _Corrupt("metadata has an invalid blob id")
