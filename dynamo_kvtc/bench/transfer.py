@@ -42,7 +42,6 @@ from ..tiers.store import KvtcStore
 from .output import machine, write_json
 from .shapes import SHAPES
 
-log = logging.getLogger(__name__)
 BS = 32
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 import struct
 import zlib
@@ -27,8 +26,6 @@ from .world import (
     restore,
     tier_config,
 )
-
-log = logging.getLogger(__name__)
 
 
 # ====================================================================================================== calibration

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import struct
@@ -18,8 +17,6 @@ from ..tiers.keys import sequence_hashes
 from .ledger import KEYS, Ledger
 from .process import child_cmd
 from .world import BS, Expect, Sink, World, close_store, make_store, offload, restore
-
-log = logging.getLogger(__name__)
 
 
 def scenario_host_flips(world: World, ledger: Ledger, rounds: int) -> None:

@@ -4,7 +4,6 @@ writes."""
 from __future__ import annotations
 
 import ctypes
-import logging
 import random
 import shutil
 import time
@@ -14,8 +13,6 @@ from typing import Any
 
 from .ledger import Ledger
 from .world import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload, restore
-
-log = logging.getLogger(__name__)
 
 
 # ====================================================================================================== NIXL

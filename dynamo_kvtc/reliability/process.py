@@ -4,7 +4,6 @@ kill -9 scenario: a writing process killed at random, its directory recovered by
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import shutil
@@ -19,8 +18,6 @@ from typing import Any
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
 from .world import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload
-
-log = logging.getLogger(__name__)
 
 
 # ====================================================================================================== kill -9

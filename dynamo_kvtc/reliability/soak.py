@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import random
 import shutil
 import threading
@@ -16,8 +15,6 @@ from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
 from .memory_faults import rss_bytes
 from .world import BS, Expect, Sink, World, close_store, make_store
-
-log = logging.getLogger(__name__)
 
 
 # ====================================================================================================== soak

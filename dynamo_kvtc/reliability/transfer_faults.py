@@ -4,7 +4,6 @@ and dropped READs, a killed peer, and malformed control messages both ways."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -21,8 +20,6 @@ from .ledger import Ledger
 from .nixl_faults import FaultyAgent
 from .process import child_cmd, drain, wait_marker
 from .world import BS, Expect, Outcome, World, close_store, make_store, offload, restore
-
-log = logging.getLogger(__name__)
 
 
 # ====================================================================================================== transfer

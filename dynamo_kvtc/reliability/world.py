@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import random
 import threading
@@ -24,9 +23,6 @@ from ..errors import KvtcError
 from ..tiers import KvtcStore, TierConfig
 from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
-
-log = logging.getLogger(__name__)
-
 
 BS = 16
 SHAPE = (4, 2, 16)  # layers, kv heads, head_dim of the synthetic model
