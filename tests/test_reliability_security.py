@@ -162,33 +162,42 @@ def test_lookup_socket_lives_in_a_private_directory(tmp_path, monkeypatch):
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    server = lookup.LookupServer("sec-test", lambda hashes: (0, 0))
+    class NoBlocks:  # a worker that holds nothing and serves no hand-off
+        def match(self, hashes):
+            return 0, 0
+
+        def handoff_port(self):
+            return None
+
+    server = lookup.LookupServer("sec-test", NoBlocks())
     try:
         sock_dir = Path(server.path).parent
         assert stat.S_IMODE(sock_dir.stat().st_mode) == 0o700 and sock_dir.stat().st_uid == os.getuid()
         assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
         client = lookup.LookupClient("sec-test", timeout_s=2)
-        assert client([1, 2]) == (0, 0)
+        assert client.match([1, 2]) == (0, 0)
         client.close()
     finally:
         server.close()
     os.chmod(sock_dir, 0o777)
     with pytest.raises(ConfigError, match="0700"):
-        lookup.LookupServer("sec-test-2", lambda hashes: (0, 0))
+        lookup.LookupServer("sec-test-2", NoBlocks())
 
 
 def test_control_messages_are_bounded():
-    from dynamo_kvtc.connector import transfer
+    """Every channel parses with the one bounded unpack under its own limits."""
+    from dynamo_kvtc.connector.handoff import messages
+    from dynamo_kvtc.tiers.channel import unpack
 
-    for unpack in (transfer._unpack, lookup._unpack):
+    for limits in (messages.LIMITS, lookup.LIMITS):
         with pytest.raises(TransferError):
-            unpack(b"\x00" * (transfer.MAX_MESSAGE + 1))
+            unpack(b"\x00" * (limits.max_message + 1), limits)
         with pytest.raises(TransferError):
-            unpack(msgpack.packb({"x": msgpack.ExtType(1, b"pickle?")}))
+            unpack(msgpack.packb({"x": msgpack.ExtType(1, b"pickle?")}), limits)
         with pytest.raises(TransferError):
-            unpack(b"\xc1")
+            unpack(b"\xc1", limits)
     with pytest.raises(TransferError):
-        lookup._unpack(msgpack.packb({"x": b"bytes are not expected here"}))
+        unpack(msgpack.packb({"x": b"bytes are not expected here"}), lookup.LIMITS)
 
 
 def test_host_tier_allocation_failure_is_a_clean_error():

@@ -125,9 +125,9 @@ class CorruptAfterFirstTurn:
         host = self.w.store.host
         n = 0
         for blob_id in host.ids():
-            e = host._entries[blob_id]
-            page = e.pages[len(e.pages) // 2]
-            host.arena[page * host.page + 100] ^= 0x5A
+            extents = host.extents(blob_id)  # (arena offset, length) of each page of the blob
+            start, length = extents[len(extents) // 2]
+            host.arena[start + min(100, length - 1)] ^= 0x5A
             n += 1
         return n
 
@@ -199,8 +199,7 @@ def scenario_events(tmp: Path) -> dict:
     stop.set()
     t.join()
     stored = [e for e in got if type(e).__name__ == "BlockStored"]
-    with w.store._lock:
-        index = {h: bid for h, (bid, _) in w.store._index.items()}
+    index = {h: bid for h, (bid, _) in w.store.index.entries().items()}
     return {
         **out,
         "events": [

@@ -48,9 +48,9 @@ def prefill(work: Path, port: int) -> None:
     deadline = time.monotonic() + 600
     while not (work / "done").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    srv = w.transfer.server
+    srv = w.handoff_server
     (work / "prefill-stats.json").write_text(
-        json.dumps({"served": srv.served, "refused": srv.refused, "leases_open": len(srv._leases)})
+        json.dumps({"served": srv.served, "refused": srv.refused, "leases_open": srv.open_leases})
     )
 
 
@@ -87,7 +87,7 @@ def decode(work: Path) -> None:
         "prompt_tokens": len(out.prompt_token_ids),
         "restored_tokens": int(out.num_cached_tokens or 0),
         "restore": restore,
-        "bytes_moved": w.transfer.client.bytes_moved,
+        "bytes_moved": w.peer.bytes_moved,
         "tokens": list(out.outputs[0].token_ids),
         "reference_tokens": list(ref.outputs[0].token_ids),
         "reply": out.outputs[0].text,

@@ -55,8 +55,7 @@ class TierBench:
         offload_s = time.perf_counter() - t0
         if label == "disk":  # push every blob out of memory
             for blob_id in store.host.ids():
-                data, meta = store.host.pop(blob_id)
-                store._demote(blob_id, data, meta)
+                store.placement.demote(blob_id)
         hashes = store.hashes(self.tokens)
         n = store.match(hashes)
         t0 = time.perf_counter()

@@ -22,22 +22,23 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
 from ..calibration.artifact import Calibration
 from ..calibration.synthetic import synthetic_calibration, synthetic_kv
 from ..connector.config import ConnectorConfig
-from ..connector.transfer import TransferClient, TransferServer, _Agent
+from ..connector.handoff.client import HandoffClient
+from ..connector.handoff.server import HandoffServer
 from ..errors import TransferError
+from ..tiers.channel import Limits, RepServer, ReqClient
 from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
+from ..tiers.nixl_io import PeerAgent, Quarantine, transfer
 from ..tiers.store import KvtcStore
 from .output import machine, write_json
 from .shapes import SHAPES
@@ -45,10 +46,7 @@ from .shapes import SHAPES
 BS = 32
 
 
-def _unpack(data: bytes) -> dict:
-    return msgpack.unpackb(
-        data, raw=False, max_bin_len=1 << 22, max_str_len=1 << 16, max_array_len=1 << 20, max_map_len=16, max_ext_len=0
-    )
+RAW_LIMITS = Limits(max_message=1 << 24, max_str=1 << 16, max_bin=1 << 22, max_array=1 << 20, max_map=16)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,33 +87,22 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
     encode_s = time.perf_counter() - t
     if res.stored_blocks != tokens // BS:
         raise TransferError(f"prefill side stored {res.stored_blocks} of {tokens // BS} blocks: {res.skipped}")
-    server = TransferServer(cfg, store)
-    raw_agent = _Agent(cfg.nixl_backend, "kvtc-bench-raw")
+    server = HandoffServer(cfg, store)
+    raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw")
     regs = [raw_agent.agent.register_memory(k), raw_agent.agent.register_memory(v)]
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.REP)
-    raw_port = sock.bind_to_random_port("tcp://127.0.0.1")
     mem = "VRAM" if dev.type == "cuda" else "DRAM"
 
-    def raw_server() -> None:
-        while True:
-            msg = _unpack(sock.recv())
-            if msg.get("op") == "quit":
-                sock.send(msgpack.packb({"ok": True}))
-                return
-            with raw_agent.lock:
-                raw_agent.add_remote(msg["agent"], msg["agent_md"])
-            reply = {"agent": raw_agent.name, "agent_md": raw_agent.metadata(), "mem": mem, "descs": _raw_descs(k, v)}
-            sock.send(msgpack.packb(reply, use_bin_type=True))
+    def raw_descs(msg: dict) -> dict:  # NixlConnector-style: the peer reads K and V in place
+        with raw_agent.lock:
+            raw_agent.add_remote(msg["agent"], msg["agent_md"])
+        return {"agent": raw_agent.name, "agent_md": raw_agent.metadata(), "mem": mem, "descs": _raw_descs(k, v)}
 
-    th = threading.Thread(target=raw_server, daemon=True)
-    th.start()
+    raw = RepServer("tcp://127.0.0.1", raw_descs, RAW_LIMITS, name="kvtc-bench-raw")
     Path(port_file).write_text(
         json.dumps(
             {
                 "port": server.port,
-                "raw_port": raw_port,
+                "raw_port": raw.port,
                 "encode_s": encode_s,
                 "stored_bytes": res.stored_bytes,
                 "raw_bytes": raw_bytes,
@@ -123,42 +110,32 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
         )
     )
     sys.stdin.read()  # the decode side closes our stdin when done
+    raw.close()
     server.close()
     for r in regs:
         raw_agent.agent.deregister_memory(r)
 
 
 # ---------------------------------------------------------------------------------------------- decode side
-def _raw_pull(agent: _Agent, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float) -> float:
-    import zmq
-
-    sock = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    sock.send(msgpack.packb({"op": "descs", "agent": agent.name, "agent_md": agent.metadata()}, use_bin_type=True))
-    reply = _unpack(sock.recv())
-    sock.close(0)
+def _raw_pull(agent: PeerAgent, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float) -> float:
+    ch = ReqClient(f"tcp://127.0.0.1:{port}", RAW_LIMITS, timeout_s, name="raw prefill peer")
+    try:
+        reply = ch.ask({"op": "descs", "agent": agent.name, "agent_md": agent.metadata()})
+    finally:
+        ch.close()
     a = agent.agent
     with agent.lock:
         agent.add_remote(reply["agent"], reply["agent_md"])
         local_mem = "VRAM" if dst_k.is_cuda else "DRAM"
         regs = [a.register_memory(dst_k), a.register_memory(dst_v)]
-        try:
-            local = a.get_xfer_descs([tuple(d) for d in _raw_descs(dst_k, dst_v)], local_mem)
-            remote = a.get_xfer_descs([tuple(d) for d in reply["descs"]], reply["mem"])
-            t = time.perf_counter()
-            h = a.initialize_xfer("READ", local, remote, reply["agent"])
-            state = a.transfer(h)
-            while state != "DONE":
-                if state == "ERR" or time.perf_counter() - t > timeout_s:
-                    raise TransferError(f"raw READ ended in state {state}")
-                state = a.check_xfer_state(h)
-            seconds = time.perf_counter() - t
-            a.release_xfer_handle(h)
-        finally:
-            for r in regs:
-                a.deregister_memory(r)
-    return seconds
+        local = a.get_xfer_descs([tuple(d) for d in _raw_descs(dst_k, dst_v)], local_mem)
+        remote = a.get_xfer_descs([tuple(d) for d in reply["descs"]], reply["mem"])
+        t = time.perf_counter()
+        transfer(
+            a, agent.errors, "READ", local, remote, reply["agent"], timeout_s,
+            buf=dst_k, quarantine=Quarantine(), registrations=regs, poll_s=0.0,
+        )  # fmt: skip
+        return time.perf_counter() - t
 
 
 def _start_prefill(shape: str, tokens: int, args, cal_path: Path, work: Path) -> tuple[subprocess.Popen, dict]:
@@ -191,7 +168,7 @@ def _stop(child: subprocess.Popen) -> None:
         child.kill()
 
 
-def _compressed_runs(store: KvtcStore, client: TransferClient, pre: dict, tokens: int, args, dev) -> list[dict]:
+def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args, dev) -> list[dict]:
     """Fetch the blobs over NIXL and restore them layer by layer, ``args.repeat`` times after one warm-up."""
     hashes = sequence_hashes(_tokens(tokens), BS)
     dst = list(range(1, tokens // BS + 1))
@@ -203,7 +180,7 @@ def _compressed_runs(store: KvtcStore, client: TransferClient, pre: dict, tokens
             t = time.perf_counter()
             got = client.fetch("127.0.0.1", pre["port"], hashes)
             fetch["s"] = time.perf_counter() - t
-            fetch["bytes"] = sum(len(b[0]) for b in got)
+            fetch["bytes"] = sum(len(r.blob) for r in got)
             return got
 
         t0 = time.perf_counter()
@@ -255,13 +232,13 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
             transfer_timeout_s=args.timeout,
         )
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
-        runs = _compressed_runs(store, TransferClient(cfg), pre, tokens, args, dev)
+        runs = _compressed_runs(store, HandoffClient(cfg), pre, tokens, args, dev)
         k_ref, v_ref, _ = synthetic_kv(cal, tokens, device=str(dev))
         k_got, v_got = store.kv.gather(list(range(1, n + 1)))
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
         dst_k, dst_v = torch.empty_like(k_ref), torch.empty_like(v_ref)
-        raw_agent = _Agent(cfg.nixl_backend, "kvtc-bench-raw-decode")
+        raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw-decode")
         raw_runs = [_raw_pull(raw_agent, pre["raw_port"], dst_k, dst_v, args.timeout) for _ in range(args.repeat + 1)]
         raw_ok = bool(torch.equal(dst_k, k_ref) and torch.equal(dst_v, v_ref))
         comp = {key: statistics.median(r[key] for r in runs) for key in runs[0]}

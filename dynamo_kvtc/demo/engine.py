@@ -86,11 +86,11 @@ def build_engine(cfg: EngineConfig):
 
 
 def worker_of(llm: Any):
-    """The connector's worker half inside this engine (in-process engines only)."""
-    from ..connector.worker import LOCAL_WORKERS
+    """The connector's worker half inside this engine (in-process engines only: vLLM's own registry of the worker
+    process's connector is this process's)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    w = LOCAL_WORKERS.get(str(engine_id))
+    w = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
     if w is None:
         raise ConfigError("the KvtcConnector worker is not in this process (is VLLM_ENABLE_V1_MULTIPROCESSING=0?)")
     return w

@@ -6,11 +6,11 @@ import shutil
 import struct
 import zlib
 
-import msgpack
-
 from ..calibration.artifact import Calibration
 from ..errors import CalibrationError, DecodeError
 from ..tiers import KvtcStore
+from ..tiers.channel import pack, unpack
+from ..tiers.disk import RECORD_LIMITS
 from .ledger import Ledger
 from .world import (
     BS,
@@ -83,9 +83,9 @@ def scenario_calibration(world: World, ledger: Ledger) -> None:
         path = d / f"{target}.kvtc"
         data = path.read_bytes()
         mlen = struct.unpack_from("<I", data, 8)[0]
-        m = msgpack.unpackb(data[16 : 16 + mlen], raw=False, max_bin_len=0, max_array_len=1 << 20, max_map_len=64)
+        m = unpack(data[16 : 16 + mlen], RECORD_LIMITS, what="index record")
         m["meta"]["cal"] = other.id
-        mb = msgpack.packb(m, use_bin_type=True)
+        mb = pack(m)
         path.write_bytes(struct.pack("<8sII", b"KVTCD001", len(mb), zlib.crc32(mb)) + mb + data[16 + mlen :])
         store_b = KvtcStore(other, tier_config(True, 0, 64 << 20, d), block_size=BS, span_tokens=SPAN)
         ledger.add(kind, faults_injected=1)

@@ -34,13 +34,18 @@ def scenario_host_flips(world: World, ledger: Ledger, rounds: int) -> None:
                 hashes, res = offload(world, store, toks)
                 expect.snapshot(store, hashes)
                 for bid in res.blobs:
-                    meta = store._blobs.get(bid)
+                    meta = store.index.meta(bid)
                     if meta is not None:
                         blobs[bid] = (list(meta.hashes), meta.first_position // BS)
             target = rng.choice(sorted(blobs))
-            entry = store.host._entries[target]
-            off = rng.randrange(entry.nbytes)
-            at = entry.pages[off // store.host.page] * store.host.page + off % store.host.page
+            extents = store.host.extents(target)  # (arena offset, length) of each piece of the blob
+            off = rng.randrange(sum(n for _, n in extents))
+            left = off
+            for start, n in extents:
+                if left < n:
+                    at = start + left
+                    break
+                left -= n
             store.host.arena[at] ^= 1 << rng.randrange(8)
             hlen = struct.unpack_from("<I", store.host.get(target)[0], 8)[0]
             region = "blob_prefix" if off < 16 else ("blob_header" if off < 16 + hlen else "blob_sections")

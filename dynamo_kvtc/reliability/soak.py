@@ -104,8 +104,8 @@ def scenario_soak(world: World, ledger: Ledger, seconds: float, clients: int, lo
         stop.set()
         sampler.join(2)
         snap = store.snapshot()
-        with store._lock:  # blobs on disk the store no longer indexes (dropped while moving host -> disk)
-            snap["disk_orphans"] = sum(1 for b in store.disk.ids() if b not in store._blobs)
+        indexed = store.index.blob_ids()  # disk blobs the store no longer indexes (dropped while moving host -> disk)
+        snap["disk_orphans"] = sum(1 for b in store.disk.ids() if b not in indexed)
         close_store(store)
         shutil.rmtree(d, ignore_errors=True)
     if not bounds_ok[0]:

@@ -14,7 +14,9 @@ from typing import Any
 
 import msgpack
 
+from ..connector.handoff.messages import LIMITS
 from ..errors import TransferError
+from ..tiers.channel import unpack
 from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
@@ -29,19 +31,19 @@ def transfer_sequences(world: World, n: int) -> list[list[int]]:
 
 def child_server(world: World, args: dict) -> None:
     from ..connector.config import ConnectorConfig
-    from ..connector.transfer import TransferServer
+    from ..connector.handoff.server import HandoffServer
 
     store = make_store(world, True, host=64 << 20)
     for toks in transfer_sequences(world, args["seqs"]):
         offload(world, store, toks)
-    srv = TransferServer(ConnectorConfig(transfer_timeout_s=args["timeout"]), store)
+    srv = HandoffServer(ConnectorConfig(transfer_timeout_s=args["timeout"]), store)
     print(f"PORT {srv.port}", flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin (or dies)
     srv.close()
 
 
 class PeerProcess:
-    """The prefill side in its own process: a real KvtcStore behind a TransferServer."""
+    """The prefill side in its own process: a real KvtcStore behind a HandoffServer."""
 
     def __init__(self, world: World, seqs: int, timeout: float) -> None:
         self.world, self.seqs, self.timeout = world, seqs, timeout
@@ -97,12 +99,12 @@ def scenario_transfer(
     and in the middle of it (remote disconnect). A failed fetch must fail the restore (the engine recomputes); a
     clean fetch after it must restore bit for bit."""
     from ..connector.config import ConnectorConfig
-    from ..connector.transfer import TransferClient
+    from ..connector.handoff.client import HandoffClient
 
     kind = "nixl_transfer"
     seqs = transfer_sequences(world, 4)
     peer = PeerProcess(world, len(seqs), timeout)
-    client = TransferClient(ConnectorConfig(transfer_timeout_s=timeout))
+    client = HandoffClient(ConnectorConfig(transfer_timeout_s=timeout))
     agent = FaultyAgent(client.agent.agent, seed=world.seed)
     client.agent.agent = agent
     agent.on_kill = peer.kill
@@ -159,7 +161,7 @@ def scenario_transfer(
 
 def _lying_replies(client: Any, hashes: list[int]) -> list[bytes]:
     """Replies of a fake prefill peer that lie about sizes, blocks or layout, are not msgpack or are too big."""
-    from ..connector.transfer import MAX_MESSAGE
+    from ..connector.handoff.messages import MAX_MESSAGE
 
     blob = {"size": 100, "first": 0, "count": len(hashes), "j": 0, "meta": {"hashes": hashes}, "descs": [[4096, 100]]}
     base = {"lease": "x", "agent": client.agent.name + "-fake", "agent_md": client.agent.metadata()}
@@ -244,10 +246,8 @@ def _garbage_to_peer(ledger: Ledger, kind: str, peer: PeerProcess, hashes: list[
             ledger.add(kind, faults_injected=1)
             try:
                 raw.send(req)
-                reply = msgpack.unpackb(
-                    raw.recv(), max_bin_len=1 << 20, max_str_len=1 << 16, max_array_len=1024, max_map_len=64
-                )
-            except zmq.ZMQError as e:
+                reply = unpack(raw.recv(), LIMITS, what="prefill peer reply")
+            except (zmq.ZMQError, TransferError) as e:
                 ledger.add(kind, crashes=1)
                 ledger.problem(kind, f"bad request {i}: the peer did not answer ({e})")
                 break

@@ -219,11 +219,11 @@ class Expect:
                 with contextlib.suppress(KvtcError):
                     runs.extend(store.export([h]))
         seen = set()
-        for blob, _first, _count, _j, meta in runs:
-            key = (meta["id"], zlib.crc32(blob))
+        for r in runs:
+            key = (r.meta.id, zlib.crc32(r.blob))
             if key not in seen:
                 seen.add(key)
-                self.add_blob(blob, meta["hashes"])
+                self.add_blob(r.blob, r.meta.hashes)
 
     def record(self, hashes: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Lossy, concurrent use: remember what was served; :meth:`check_recorded` judges it once every blob written

@@ -69,6 +69,7 @@ def transfer(
     buf: torch.Tensor,
     quarantine: Quarantine,
     registrations: Sequence[Any] = (),
+    poll_s: float = 0.0002,
 ) -> None:
     """Post one NIXL ``op`` (READ/WRITE) from ``local`` to ``remote`` descriptors, wait for DONE within
     ``timeout_s``, release the handle and deregister ``registrations``. Every failure is a :class:`TransferError`.
@@ -88,7 +89,7 @@ def transfer(
                     raise TransferError(f"NIXL {op} reported an error")
                 if time.monotonic() > deadline:
                     raise TransferError(f"NIXL {op} of {buf.numel()} bytes timed out after {timeout_s} s")
-                time.sleep(0.0002)
+                time.sleep(poll_s)  # 0: busy-poll (benchmarks timing a fast link)
                 state = agent.check_xfer_state(h)
             unsafe = False
         finally:

@@ -38,18 +38,20 @@ class HandoffServer:
         self._reg = self.agent.agent.register_memory(self.staging.arena)
         self._base = self.staging.arena.data_ptr()
         self._leases: dict[str, tuple[list[str], float]] = {}
+        self.served = 0  # fetches answered with staged blobs (releases are not counted)
         endpoint = f"tcp://{cfg.transfer_host}" + (f":{cfg.transfer_port}" if cfg.transfer_port else "")
         self._rep = RepServer(endpoint, self._handle, LIMITS, name="kvtc-handoff", tick=self._expire)
         self.host, self.port = cfg.transfer_host, self._rep.port
         log.info("kvtc hand-off server on tcp://%s:%d (NIXL %s)", self.host, self.port, cfg.nixl_backend)
 
     @property
-    def served(self) -> int:
-        return self._rep.served
-
-    @property
     def refused(self) -> int:
         return self._rep.refused
+
+    @property
+    def open_leases(self) -> int:
+        """Fetches whose staged bytes are still held (not released, not expired)."""
+        return len(self._leases)
 
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
@@ -100,6 +102,7 @@ class HandoffServer:
                 self.staging.pop(k)
             raise
         self._leases[lease] = (keys, time.monotonic() + 4 * self.cfg.transfer_timeout_s)
+        self.served += 1
         return {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
 
     def _release(self, lease: str) -> None:
