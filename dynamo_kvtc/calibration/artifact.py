@@ -29,19 +29,8 @@ from safetensors.torch import load_file, save_file
 from ..codec.model import BasisGroup, ModelFingerprint
 from ..codec.plan import Plan
 from ..errors import CalibrationError
-
-FORMAT_NAME = "dynamo-kvtc-calibration"
-FORMAT_VERSION = 1
-META_FILE = "calibration.json"
-TENSOR_FILE = "tensors.safetensors"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from .card import FORMAT_NAME, FORMAT_VERSION, META_FILE, TENSOR_FILE, read_meta
+from .card import sha256 as _sha256
 
 
 @dataclass
@@ -219,24 +208,8 @@ class Calibration:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
         path = Path(path)
-        meta_path, tensor_path = path / META_FILE, path / TENSOR_FILE
-        if not path.is_dir():
-            raise CalibrationError(f"calibration directory {path} does not exist")
-        if not meta_path.is_file() or not tensor_path.is_file():
-            raise CalibrationError(
-                f"{path} is not a finished calibration (needs {META_FILE} and {TENSOR_FILE}; an interrupted run "
-                "leaves neither in place)"
-            )
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError) as e:
-            raise CalibrationError(f"{meta_path}: unreadable metadata: {e}") from e
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            raise CalibrationError(f"{meta_path} is not a {FORMAT_NAME} file")
-        if meta.get("version") != FORMAT_VERSION:
-            raise CalibrationError(f"{path}: calibration format version {meta.get('version')} not supported")
-        if _sha256(tensor_path) != meta.get("tensors_sha256"):
-            raise CalibrationError(f"{tensor_path}: checksum mismatch (file corrupted or replaced)")
+        meta = read_meta(path)  # the checked JSON card, tensor checksum included
+        tensor_path = path / TENSOR_FILE
         try:
             tensors = load_file(str(tensor_path))
         except (SafetensorError, OSError, ValueError) as e:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import CalibrationError
 
-# the artifact's names (calibration/artifact.py, which imports torch)
+# the artifact's names (this torch-free module owns them; calibration/artifact.py imports them)
 FORMAT_NAME = "dynamo-kvtc-calibration"
 FORMAT_VERSION = 1
 META_FILE = "calibration.json"
@@ -25,7 +25,7 @@ BITS = {"none": 0, "int2": 2, "int4": 4, "fp8": 8}
 META_BITS = 32
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -50,7 +50,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_dir():
         raise CalibrationError(f"calibration directory {path} does not exist")
     if not meta_path.is_file() or not tensor_path.is_file():
-        raise CalibrationError(f"{path} is not a finished calibration (needs {META_FILE} and {TENSOR_FILE})")
+        raise CalibrationError(
+            f"{path} is not a finished calibration (needs {META_FILE} and {TENSOR_FILE}; an interrupted run "
+            "leaves neither in place)"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
@@ -59,7 +62,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         raise CalibrationError(f"{meta_path} is not a {FORMAT_NAME} file")
     if meta.get("version") != FORMAT_VERSION:
         raise CalibrationError(f"{path}: calibration format version {meta.get('version')} not supported")
-    if _sha256(tensor_path) != meta.get("tensors_sha256"):
+    if sha256(tensor_path) != meta.get("tensors_sha256"):
         raise CalibrationError(f"{tensor_path}: checksum mismatch (file corrupted or replaced)")
     return meta
 
