@@ -184,6 +184,7 @@ def _tokens(n, seed):
 
 
 def _store(cal, tmp_path=None, host=1 << 20, disk=0, **kw):
+    kw.setdefault("disk_min_uses", 1)  # these tests follow every eviction to disk; admission has its own test
     cfg = TierConfig(
         host_bytes=host, disk_bytes=disk, disk_dir=tmp_path, ratio=8, min_tokens=32, page_bytes=1024, window=32, **kw
     )
@@ -259,6 +260,34 @@ async def test_evict_demote_onboard_from_disk_and_restart(tmp_path, synth, synth
     sink2 = Collect(k.shape[0], 256, *k.shape[2:])
     assert await (await store2.onboard(store2.hashes(toks), sink=sink2)).done()
     store2.close()
+
+
+async def test_disk_admission_writes_only_blobs_used_twice(tmp_path, synth, synth_cal):
+    """Default admission (disk_min_uses 2, as KVBM waits for a second use before spending SSD writes): a host
+    eviction of a blob offloaded once and never restored is dropped; one restored once before its eviction reaches
+    disk and restores from there. Files on disk are exactly the admitted blobs."""
+    assert TierConfig().disk_min_uses == 2 and TierConfig().fsync is False
+    store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20, disk_min_uses=2)
+    seqs = [(_tokens(256, 100 + s), *synth.sample(256)[:2]) for s in range(6)]
+    toks0, k0, v0 = seqs[0]
+    await store.offload(toks0, k0, v0)
+    reused = store.hashes(toks0)
+    assert await (await store.onboard(reused, sink=Collect(k0.shape[0], 256, *k0.shape[2:]))).done()  # a 2nd use
+    for toks, k, v in seqs[1:]:
+        await store.offload(toks, k, v)
+    snap = store.snapshot()
+    assert snap["host_evictions"] > 0
+    assert snap["disk_admission_dropped"] > 0 and snap["disk_demotions"] > 0
+    assert snap["disk_demotions"] + snap["disk_admission_dropped"] == snap["host_evictions"]
+    assert store.where(reused[0]) == "disk"  # used twice: admitted
+    once = [t for t, _, _ in seqs[1:3] if store.lookup(t) == 0]
+    assert once, "blobs used once and evicted must be gone, not on disk"
+    admitted = set(store.disk.ids())
+    assert {m.id for m in store.index.metas() if store.where(m.hashes[0]) == "disk"} == admitted
+    sink = Collect(k0.shape[0], 256, *k0.shape[2:])
+    assert await (await store.onboard(reused, sink=sink)).done()
+    assert (sink.k[:, 4:128].float() - k0[:, 4:128].float()).norm() / k0[:, 4:128].float().norm() < 0.2
+    store.close()
 
 
 async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_cal):

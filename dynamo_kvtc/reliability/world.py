@@ -119,7 +119,7 @@ def tier_config(lossless: bool, host: int, disk: int = 0, disk_dir: Path | None 
         min_tokens=0,
         page_bytes=1024,
         window=LOSSLESS_WINDOW if lossless else LOSSY_WINDOW,
-        **kw,
+        **{"disk_min_uses": 1, **kw},  # the disk faults need every eviction on disk
     )
 
 

@@ -19,7 +19,7 @@ from .. import settings
 from ..errors import ConfigError
 from ..settings import GB
 
-_INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks")
+_INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks", "disk_min_uses")
 _FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 _d = settings.default  # field defaults are the table's
 
@@ -40,6 +40,7 @@ class TierConfig:
     min_frequency: int = _d("offload_min_frequency")
     min_tokens: int = _d("min_tokens")
     fsync: bool = _d("disk_fsync")
+    disk_min_uses: int = _d("disk_min_uses")  # disk admission: uses before a host eviction is written to disk
     page_bytes: int = _d("page_bytes")
     window: int = _d("window")  # tokens of a sequence's tail blob kept raw
     sinks: int = _d("sinks")
@@ -74,6 +75,8 @@ class TierConfig:
             raise ConfigError("pressure_high must be in (0, 1]")
         if self.min_frequency < 1 or self.min_tokens < 0:
             raise ConfigError("min_frequency must be >= 1 and min_tokens >= 0")
+        if self.disk_min_uses < 1:
+            raise ConfigError(f"disk_min_uses must be >= 1, got {self.disk_min_uses}")
         if self.window < 0 or self.sinks < 0:
             raise ConfigError(f"window ({self.window}) and sinks ({self.sinks}) must be >= 0")
         if self.page_bytes < 512 or self.page_bytes & (self.page_bytes - 1):

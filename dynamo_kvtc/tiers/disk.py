@@ -4,9 +4,11 @@ File layout: ``b"KVTCD001"`` | uint32 meta length | uint32 CRC-32 of meta | msgp
 CRC-32, the blob's tier metadata) | the KVTC blob.
 
 Commit protocol: write ``<id>.tmp`` (created 0600, space reserved first so ENOSPC shows before any byte is written),
-NIXL WRITE, fsync, rename to ``<id>.kvtc``, fsync the directory. ``put`` returns only after all of that: a blob whose
-``put`` returned is *committed* and survives a crash of the process (``kill -9``) and, with ``fsync`` on, of the
-machine. The directory listing *is* the index: on start the tier reads every committed file's header, deletes files
+NIXL WRITE, fsync, rename to ``<id>.kvtc``, fsync the directory (both fsyncs only with ``fsync``, which the store's
+``disk_fsync`` setting leaves off by default: a cache may lose its last writes on power loss, and the CRCs catch a
+torn file). ``put`` returns only after all of that: a blob whose ``put`` returned is *committed* and survives a crash
+of the process (``kill -9``) and, with ``fsync`` on, of the machine. The directory listing *is* the index: on start
+the tier reads every committed file's header, deletes files
 whose header or size does not check out (torn or damaged) and leftover ``.tmp`` files, and leaves files it cannot
 read for a transient reason (an ``OSError`` such as EMFILE or EACCES) alone: it never deletes a blob it could not
 prove damaged. A read verifies the whole blob's CRC (and that it is the blob committed under that id) before

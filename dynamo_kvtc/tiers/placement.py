@@ -19,13 +19,20 @@ class Placement:
     """Moves blobs between the host tier and the (optional) disk tier, keeping the block index in step.
 
     A new or promoted blob goes into the host tier; the host's least-recently-used victims are demoted to disk, or
-    dropped (unindexed) without one. A blob that cannot be used is dropped from every tier. The transit lock covers a
-    put and the demotions it causes, so a reader that misses a blob in both tiers waits for the move and looks once
-    more. Owns that lock and nothing else: ``host`` and ``disk`` are the store's tiers (``host`` may be replaced). It
-    never encodes or decodes, and never decides what to store."""
+    dropped (unindexed) without one. Disk admission: a victim is written to disk only once it was used ``min_uses``
+    times (its offload counts once, every read for a restore or a peer once; a blob that was on disk before is
+    admitted again), so one-off prompts do not spend SSD writes (``disk_admission_dropped``). A blob that cannot be
+    used is dropped from every tier. The transit lock covers a put and the demotions it causes, so a reader that
+    misses a blob in both tiers waits for the move and looks once more. Owns that lock and the use counts: ``host``
+    and ``disk`` are the store's tiers (``host`` may be replaced). It never encodes or decodes, and never decides
+    what to store."""
 
-    def __init__(self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: Counter[str]) -> None:
+    def __init__(
+        self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: Counter[str], min_uses: int = 1
+    ) -> None:
         self.index = index
+        self.min_uses = min_uses
+        self._uses: dict[str, int] = {}  # blob id -> uses, for disk admission
         self.host = host
         self.disk = disk
         self.stats = stats
@@ -44,6 +51,7 @@ class Placement:
                 self.stats["disk_foreign_blobs"] += 1
                 continue
             self.index.add(meta)
+            self._uses[blob_id] = self.min_uses  # it was admitted to disk before the restart
             n += 1
         self.stats["disk_recovered_blobs"] += n
 
@@ -58,17 +66,27 @@ class Placement:
         TierFullError when it fits nowhere (then it is not indexed)."""
         with self._transit:  # LRU victims leave the host tier before they reach disk: a reader waits for both
             self.index.add(meta)
+            self._uses[meta.id] = self._uses.get(meta.id, 0) + 1
             try:
                 evicted = self.host.put(meta.id, blob, meta)
             except TierFullError:
                 if self.disk is None:
                     self.index.remove(meta.id)
                     raise
-                self._demote(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
+                self._evict(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
                 return
             for old_id, data, old_meta in evicted:
                 self.stats["host_evictions"] += 1
-                self._demote(old_id, data, old_meta)
+                self._evict(old_id, data, old_meta)
+
+    def _evict(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
+        """A blob leaving the host tier: to disk if admitted, else out of the tiers."""
+        if self.disk is not None and self._uses.get(blob_id, 0) < self.min_uses:
+            self.stats["disk_admission_dropped"] += 1
+            self._uses.pop(blob_id, None)
+            self.index.remove(blob_id)
+            return
+        self._demote(blob_id, data, meta)
 
     def demote(self, blob_id: str) -> bool:
         """Move one blob out of the host tier to disk now (dropped without a disk tier, as an LRU victim is);
@@ -82,17 +100,21 @@ class Placement:
 
     def _demote(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
         if self.disk is None:
+            self._uses.pop(blob_id, None)
             self.index.remove(blob_id)
             return
         try:
             for gone in self.disk.put(blob_id, data, meta.to_dict()):
                 self.stats["disk_evictions"] += 1
+                self._uses.pop(gone, None)
                 self.index.remove(gone)
+            self._uses[blob_id] = max(self._uses.get(blob_id, 0), self.min_uses)  # on disk once: admitted again
             self.stats["disk_demotions"] += 1
             self.stats["disk_demoted_blocks"] += len(meta.hashes)
         except TierError as e:
             log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
             self.stats[f"disk_write_error_{type(e).__name__}"] += 1
+            self._uses.pop(blob_id, None)
             self.index.remove(blob_id)
 
     def drop(self, blob_id: str, why: BaseException) -> None:
@@ -102,6 +124,7 @@ class Placement:
         self.host.discard(blob_id)
         if self.disk is not None and blob_id in self.disk:
             self.disk.discard(blob_id)
+        self._uses.pop(blob_id, None)
         self.index.remove(blob_id)
 
     # ------------------------------------------------------------------ reads
@@ -111,6 +134,7 @@ class Placement:
         got = self.host.get(blob_id)
         if got is not None:
             self.stats["onboard_host_hits"] += 1
+            self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
             return got[0]
         if self.disk is not None and blob_id in self.disk:
             blob, meta = self.disk.get(blob_id)

@@ -82,7 +82,7 @@ class KvtcStore:
         self.stats: Counter[str] = Counter()
         self.timings: deque[tuple[str, float]] = deque(maxlen=4096)  # (kind, seconds), drained by metrics
         self.index = BlockIndex(self.stats)
-        self.placement = Placement(self.index, host, disk, self.stats)
+        self.placement = Placement(self.index, host, disk, self.stats, self.cfg.disk_min_uses)
         common = dict(cal=calibration, kv=kv, index=self.index, placement=self.placement, block_size=block_size)
         common.update(device=self.device, stats=self.stats, timings=self.timings)
         self.offloader = Offloader(
