@@ -110,7 +110,9 @@ def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
 
 def scenario_disk(tmp: Path) -> dict:
     # a host tier smaller than one blob: every blob goes to the disk tier (NIXL POSIX), restores come from disk
-    llm = _engine({**LOSSLESS, "cpu_cache_gb": 0.001, "disk_cache_gb": 1, "disk_cache_dir": str(tmp / "g3c")})
+    llm = _engine(
+        {**LOSSLESS, "cpu_cache_gb": 0.001, "disk_cache_gb": 1, "disk_cache_dir": str(tmp / "g3c"), "disk_min_uses": 1}
+    )  # every blob straight to disk, admitted on its first use
     w = worker_of(llm)
     return _two_turns(llm, w, Originals(w.store, w.block_size))
 
