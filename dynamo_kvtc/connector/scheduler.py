@@ -2,7 +2,10 @@
 
 It owns no KV bytes. Matching asks the worker's store (in the same process, or over the lookup channel when the
 workers are separate processes); block keys are Dynamo's chained XXH3 sequence hashes of the request's tokens, so
-what is matched here is exactly what the router hears about.
+what is matched here is exactly what the router hears about. A request with a cache salt, a LoRA adapter or
+multimodal inputs keys its blocks with a chain seeded by its :class:`~dynamo_kvtc.tiers.keys.TenantKey` (see
+:func:`tenant_of`), so tenants never share blocks; a request whose KV cannot be keyed safely (prompt embeddings,
+anything not understood) bypasses the tiers: no match, no save, counted as ``bypass_unkeyable`` in ``stats``.
 
 Saves follow vLLM's block life: a request's prompt blocks are saved in the step its prefill completes (the raw window
 on its tail), decode blocks once ``flush_tokens`` new tokens filled blocks, and a finished request's remaining full
@@ -12,11 +15,12 @@ blocks in the step after it finished (vLLM holds the blocks until the worker has
 from __future__ import annotations
 
 import logging
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tiers.keys import block_hashes, chain
+from ..tiers.keys import TenantKey, block_hashes, chain
 from .config import ConnectorConfig
 from .handoff.policy import RemotePrefill
 from .lookup import Matcher
@@ -24,10 +28,48 @@ from .protocol import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
 
+BYPASS_UNKEYABLE = "bypass_unkeyable"
+LORA_MEMORY = 1 << 17  # hashes of LoRA blocks remembered for their router events (oldest forgotten first)
+
+
+def tenant_of(request: Any) -> TenantKey | None:
+    """The request's :class:`TenantKey`, or None when its KV cannot be keyed safely from what vLLM tells us.
+
+    Keyed: token prompts with an optional string ``cache_salt``, an optional ``lora_request`` (name and id required;
+    its path is included, as vLLM does, so a name re-pointed at another adapter gets new keys) and ``mm_features``
+    that each carry an identifier and a position. Not keyed: prompt embeddings (``prompt_embeds``, mixed prompts),
+    a missing token prompt, or a field of an unexpected type."""
+    if getattr(request, "prompt_embeds", None) is not None or getattr(request, "prompt_is_token_ids", None) is not None:
+        return None
+    if getattr(request, "prompt_token_ids", None) is None:
+        return None
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None and not isinstance(salt, str):
+        return None
+    name = lid = path = None
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        name, lid, path = (
+            getattr(lora, "lora_name", None),
+            getattr(lora, "lora_int_id", None),
+            getattr(lora, "lora_path", None),
+        )
+        if not isinstance(name, str) or not name or not isinstance(lid, int) or not isinstance(path, (str, type(None))):
+            return None
+    mm: list[tuple[str, int, int]] = []
+    for feature in getattr(request, "mm_features", None) or ():
+        ident, pos = getattr(feature, "identifier", None), getattr(feature, "mm_position", None)
+        offset, length = getattr(pos, "offset", None), getattr(pos, "length", None)
+        if not ident or not isinstance(offset, int) or not isinstance(length, int):
+            return None
+        mm.append((str(ident), offset, length))
+    return TenantKey(cache_salt=salt or None, lora_name=name, lora_id=lid, lora_path=path, mm=tuple(mm))
+
 
 @dataclass
 class _Req:
     request: Any
+    tenant: TenantKey | None = None  # None: unkeyable, the request bypasses the tiers
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     saved: int = 0  # blocks [0, saved) are stored (or were handed to the worker to store)
@@ -55,6 +97,8 @@ class KvtcScheduler:
         self.flush_blocks = max(1, config.flush_tokens // block_size)
         self._reqs: dict[str, _Req] = {}
         self._plan = StepPlan()
+        self.stats: Counter[str] = Counter()  # bypass_unkeyable: requests that bypassed the tiers
+        self._lora: OrderedDict[int, tuple[int, str]] = OrderedDict()  # saved LoRA block hash -> (lora id, name)
 
     # ------------------------------------------------------------------ hashing
     def _hashes(self, st: _Req, tokens: Sequence[int], n_blocks: int) -> list[int]:
@@ -63,14 +107,43 @@ class KvtcScheduler:
         have = len(st.hashes)
         if n_blocks > have:
             more = block_hashes(tokens[have * bs : n_blocks * bs], bs)
-            st.hashes.extend(chain(more, st.hashes[-1] if st.hashes else None))
+            st.hashes.extend(chain(more, st.hashes[-1] if st.hashes else st.tenant.root()))
         return st.hashes[:n_blocks]
 
     def _state(self, request: Any) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
-            st = self._reqs[request.request_id] = _Req(request)
+            st = self._reqs[request.request_id] = _Req(request, tenant_of(request))
+            if st.tenant is None:
+                self.stats[BYPASS_UNKEYABLE] += 1
+                log.info(
+                    "kvtc: request %s cannot be keyed safely (e.g. prompt embeddings); bypassing the tiers",
+                    request.request_id,
+                )
         return st
+
+    def hashes_for(self, request: Any, tokens: Sequence[int] | None = None) -> list[int] | None:
+        """The block keys this scheduler uses for ``request`` (its prompt, or ``tokens``); None when unkeyable."""
+        tenant = tenant_of(request)
+        if tenant is None:
+            return None
+        st = _Req(request, tenant)
+        toks = request.prompt_token_ids if tokens is None else tokens
+        return self._hashes(st, toks, len(toks) // self.block_size)
+
+    def lora_of(self, block_hash: int) -> tuple[int, str] | None:
+        """(lora id, lora name) of a block this scheduler planned to save for a LoRA request (router events)."""
+        return self._lora.get(block_hash)
+
+    def _remember_lora(self, st: _Req, hashes: Sequence[int]) -> None:
+        t = st.tenant
+        if t is None or t.lora_name is None:
+            return
+        for h in hashes:
+            self._lora[h] = (t.lora_id, t.lora_name)
+            self._lora.move_to_end(h)
+        while len(self._lora) > LORA_MEMORY:
+            self._lora.popitem(last=False)
 
     # ------------------------------------------------------------------ vLLM hooks
     def _is_remote(self, request: Any) -> bool:
@@ -80,6 +153,8 @@ class KvtcScheduler:
         bs = self.block_size
         st = self._state(request)
         st.local, st.asynchronous = num_computed_tokens, False
+        if st.tenant is None:
+            return 0, False
         if self._is_remote(request):
             return self.remote.matched(request, num_computed_tokens)
         prompt = request.prompt_token_ids or []
@@ -102,13 +177,15 @@ class KvtcScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = request.prompt_token_ids or []
+        st = self._state(request)
+        if st.tenant is None:
+            return
         remote = self._is_remote(request)
         if not remote:
             self._plan.lookup_tokens += len(prompt)
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        st = self._state(request)
         block_ids = list(blocks.get_block_ids()[0])
         local = st.local // bs
         n = num_external_tokens // bs
@@ -144,6 +221,8 @@ class KvtcScheduler:
         return plan
 
     def _plan_save(self, st: _Req, computed: int, final: bool = False) -> bool:
+        if st.tenant is None:
+            return False
         bs = self.block_size
         req = st.request
         tokens = req.all_token_ids
@@ -155,6 +234,7 @@ class KvtcScheduler:
             return False
         hashes = self._hashes(st, tokens, n_full)
         a = st.saved
+        self._remember_lora(st, hashes[a:n_full])
         self._plan.saves.append(
             SaveOp(
                 req.request_id,

@@ -2,14 +2,18 @@
 
 - :class:`EventQueue` (worker) turns the store's stored/removed notifications into vLLM ``BlockStored`` /
   ``BlockRemoved`` events (medium ``CPU``), which vLLM's KV event stream carries to Dynamo's router;
-  :class:`EventCollector` (scheduler) aggregates the TP workers' batches of one step.
+  :class:`EventCollector` (scheduler) aggregates the TP workers' batches of one step and stamps the LoRA adapter of
+  the blocks that belong to a LoRA request (the worker's store knows hashes only; the scheduler knows the adapter),
+  so Dynamo's router hashes them with the adapter's name as vLLM's own events do.
 - :func:`probe_cpu_offsets` learns the element order of vLLM's CPU attention kernel inside a block.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents, KVEventAggregator
 
 if TYPE_CHECKING:
@@ -85,10 +89,15 @@ class EventQueue:
 
 class EventCollector:
     """Scheduler side: gathers the workers' event batches of one step (``update_connector_output``) and hands the
-    events that every TP worker reported to vLLM's event stream (``take_events``)."""
+    events that every TP worker reported to vLLM's event stream (``take_events``).
 
-    def __init__(self) -> None:
+    ``lora_of`` (the scheduler's :meth:`~dynamo_kvtc.connector.scheduler.KvtcScheduler.lora_of`) maps a block hash
+    to its request's (lora id, lora name); stored events of such blocks carry both. It never drops or reorders
+    events."""
+
+    def __init__(self, lora_of: Callable[[int], tuple[int, str] | None] | None = None) -> None:
         self._batch: KvtcKVEvents | None = None
+        self._lora_of = lora_of
 
     def add(self, connector_output: Any) -> None:
         ev = getattr(connector_output, "kv_cache_events", None)
@@ -104,7 +113,16 @@ class EventCollector:
         if self._batch is not None:
             batch, self._batch = self._batch, None  # this step's batch (all workers) is consumed here
             batch.aggregate()
-            yield from batch.get_all_events()
+            for event in batch.get_all_events():
+                yield self._stamp(event)
+
+    def _stamp(self, event: Any) -> Any:
+        if self._lora_of is None or not isinstance(event, BlockStored) or not event.block_hashes:
+            return event
+        lora = self._lora_of(event.block_hashes[0])
+        if lora is None:
+            return event
+        return msgspec.structs.replace(event, lora_id=lora[0], lora_name=lora[1])
 
 
 def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):

@@ -7,16 +7,62 @@ hash therefore names a block *and its whole prefix*, which is what a KV cache bl
 
 When ai-dynamo-runtime is installed its function computes the block hashes; otherwise the same algorithm runs here
 (tests check both give equal results). Router events take signed 64-bit integers: see :func:`to_signed`.
+
+Tenants. KV also depends on what is not in the token ids: the cache salt, the LoRA adapter, multimodal inputs behind
+placeholder tokens. A :class:`TenantKey` names those; a request with an empty one keeps the plain chain above (so the
+router's own hashes still match the tier's events), any other request's chain is seeded by the key's digest
+(:func:`sequence_hashes` with ``tenant=``), so no block key of one tenant ever equals another's (short of a 64-bit
+collision). The digest is conservative: it covers the whole request's salt, adapter and every multimodal item, so two
+requests share blocks only when all of these are equal.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import msgpack
 import xxhash
 
 SEED = 1337
+TENANT_DOMAIN = "dynamo-kvtc/tenant/v1"  # versions the digest: a change of its inputs must change this
+
+
+@dataclass(frozen=True)
+class TenantKey:
+    """Everything besides the token ids that makes a request's KV differ (one value per request).
+
+    ``mm`` holds one ``(identifier, offset, length)`` per multimodal item, in prompt order. An empty key (no salt, no
+    adapter, no multimodal input) means "plain tokens": its chain is Dynamo's. It never holds KV or tokens."""
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    lora_path: str | None = None
+    mm: tuple[tuple[str, int, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.cache_salt or self.lora_name or self.lora_id or self.lora_path or self.mm)
+
+    def digest(self) -> int:
+        """The 64-bit seed of this tenant's chain (XXH3-64 of a domain-tagged msgpack of every field)."""
+        payload = msgpack.packb(
+            [
+                TENANT_DOMAIN,
+                self.cache_salt,
+                self.lora_name,
+                self.lora_id,
+                self.lora_path,
+                [[str(i), int(o), int(n)] for i, o, n in self.mm],
+            ]
+        )
+        return xxhash.xxh3_64_intdigest(payload, seed=SEED)
+
+    def root(self) -> int | None:
+        """The parent of the first block: None for the plain chain, the digest otherwise."""
+        return None if self.empty else self.digest()
 
 
 def _dynamo_block_hashes():
@@ -52,9 +98,12 @@ def chain(block_hashes_: Sequence[int], parent: int | None = None) -> list[int]:
     return out
 
 
-def sequence_hashes(tokens: Sequence[int], block_size: int, *, use_dynamo: bool = True) -> list[int]:
-    """The chained sequence hash of every full block of ``tokens``: the tier's block keys."""
-    return chain(block_hashes(tokens, block_size, use_dynamo=use_dynamo))
+def sequence_hashes(
+    tokens: Sequence[int], block_size: int, *, use_dynamo: bool = True, tenant: TenantKey | None = None
+) -> list[int]:
+    """The chained sequence hash of every full block of ``tokens``: the tier's block keys. With a non-empty
+    ``tenant`` the chain starts from the tenant's digest (every key differs from the plain chain's)."""
+    return chain(block_hashes(tokens, block_size, use_dynamo=use_dynamo), tenant.root() if tenant else None)
 
 
 def to_signed(h: int) -> int:
