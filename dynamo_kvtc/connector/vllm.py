@@ -9,14 +9,25 @@ The class is a thin delegate: :class:`~dynamo_kvtc.connector.scheduler.KvtcSched
 :class:`~dynamo_kvtc.connector.worker.KvtcWorker` (worker role) hold the logic, and
 :mod:`~dynamo_kvtc.connector.handoff` the compressed prefill→decode hand-off. Layer-wise restore needs eager mode or
 PIECEWISE CUDA graphs (``requires_piecewise_for_cudagraph``).
+
+**A failed restore is a recompute, wherever the connector sits.** vLLM's scheduler reads ``kv_load_failure_policy``
+from the engine's top-level ``KVTransferConfig`` (default ``fail``: a failed load fails the user's request). Alone,
+that config is this connector's; inside ``MultiConnector`` each child gets a fresh copy, so the connector finds the
+enclosing configs on the call stack while vLLM builds it (:func:`enclosing_transfer_configs`) and sets the policy
+there too, with a warning. Where it cannot be sure the engine recomputes, it refuses to restore anything (every lookup
+a miss, one error line): a miss costs a recompute, a failed load would cost the request. Manifests set
+``kv_load_failure_policy: recompute`` at the top level all the same.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -31,12 +42,26 @@ from .lookup import LazyLookup
 from .protocol import StepPlan
 from .scheduler import KvtcScheduler
 from .vllm_parts import EventCollector, EventQueue, KvtcKVEvents, probe_cpu_offsets
+from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .worker import KvtcWorker
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+_STACK_DEPTH = 16  # frames searched for an enclosing connector's config (MultiConnector -> factory -> Scheduler)
+
+
+def _register() -> None:
+    """Register the class by name too: MultiConnector rebuilds a child's stats in the front-end process by class
+    name (``get_connector_class_by_name``), which only knows registered connectors."""
+    try:
+        KVConnectorFactory.register_connector("KvtcConnector", __name__, "KvtcConnector")
+    except ValueError:
+        pass  # already registered (this module imported twice, or vLLM ships one)
+
+
+_register()
 
 
 @dataclass
@@ -66,6 +91,57 @@ def _peer(cfg: ConnectorConfig):
         return None
 
 
+def _wraps(cand: Any, own: Any) -> bool:
+    if cand is own:
+        return False
+    children = (cand.kv_connector_extra_config or {}).get("connectors") or []
+    named = any(isinstance(c, dict) and c.get("kv_connector") == own.kv_connector for c in children)
+    return named or (own.engine_id is not None and cand.engine_id == own.engine_id)
+
+
+def enclosing_transfer_configs(own: Any, frame: Any = None) -> list[Any]:
+    """The ``KVTransferConfig`` objects other than ``own`` that the callers building this connector hold for the same
+    engine (same ``engine_id``, or a ``connectors`` list naming this class): the top-level one when a wrapper
+    (MultiConnector) built it, which is the one vLLM's scheduler reads the failure policy from. Empty when this
+    connector is the top-level one (or the stack cannot be read)."""
+    found: list[Any] = []
+    f = frame if frame is not None else inspect.currentframe()
+    for _ in range(_STACK_DEPTH):
+        if f is None:
+            break
+        loc = f.f_locals
+        for cand in (loc.get("kv_transfer_config"), getattr(loc.get("vllm_config"), "kv_transfer_config", None)):
+            if isinstance(cand, KVTransferConfig) and _wraps(cand, own) and all(cand is not x for x in found):
+                found.append(cand)
+        f = f.f_back
+    return found
+
+
+def ensure_failure_policy(own: Any, policy: str, enclosing: list[Any]) -> bool:
+    """Set ``policy`` on this connector's config and every enclosing one; True when the engine will do as the
+    connector needs (``policy`` is what the scheduler reads), False when a config refused the change."""
+    ok = True
+    for tc in (own, *enclosing):
+        if getattr(tc, "kv_load_failure_policy", None) == policy:
+            continue
+        try:
+            tc.kv_load_failure_policy = policy
+        except Exception as e:  # a frozen or validating config
+            log.error("KvtcConnector: cannot set kv_load_failure_policy=%s on %s: %s", policy, tc.kv_connector, e)
+            ok = False
+            continue
+        if tc is own:
+            log.info("KvtcConnector: kv_load_failure_policy=%s", policy)
+        else:
+            log.warning(
+                "KvtcConnector inside %s: set the top-level kv_load_failure_policy=%s (it was not: a failed restore "
+                "would have failed the request); set it in the engine's --kv-transfer-config",
+                tc.kv_connector,
+                policy,
+            )
+    return ok
+
+
 class KvtcConnector(KVConnectorBase_V1):
     """dynamo_kvtc as a vLLM KV connector: exactly one of a scheduler half or a worker half, by role.
 
@@ -81,12 +157,18 @@ class KvtcConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: KvtcScheduler | None = None
         self._worker: KvtcWorker | None = None
+        self._stats: StatsReporter | None = None
+        self.refuse_loads = False  # True when a failed restore could fail a request: every lookup then misses
         if role == KVConnectorRole.SCHEDULER:
-            if getattr(tc, "kv_load_failure_policy", None) != self.cfg.load_failure_policy:
-                # vLLM's default "fail" turns a failed restore into a failed request; for a cache tier a failed
-                # restore is a miss. The scheduler reads the policy right after creating this connector.
-                log.info("KvtcConnector: kv_load_failure_policy=%s", self.cfg.load_failure_policy)
-                tc.kv_load_failure_policy = self.cfg.load_failure_policy
+            # vLLM's default "fail" turns a failed restore into a failed request; for a cache tier a failed restore
+            # is a miss. The scheduler reads the policy from the top-level config right after creating connectors.
+            if not ensure_failure_policy(tc, self.cfg.load_failure_policy, enclosing_transfer_configs(tc)):
+                self.refuse_loads = self.cfg.load_failure_policy == "recompute"
+                log.error(
+                    "KvtcConnector refuses to restore (every request recomputes): the engine's "
+                    "kv_load_failure_policy could not be set to recompute; set it at the top level of "
+                    "--kv-transfer-config"
+                )
             self._lookup = LazyLookup(self.engine_id)
             remote = None
             if self.cfg.transfer:
@@ -107,7 +189,10 @@ class KvtcConnector(KVConnectorBase_V1):
                 tp_size=tp_size,
                 peer=_peer(self.cfg),
                 listeners=(self._event_queue,) if self.cfg.publish_events else (),
+                kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             )
+            if tp_rank == 0:  # one rank's view, like the kvtc_* endpoint
+                self._stats = StatsReporter(self._worker)
 
     @property
     def worker(self) -> KvtcWorker | None:
@@ -121,6 +206,8 @@ class KvtcConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.refuse_loads:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -183,6 +270,20 @@ class KvtcConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self) -> KvtcKVEvents | None:
         return self._event_queue.take()
+
+    # ------------------------------------------------------------------ vLLM's own metrics
+    def get_kv_connector_stats(self) -> KvtcConnectorStats | None:
+        return self._stats.take() if self._stats is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtcConnectorStats:
+        return KvtcConnectorStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> KvtcPromMetrics:
+        return KvtcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

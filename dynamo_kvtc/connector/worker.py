@@ -8,9 +8,12 @@
 - **Save without stalling.** After the forward pass, the blocks that just became full are copied out of the paged
   cache on the current stream (a small device copy, ordered before any later reuse of the blocks), and the encode runs
   on the store's offload worker behind an event.
-- **Never crash the engine.** A missing or mismatched calibration or an unknown layout disables the connector with
-  one error line (every lookup then misses); every other fault is logged once per occurrence, counted, and becomes a
-  recompute.
+- **Never crash the engine.** A missing or mismatched calibration, an unknown layout or an unsupported KV cache dtype
+  (FP8) disables the connector with one error line and a reason (every lookup then misses; ``kvtc_enabled 0``); every
+  other fault is logged once per occurrence, counted, and becomes a recompute.
+- **Sizes are totals across the TP group** (what vLLM's ``--kv-offloading-size`` means): each rank allocates
+  ``cpu_cache_gb / tp_size`` of host memory and ``disk_cache_gb / tp_size`` of disk (:func:`rank_tiers`); rank 0
+  warns at start-up when the host memory asked for exceeds the pod's or machine's (:func:`host_memory_warning`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,68 @@ from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration
 from ..calibration.models import fingerprint_of
 from ..errors import KvtcError, TierError
+from ..tiers.config import TierConfig
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
 from .protocol import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
+
+# KV cache dtypes the codec encodes from and restores into (vLLM's FP8 caches hold scaled 8-bit values it cannot read)
+SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
+
+
+def rank_tiers(tiers: TierConfig, tp_rank: int, tp_size: int) -> TierConfig:
+    """This rank's tiers: ``cpu_cache_gb`` and ``disk_cache_gb`` are totals across the TP group, split evenly (each
+    rank holds its own heads' share of every block), and each rank gets its own disk directory."""
+    if tp_size <= 1:
+        return tiers
+    kw: dict[str, Any] = {"host_bytes": tiers.host_bytes // tp_size, "disk_bytes": tiers.disk_bytes // tp_size}
+    if tiers.disk_bytes and tiers.disk_dir is not None:
+        kw["disk_dir"] = tiers.disk_dir / f"rank{tp_rank}"  # each rank its own head shard
+    return tiers.with_(**kw)
+
+
+def host_memory_limit(root: Path = Path("/")) -> tuple[int, str] | None:
+    """(bytes, where it came from): the pod's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``),
+    else the machine's ``MemTotal``; None when none can be read."""
+    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = (root / rel).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < _UNLIMITED:
+            return int(text), "/" + rel
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024, "/proc/meminfo MemTotal"
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_memory_warning(asked: int, limit: tuple[int, str] | None) -> str | None:
+    """The start-up warning when the host memory asked for on this machine (``cpu_cache_gb``, the total of its TP
+    ranks) exceeds what the pod/machine has; None when it fits or nothing is known."""
+    if limit is None or asked <= limit[0]:
+        return None
+    return (
+        f"kvtc host tier asks for {asked / (1 << 30):.2f} GiB on this machine (cpu_cache_gb, the total across the TP "
+        f"group) but {limit[1]} allows {limit[0] / (1 << 30):.2f} GiB (engine and model memory not counted): "
+        "the pod may be OOM-killed; lower cpu_cache_gb or raise the memory limit"
+    )
+
+
+def check_kv_dtype(t: torch.Tensor, cache_dtype: str = "auto") -> None:
+    """Refuse KV caches the codec cannot read: FP8 (``--kv-cache-dtype fp8*``) and anything not 16/32-bit float."""
+    if str(cache_dtype).startswith("fp8") or t.dtype not in SUPPORTED_KV_DTYPES:
+        raise TierError(
+            f"KV cache dtype {cache_dtype} ({t.dtype}) is not supported: kvtc encodes bfloat16/float16/float32 caches "
+            "only; run without --kv-cache-dtype fp8 to use the compressed tiers"
+        )
 
 
 def layer_index(name: str) -> int:
@@ -97,6 +156,7 @@ class KvtcWorker:
         tp_size: int = 1,
         peer: Any = None,
         listeners: tuple = (),
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.cfg = config
         self.engine_id = engine_id
@@ -106,7 +166,9 @@ class KvtcWorker:
         self.num_blocks = num_blocks
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.store: KvtcStore | None = None
+        self.kv_cache_dtype = str(kv_cache_dtype)  # vLLM's --kv-cache-dtype
         self.disabled: str | None = None  # why the connector passes everything through
+        self.disabled_reason: str | None = None  # the same, as a metric label: kv_cache_dtype, layout, calibration, ...
         self.layers: dict[str, int] = {}
         self.stats: Counter[str] = Counter()
         self._sync: list[tuple[LoadOp, OnboardHandle]] = []
@@ -124,41 +186,50 @@ class KvtcWorker:
         self.listeners = tuple(listeners)  # store listeners (vLLM KV events)
 
     # ------------------------------------------------------------------ setup
-    def _disable(self, why: str) -> None:
+    def _disable(self, why: str, reason: str = "error") -> None:
         self.disabled = why
+        self.disabled_reason = reason
         self.stats["fallback_disabled"] += 1
-        log.error("KvtcConnector disabled, every request recomputes: %s", why)
+        log.error("KvtcConnector disabled (%s), every request recomputes: %s", reason, why)
         if self.tp_rank == 0:
             self._start_lookup()  # still answers lookups (always a miss), so schedulers elsewhere never wait
+            self._start_metrics()  # kvtc_enabled 0 and the reason stay scrapeable
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
+        stage = "layout"
         try:
             names = sorted(kv_caches, key=layer_index)
             tensors = [kv_caches[n] for n in names]
+            stage = "kv_cache_dtype"
+            check_kv_dtype(tensors[0], self.kv_cache_dtype)
+            stage = "layout"
             layout = detect_layout(tensors[0], self.num_blocks)
             ko, vo = offsets if offsets is not None else (None, None)
             kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo)
+            stage = "calibration"
             cal = self._calibration(kv)
-            tiers = self.cfg.tiers
-            if self.tp_size > 1 and tiers.disk_bytes and tiers.disk_dir is not None:
-                tiers = tiers.with_(disk_dir=tiers.disk_dir / f"rank{self.tp_rank}")  # each rank its own head shard
+            stage = "store"
+            tiers = rank_tiers(self.cfg.tiers, self.tp_rank, self.tp_size)
+            if self.tp_rank == 0:
+                self._warn_host_memory()
             store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv)
         except (KvtcError, OSError, ValueError) as e:
-            self._disable(str(e))
+            self._disable(str(e), stage)
             return
         self.layers = {n: i for i, n in enumerate(names)}
         self.store = store
         store.listeners.extend(self.listeners)
         log.info(
-            "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB, disk %s",
+            "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB (this rank), "
+            "disk %s",
             kv.num_layers,
             layout,
             cal.id[:12],
             cal.fingerprint.model_name or cal.fingerprint.architecture,
-            self.cfg.tiers.ratio,
-            self.cfg.tiers.host_bytes / (1 << 30),
-            self.cfg.tiers.disk_dir if self.cfg.tiers.disk_bytes else "off",
+            tiers.ratio,
+            tiers.host_bytes / (1 << 30),
+            tiers.disk_dir if tiers.disk_bytes else "off",
         )
         if self.tp_rank == 0:
             self._start_services()
@@ -196,12 +267,28 @@ class KvtcWorker:
             except Exception as e:
                 log.error("kvtc compressed hand-off unavailable (decode peers recompute instead): %s", e)
                 self.stats["fallback_transfer_setup"] += 1
-        if self.cfg.metrics_port is not None:
-            from .metrics import KvtcMetrics
+        self._start_metrics()
 
+    def _warn_host_memory(self) -> None:
+        """Rank 0, at start-up: warn when ``cpu_cache_gb`` (all ranks of this engine, on this machine) exceeds the
+        pod's or machine's memory."""
+        msg = host_memory_warning(self.cfg.tiers.host_bytes, host_memory_limit())
+        if msg is not None:
+            self.stats["host_memory_overcommit"] += 1
+            log.warning(msg)
+
+    def _start_metrics(self) -> None:
+        if self.cfg.metrics_port is None or self.metrics is not None:
+            return
+        from .metrics import KvtcMetrics
+
+        try:
             self.metrics = KvtcMetrics(self.store, connector=self)
             self.metrics_port = self.metrics.serve(self.cfg.metrics_port, addr="0.0.0.0")
-            log.info("kvtc metrics on :%d/metrics", self.metrics_port)
+        except (KvtcError, OSError) as e:
+            log.error("kvtc metrics not served: %s", e)
+            return
+        log.info("kvtc metrics on :%d/metrics", self.metrics_port)
 
     # ------------------------------------------------------------------ lookup
     def match(self, hashes: list[int]) -> tuple[int, int]:
