@@ -113,6 +113,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("transfer_staging_mb", "int", 256, "prefill side: NIXL-registered staging arena for the compressed hand-off, "
        "in MiB", "connector", lo=1, hi=1 << 20),
     # -- process-wide, environment only -----------------------------------------------------------------------------
+    _s("transfer_secret_file", "path", None, "file holding the hand-off's shared secret (>= 16 bytes; a Kubernetes "
+       "Secret): every control message and reply carries an HMAC-SHA256, replays are refused. Unset: "
+       "`DYN_KVTC_TRANSFER_SECRET`, else unauthenticated", "connector", default_doc="unset"),
+    _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
+       "kv_connector_extra_config; `transfer_secret_file` wins)", "process", default_doc="unset"),
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
        "(readable on CPU-only nodes too)", "process", choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "

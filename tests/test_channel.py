@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hmac
 import os
+import struct
 import tempfile
 import time
 
@@ -10,8 +12,8 @@ import msgpack
 import pytest
 import zmq
 
-from dynamo_kvtc.errors import CorruptBlobError, TransferError
-from dynamo_kvtc.tiers.channel import Limits, RepServer, ReqClient, pack, unpack
+from dynamo_kvtc.errors import ConfigError, CorruptBlobError, TransferError
+from dynamo_kvtc.tiers.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
 
 LIMITS = Limits(max_message=4096, max_str=64, max_bin=128, max_array=32, max_map=8)
 
@@ -88,3 +90,78 @@ def test_unpack_limits_and_error_class():
             unpack(bad, LIMITS)
     with pytest.raises(CorruptBlobError, match="index record is not a map"):
         unpack(msgpack.packb(3), LIMITS, what="index record", error=CorruptBlobError)
+
+
+# ---------------------------------------------------------------------------------------------- authentication
+SECRET = b"0123456789abcdef-shared-secret"
+
+
+@pytest.fixture
+def sealed_server():
+    srv = RepServer("tcp://127.0.0.1", _echo, LIMITS, name="test-auth", auth=Auth(SECRET))
+    yield srv
+    srv.close()
+
+
+def _raw_exchange(port: int, data: bytes) -> dict:
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send(data)
+        return msgpack.unpackb(sock.recv())
+    finally:
+        sock.close(0)
+
+
+def test_authenticated_round_trip_and_refusals(sealed_server):
+    port = sealed_server.port
+    good = ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0, auth=Auth(SECRET))
+    assert good.ask({"op": "x"}) == {"echo": {"op": "x"}}
+    for client, why in (
+        (ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0), "no sealed envelope"),  # no MAC at all
+        (ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0, auth=Auth(b"another-secret-of-16+")), "wrong MAC"),
+    ):
+        with pytest.raises(TransferError, match=why):
+            client.ask({"op": "x"})
+        client.close()
+    assert good.ask({"op": "after"}) == {"echo": {"op": "after"}}  # the server kept serving
+    good.close()
+    assert sealed_server.auth_refused == 2 and sealed_server.served == 2
+
+
+def test_replayed_and_stale_requests_are_refused(sealed_server):
+    auth = Auth(SECRET)
+    sealed, nonce = auth.seal_request(pack({"op": "fetch"}))
+    first = _raw_exchange(sealed_server.port, sealed)
+    assert unpack(auth.open_reply(first, nonce), LIMITS) == {"echo": {"op": "fetch"}}
+    replay = _raw_exchange(sealed_server.port, sealed)  # the same bytes again, as a sniffer would send them
+    assert "replayed" in replay["error"] and "body" not in replay
+    env = msgpack.unpackb(sealed)
+    env["ts"] -= 120.0  # an old request: outside the window even with a fresh nonce and a valid MAC
+    env["nonce"] = b"\x01" * 16
+    env["mac"] = hmac.new(
+        SECRET, b"kvtc-req" + struct.pack("<d", env["ts"]) + env["nonce"] + env["body"], "sha256"
+    ).digest()
+    stale = _raw_exchange(sealed_server.port, msgpack.packb(env))
+    assert "replay window" in stale["error"]
+    assert sealed_server.auth_refused == 2
+
+
+def test_a_reply_for_another_request_or_with_a_wrong_mac_is_refused():
+    auth = Auth(SECRET)
+    _, nonce = auth.seal_request(pack({"op": "x"}))
+    reply = msgpack.unpackb(auth.seal_reply(pack({"ok": True}), nonce))
+    assert unpack(auth.open_reply(reply, nonce), LIMITS) == {"ok": True}
+    with pytest.raises(TransferError, match="wrong MAC"):
+        auth.open_reply(reply, b"\x00" * 16)  # bound to its request's nonce
+    with pytest.raises(TransferError, match="wrong MAC"):
+        auth.open_reply({**reply, "body": pack({"ok": False})}, nonce)
+    with pytest.raises(TransferError, match="not authenticated"):
+        auth.open_reply({"error": "nope"}, nonce)
+
+
+def test_short_secrets_are_refused():
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        Auth(b"short")

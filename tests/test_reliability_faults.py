@@ -17,7 +17,7 @@ from dynamo_kvtc.reliability.memory_faults import scenario_host_alloc, scenario_
 from dynamo_kvtc.reliability.nixl_faults import scenario_nixl_disk
 from dynamo_kvtc.reliability.process import scenario_kill9
 from dynamo_kvtc.reliability.soak import scenario_soak
-from dynamo_kvtc.reliability.transfer_faults import scenario_transfer
+from dynamo_kvtc.reliability.transfer_faults import scenario_transfer, scenario_transfer_auth
 from dynamo_kvtc.reliability.world import World
 
 
@@ -98,6 +98,17 @@ def test_two_process_transfer_faults(world):
     scenario_transfer(world, ledger, 5, timeout=2.5, modes=("raise", "stall", "corrupt", "drop", "kill_peer"))
     clean(ledger, "nixl_transfer", "transfer_malformed")
     assert ledger.details["nixl_transfer"]["clean_fetches_ok"] == 5
+
+
+def test_authenticated_handoff_refuses_missing_and_wrong_macs_and_replays(world):
+    """The prefill peer in its own process holds a shared secret: a decode client without one, one with another
+    secret, and a replayed sealed fetch are each refused (the restore fails: the engine would recompute), the peer
+    keeps serving, and the client with the right secret restores bit for bit."""
+    ledger = Ledger()
+    scenario_transfer_auth(world, ledger)
+    clean(ledger, "transfer_auth")
+    assert ledger.kinds["transfer_auth"]["faults_injected"] == 3
+    assert ledger.details["transfer_auth"]["authenticated_fetch_ok"] == 1
 
 
 def test_calibration_replaced_or_mismatched(world):

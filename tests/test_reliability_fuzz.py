@@ -258,6 +258,11 @@ def test_control_messages_parse_or_transfer_error(raw):
         except TransferError:
             continue
         assert isinstance(msg, dict)
+        try:  # as a sealed envelope: only the right MAC, inside the window, opens it
+            channel.Auth(b"fuzz-secret-0123456789").open_request(msg)
+            raise AssertionError("a random message opened as an authenticated request")
+        except TransferError:
+            pass
         try:
             hashes, peer, md = messages.check_fetch(msg)
         except TransferError:

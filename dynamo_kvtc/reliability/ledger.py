@@ -24,6 +24,7 @@ KINDS = (
     "nixl_disk",
     "nixl_transfer",
     "transfer_malformed",
+    "transfer_auth",
     "calibration",
     "host_alloc",
     "soak_lossless",

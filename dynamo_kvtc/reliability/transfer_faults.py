@@ -4,6 +4,7 @@ and dropped READs, a killed peer, and malformed control messages both ways."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import msgpack
 
 from ..connector.handoff.messages import LIMITS
 from ..errors import TransferError
-from ..tiers.channel import unpack
+from ..tiers.channel import Limits, pack, unpack
 from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
@@ -45,8 +46,9 @@ def child_server(world: World, args: dict) -> None:
 class PeerProcess:
     """The prefill side in its own process: a real KvtcStore behind a HandoffServer."""
 
-    def __init__(self, world: World, seqs: int, timeout: float) -> None:
+    def __init__(self, world: World, seqs: int, timeout: float, secret: str | None = None) -> None:
         self.world, self.seqs, self.timeout = world, seqs, timeout
+        self.secret = secret  # the hand-off's shared secret (DYN_KVTC_TRANSFER_SECRET in the child), or None
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.starts = 0
@@ -58,7 +60,11 @@ class PeerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                **({"DYN_KVTC_TRANSFER_SECRET": self.secret} if self.secret else {}),
+            },
         )
         line = wait_marker(self.proc, "PORT", 120)
         if line is None:
@@ -281,4 +287,99 @@ def scenario_transfer_malformed(world: World, ledger: Ledger, peer: PeerProcess,
             wrong, _ = Expect(world, True).check(hashes, 0, out.k, out.v)
             ledger.add(kind, wrong_kv_served=wrong)
     finally:
+        close_store(store)
+
+
+# ====================================================================================================== authentication
+AUTH_SECRET = "chaos-shared-secret-0123456789"
+SEALED = Limits(max_message=LIMITS.max_message + 256, max_str=1 << 16, max_bin=LIMITS.max_message)
+
+
+def _client(world: World, timeout: float, secret: str | None) -> Any:
+    """A decode-side hand-off client holding ``secret`` (through a secret file, as a deployment would) or none."""
+    from ..connector.config import ConnectorConfig
+    from ..connector.handoff.client import HandoffClient
+
+    path = None
+    if secret is not None:
+        path = world.workdir / f"secret-{abs(hash(secret)) % 10**8}"
+        path.write_text(secret + "\n")
+        path.chmod(0o600)
+    return HandoffClient(ConnectorConfig(transfer_timeout_s=timeout, transfer_secret_file=path))
+
+
+def _replay(peer: PeerProcess, hashes: list[int], client: Any) -> tuple[bool, bool]:
+    """Send one correctly sealed fetch twice, as a sniffer on the network would: (first served, replay refused)."""
+    import zmq
+
+    from ..connector.handoff.messages import fetch_request
+
+    sealed, nonce = client.auth.seal_request(pack(fetch_request(hashes, client.agent.name, client.agent.metadata())))
+    replies = []
+    for _ in range(2):
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(f"tcp://127.0.0.1:{peer.port}")
+        try:
+            sock.send(sealed)
+            replies.append(unpack(sock.recv(), SEALED, what="sealed reply"))
+        finally:
+            sock.close(0)
+    first = "body" in replies[0] and "error" not in unpack(client.auth.open_reply(replies[0], nonce), LIMITS)
+    if first:  # give the staged blobs back, authenticated
+        lease = unpack(client.auth.open_reply(replies[0], nonce), LIMITS).get("lease", "")
+        client.release("127.0.0.1", peer.port, lease)
+    return first, "body" not in replies[1] and "replayed" in str(replies[1].get("error", ""))
+
+
+def scenario_transfer_auth(world: World, ledger: Ledger, timeout: float = 2.0) -> None:
+    """An authenticated prefill peer (shared secret): requests without a MAC, with a MAC of another secret, and a
+    replayed sealed request must each be refused (a miss, never blobs); the right secret still restores exactly."""
+    kind = "transfer_auth"
+    hashes = sequence_hashes(transfer_sequences(world, 1)[0][: 6 * BS], BS)
+    peer = PeerProcess(world, 1, timeout, secret=AUTH_SECRET)
+    good = _client(world, timeout, AUTH_SECRET)
+    attempts = {
+        "no_mac": _client(world, timeout, None),
+        "wrong_secret": _client(world, timeout, "another-secret-0123456"),
+    }
+    store = make_store(world, True, host=16 << 20)
+    try:
+        peer.start()
+        for mode, client in attempts.items():
+            fetch = functools.partial(client.fetch, "127.0.0.1", peer.port, hashes)
+            ledger.add(kind, faults_injected=1)
+            ledger.detail(kind, **{mode: 1})
+            out = restore(world, store, hashes, 60, source=fetch)
+            if out.ok:
+                ledger.problem(kind, f"{mode}: an unauthenticated fetch was served")
+                wrong, _ = Expect(world, True).check(hashes, 0, out.k, out.v)
+                ledger.add(kind, wrong_kv_served=wrong)
+            elif out.status == "failed":
+                ledger.add(kind, faults_detected=1, recomputes=1)
+            else:
+                ledger.add(kind, crashes=1)
+                ledger.problem(kind, f"{mode}: restore {out.status}: {out.error}")
+        ledger.add(kind, faults_injected=1)
+        ledger.detail(kind, replay=1)
+        first, refused = _replay(peer, hashes, good)
+        if refused:
+            ledger.add(kind, faults_detected=1)
+        else:
+            ledger.problem(kind, "a replayed sealed request was not refused")
+        if not first:
+            ledger.problem(kind, "a correctly sealed request was not served")
+        out = restore(world, store, hashes, 60, source=lambda: good.fetch("127.0.0.1", peer.port, hashes))
+        if out.ok:
+            wrong, _ = Expect(world, True).check(hashes, 0, out.k, out.v)
+            ledger.add(kind, wrong_kv_served=wrong)
+            ledger.detail(kind, authenticated_fetch_ok=1)
+        else:
+            ledger.problem(kind, f"the authenticated fetch failed: {out.error}")
+        if not peer.alive():
+            ledger.add(kind, crashes=1)
+            ledger.problem(kind, "the prefill peer died")
+    finally:
+        peer.stop()
         close_store(store)

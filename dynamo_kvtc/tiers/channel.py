@@ -15,16 +15,29 @@ The sockets are ZMQ (pyzmq, imported when the first socket is made):
 - :class:`ReqClient` connects one REQ socket with send/receive deadlines. A socket that missed its reply is stuck in
   ZMQ's REQ state machine, so it is closed and made anew on the next call. An ``{"error": ...}`` reply raises.
 
+With an :class:`Auth` (a shared secret) both ends seal every message: a request travels as ``{ts, nonce, body,
+mac}`` with ``mac = HMAC-SHA256(key, "kvtc-req" | ts | nonce | body)``; the server refuses (and counts,
+``auth_refused``) a request whose MAC is missing or wrong, whose timestamp is outside the replay window, or whose nonce
+it has seen within the window (a replay). The reply is ``{body, mac}`` with the MAC over the request's nonce too, so
+a reply cannot be forged, nor replayed to another request. Without a secret the channel is unauthenticated (the lookup
+channel, an IPC socket in a private directory, needs none).
+
 Users: the lookup channel (connector/lookup.py), the prefill→decode hand-off (connector/handoff/), the transfer
 benchmark and the reliability harness; the disk tier's index records use :func:`unpack` alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
+import struct
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -73,6 +86,78 @@ def unpack(
     return msg
 
 
+MIN_SECRET_BYTES = 16
+_REQ, _REP = b"kvtc-req", b"kvtc-rep"
+_ENVELOPE_OVERHEAD = 256  # msgpack framing, timestamp, nonce, MAC
+
+
+@dataclass
+class Auth:
+    """A shared secret keying an HMAC-SHA256 on every request and reply of one channel, with replay protection.
+
+    Owns the secret and, on a server, the nonces seen within ``window_s`` (bounded; the oldest go first). Never
+    logs the secret."""
+
+    key: bytes
+    window_s: float = 30.0
+    max_nonces: int = 1 << 16
+    _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or len(self.key) < MIN_SECRET_BYTES:
+            raise ConfigError(f"a channel secret must be at least {MIN_SECRET_BYTES} bytes")
+
+    def _mac(self, *parts: bytes) -> bytes:
+        return hmac.new(self.key, b"".join(parts), hashlib.sha256).digest()
+
+    def seal_request(self, body: bytes) -> tuple[bytes, bytes]:
+        """(the sealed request, its nonce)."""
+        ts, nonce = time.time(), os.urandom(16)
+        mac = self._mac(_REQ, struct.pack("<d", ts), nonce, body)
+        return pack({"ts": ts, "nonce": nonce, "body": body, "mac": mac}), nonce
+
+    def open_request(self, env: dict[str, Any]) -> tuple[bytes, bytes]:
+        """(body, nonce) of a sealed request; TransferError naming why it is refused."""
+        ts, nonce, body, mac = env.get("ts"), env.get("nonce"), env.get("body"), env.get("mac")
+        if not (isinstance(ts, float) and isinstance(nonce, bytes) and len(nonce) == 16 and isinstance(body, bytes)):
+            raise TransferError("request not authenticated (no sealed envelope)")
+        if not isinstance(mac, bytes) or not hmac.compare_digest(
+            mac, self._mac(_REQ, struct.pack("<d", ts), nonce, body)
+        ):
+            raise TransferError("request not authenticated (wrong MAC)")
+        now = time.time()
+        if abs(now - ts) > self.window_s:
+            raise TransferError(f"request outside the {self.window_s:g} s replay window (clock skew or a replay)")
+        with self._lock:
+            while self._seen and (
+                next(iter(self._seen.values())) < now - self.window_s or len(self._seen) >= self.max_nonces
+            ):
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                raise TransferError("request replayed (nonce seen before)")
+            self._seen[nonce] = ts
+        return body, nonce
+
+    def seal_reply(self, body: bytes, nonce: bytes) -> bytes:
+        return pack({"body": body, "mac": self._mac(_REP, nonce, body)})
+
+    def open_reply(self, env: dict[str, Any], nonce: bytes) -> bytes:
+        body, mac = env.get("body"), env.get("mac")
+        if not isinstance(body, bytes) or not isinstance(mac, bytes):
+            raise TransferError(f"reply not authenticated: {str(env.get('error', 'no sealed envelope'))[:200]}")
+        if not hmac.compare_digest(mac, self._mac(_REP, nonce, body)):
+            raise TransferError("reply not authenticated (wrong MAC)")
+        return body
+
+
+def _envelope_limits(limits: Limits) -> Limits:
+    return Limits(
+        max_message=limits.max_message + _ENVELOPE_OVERHEAD, max_str=limits.max_str, max_bin=limits.max_message,
+        max_array=16, max_map=8,
+    )  # fmt: skip
+
+
 def zmq_module():
     """pyzmq, or a ConfigError that says what is missing (a dependency of vLLM and of this package)."""
     try:
@@ -86,7 +171,9 @@ def _socket(kind: str, limits: Limits, timeout_s: float | None = None):
     zmq = zmq_module()
     sock = zmq.Context.instance().socket(getattr(zmq, kind))
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_message)  # a bigger message drops the peer before it is buffered
+    sock.setsockopt(
+        zmq.MAXMSGSIZE, limits.max_message + _ENVELOPE_OVERHEAD
+    )  # a bigger message drops the peer before it is buffered
     if timeout_s is not None:
         ms = max(1, int(timeout_s * 1000))
         sock.setsockopt(zmq.RCVTIMEO, ms)
@@ -107,7 +194,14 @@ class RepServer:
     """
 
     def __init__(
-        self, endpoint: str, handle: Handler, limits: Limits, *, name: str, tick: Callable[[], None] | None = None
+        self,
+        endpoint: str,
+        handle: Handler,
+        limits: Limits,
+        *,
+        name: str,
+        tick: Callable[[], None] | None = None,
+        auth: Auth | None = None,
     ) -> None:
         self._sock = _socket("REP", limits)
         self.port: int | None = None
@@ -126,6 +220,8 @@ class RepServer:
         self.name = name
         self.served = 0
         self.refused = 0
+        self.auth_refused = 0  # requests refused for a missing or wrong MAC, a stale timestamp or a replay
+        self.auth = auth
         self._handle = handle
         self._tick = tick
         self._stop = threading.Event()
@@ -141,15 +237,27 @@ class RepServer:
                 self._tick()
             if not poller.poll(100):
                 continue
-            data = self._sock.recv()
-            try:
-                reply = self._handle(unpack(data, self.limits, what=f"{self.name} request"))
-                self.served += 1
-            except Exception as e:
-                self.refused += 1
-                log.warning("%s request refused: %s", self.name, e)
-                reply = {"error": f"{type(e).__name__}: {e}"}
-            self._sock.send(pack(reply))
+            self._sock.send(self._answer(self._sock.recv()))
+
+    def _answer(self, data: bytes) -> bytes:
+        nonce = None
+        try:
+            if self.auth is not None:
+                env = unpack(data, _envelope_limits(self.limits), what=f"{self.name} request")
+                try:
+                    data, nonce = self.auth.open_request(env)
+                except TransferError:
+                    self.auth_refused += 1
+                    raise
+            reply = self._handle(unpack(data, self.limits, what=f"{self.name} request"))
+            self.served += 1
+        except Exception as e:
+            self.refused += 1
+            log.warning("%s request refused: %s", self.name, e)
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        if nonce is None:
+            return pack(reply)  # unauthenticated channel, or a request that failed authentication
+        return self.auth.seal_reply(pack(reply), nonce)
 
     def close(self) -> None:
         self._stop.set()
@@ -163,13 +271,16 @@ class ReqClient:
     Thread-safe (one request at a time). Owns its socket; after a missed reply it starts over with a fresh one.
     """
 
-    def __init__(self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer") -> None:
+    def __init__(
+        self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer", auth: Auth | None = None
+    ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"{name} channel deadline must be > 0 s, got {timeout_s!r}")
         self.endpoint = endpoint
         self.limits = limits
         self.timeout_s = timeout_s
         self.name = name
+        self.auth = auth
         self._sock = None
         self._lock = threading.Lock()
 
@@ -181,8 +292,7 @@ class ReqClient:
                 self._sock = _socket("REQ", self.limits, self.timeout_s)
                 self._sock.connect(self.endpoint)
             try:
-                self._sock.send(pack(msg))
-                reply = unpack(self._sock.recv(), self.limits, what=f"{self.name} reply")
+                reply = self._exchange(msg)
             except (zmq.ZMQError, TransferError) as e:
                 self._sock.close(0)  # a REQ socket that missed its reply is stuck: start over
                 self._sock = None
@@ -192,6 +302,15 @@ class ReqClient:
         if "error" in reply:
             raise TransferError(f"{self.name} refused: {str(reply['error'])[:500]}")
         return reply
+
+    def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self.auth is None:
+            self._sock.send(pack(msg))
+            return unpack(self._sock.recv(), self.limits, what=f"{self.name} reply")
+        sealed, nonce = self.auth.seal_request(pack(msg))
+        self._sock.send(sealed)
+        env = unpack(self._sock.recv(), _envelope_limits(self.limits), what=f"{self.name} reply")
+        return unpack(self.auth.open_reply(env, nonce), self.limits, what=f"{self.name} reply")
 
     def close(self) -> None:
         with self._lock:

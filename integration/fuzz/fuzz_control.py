@@ -27,6 +27,11 @@ def TestOneInput(data: bytes) -> None:
         except TransferError:
             continue
         assert isinstance(msg, dict)
+        try:  # a sealed envelope opens only with the right MAC
+            channel.Auth(b"fuzz-secret-0123456789").open_request(msg)
+            raise AssertionError("a fuzzed message opened as an authenticated request")
+        except TransferError:
+            pass
         try:
             hashes, peer, md = messages.check_fetch(msg)
             assert 0 < len(hashes) <= messages.MAX_FETCH_BLOCKS and messages.peer_ok(peer, md)

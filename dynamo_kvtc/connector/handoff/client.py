@@ -18,6 +18,7 @@ from ...tiers.blobs import BlobMeta, BlobRun
 from ...tiers.channel import ReqClient
 from ...tiers.nixl_io import PeerAgent, Quarantine, transfer
 from ..config import ConnectorConfig
+from .auth import channel_auth
 from .messages import LIMITS, fetch_request, peer_ok, plan_reply
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class HandoffClient:
 
     def __init__(self, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
+        self.auth = channel_auth(cfg)  # before the agent: a bad secret is a ConfigError at start-up
         self.agent = PeerAgent(cfg.nixl_backend, "kvtc-decode")
         self.bytes_moved = 0
         self.quarantine = Quarantine()
@@ -53,7 +55,9 @@ class HandoffClient:
         with self._lock:
             ch = self._peers.get((host, port))
             if ch is None:
-                ch = ReqClient(f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer")
+                ch = ReqClient(
+                    f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth
+                )
                 self._peers[(host, port)] = ch
             return ch
 
@@ -64,10 +68,14 @@ class HandoffClient:
         try:
             return self._read(reply, hashes)
         finally:
-            try:
-                ch.ask({"op": "release", "lease": reply.get("lease", "")})
-            except TransferError as e:
-                log.info("kvtc hand-off release not acknowledged: %s", e)
+            self.release(host, port, str(reply.get("lease", "")))
+
+    def release(self, host: str, port: int, lease: str) -> None:
+        """Tell the prefill worker its staged bytes for ``lease`` may go (best effort: leases also expire)."""
+        try:
+            self._channel(host, port).ask({"op": "release", "lease": lease})
+        except TransferError as e:
+            log.info("kvtc hand-off release not acknowledged: %s", e)
 
     def _read(self, reply: dict, hashes: list[int]) -> list[BlobRun]:
         peer, md = reply.get("agent"), reply.get("agent_md")

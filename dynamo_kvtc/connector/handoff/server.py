@@ -18,6 +18,7 @@ from ...tiers.channel import RepServer
 from ...tiers.host import HostTier
 from ...tiers.nixl_io import PeerAgent
 from ..config import ConnectorConfig
+from .auth import channel_auth
 from .messages import LIMITS, check_fetch
 
 log = logging.getLogger(__name__)
@@ -40,13 +41,20 @@ class HandoffServer:
         self._leases: dict[str, tuple[list[str], float]] = {}
         self.served = 0  # fetches answered with staged blobs (releases are not counted)
         endpoint = f"tcp://{cfg.transfer_host}" + (f":{cfg.transfer_port}" if cfg.transfer_port else "")
-        self._rep = RepServer(endpoint, self._handle, LIMITS, name="kvtc-handoff", tick=self._expire)
+        self._rep = RepServer(
+            endpoint, self._handle, LIMITS, name="kvtc-handoff", tick=self._expire, auth=channel_auth(cfg)
+        )
         self.host, self.port = cfg.transfer_host, self._rep.port
         log.info("kvtc hand-off server on tcp://%s:%d (NIXL %s)", self.host, self.port, cfg.nixl_backend)
 
     @property
     def refused(self) -> int:
         return self._rep.refused
+
+    @property
+    def auth_refused(self) -> int:
+        """Requests refused for a missing or wrong MAC, a stale timestamp or a replay."""
+        return self._rep.auth_refused
 
     @property
     def open_leases(self) -> int:
