@@ -127,3 +127,34 @@ def test_settings_are_read_through_the_table():
                 if parent_calls:
                     bad.append(f"{rel}:{n.lineno} reads {n.value}")
     assert not bad, bad
+
+
+def test_declared_dependencies_cover_what_is_imported():
+    """`pip install dynamo-kvtc` alone gives a working connector: every third-party module the package imports is
+    declared in pyproject (or an extra), or is vLLM/Dynamo/NIXL/nvCOMP, which the engine's own image brings."""
+    import re
+    import sys
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    meta = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~ \[]", d)[0].lower() for d in meta["dependencies"]}
+    extras = {re.split(r"[<>=!~ \[]", d)[0].lower() for ds in meta["optional-dependencies"].values() for d in ds}
+    dist_of = {"zmq": "pyzmq", "prometheus_client": "prometheus-client", "yaml": "pyyaml"}
+    engine = {"vllm", "msgspec", "dynamo", "nixl", "nixl_cu13", "nvidia", "triton"}  # the image's (vLLM: msgspec)
+    core, optional = set(), set()
+    for rel, tree in _modules():
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("dynamo_kvtc", "__future__") or top in engine:
+                    continue
+                (core if rel.parts[0] in ("codec", "tiers", "connector", "settings.py", "errors.py") else optional).add(
+                    dist_of.get(top, top).replace("_", "-").lower()
+                )
+    assert core <= declared, f"imported by the connector's layers but not declared: {sorted(core - declared)}"
+    assert optional <= declared | extras, f"imported but declared nowhere: {sorted(optional - declared - extras)}"
