@@ -189,6 +189,10 @@ def check_connector(doc: dict) -> list[str]:
             names = [c.get("kv_connector") for c in children]
             if KVTC in names and names[0] != KVTC:
                 out.append(f"{name}: {KVTC} must be the first child of {top} (it loads from the first match): {names}")
+            if KVTC in names and cfg.get("kv_load_failure_policy") != "recompute":
+                # vLLM's scheduler reads the policy from the top-level config only (default "fail": a failed
+                # restore would fail the request); the wrapper gives each child a fresh config
+                out.append(f"{name}: {top} with {KVTC} needs top-level kv_load_failure_policy 'recompute'")
         entries = kvtc_entries(cfg)
         found += len(entries)
         if entries and "--enforce-eager" not in container(s).get("args", []):
@@ -530,6 +534,14 @@ BROKEN = {
     "nixl-before-kvtc": (
         _prefill,
         lambda d: _set_kv(d, "VllmPrefillWorker", lambda c: _extra(c)["connectors"].reverse()),
+    ),
+    "multi-without-recompute-policy": (
+        _prefill,
+        lambda d: _set_kv(d, "VllmPrefillWorker", lambda c: c.pop("kv_load_failure_policy")),
+    ),
+    "multi-with-fail-policy": (
+        _prefill,
+        lambda d: _set_kv(d, "VllmPrefillWorker", lambda c: c.__setitem__("kv_load_failure_policy", "fail")),
     ),
     "no-side-channel-host": (_prefill, lambda d: _worker(d, "VllmPrefillWorker").__setitem__("envs", [])),
     "transfer-host-loopback": (
