@@ -119,7 +119,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
        "kv_connector_extra_config; `transfer_secret_file` wins)", "process", default_doc="unset"),
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
-       "(readable on CPU-only nodes too)", "process", choices=("deflate", "gdeflate", "ans")),
+       "(readable on CPU-only nodes too). Unset, a store with a disk tier writes `deflate` so its files are readable "
+       "anywhere", "process", choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
        "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
     _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
@@ -289,6 +290,12 @@ def env_value(key: str, env: Mapping[str, str] | None = None) -> Any:
     env = os.environ if env is None else env
     raw = env.get(BY_KEY[key].env, "")
     return default(key) if raw == "" else parse(key, raw)
+
+
+def env_is_set(key: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment sets this process-wide knob (a default and an explicit choice can differ in effect)."""
+    env = os.environ if env is None else env
+    return env.get(BY_KEY[key].env, "") != ""
 
 
 def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:

@@ -72,6 +72,33 @@ def test_inspect_blob_reads_its_header_without_torch(tmp_path, synth_cal):
     assert heavy == []
 
 
+def test_inspect_disk_tier_file_says_which_decoder_it_needs(tmp_path, synth_cal):
+    """A file of the disk tier (written by a real store through NIXL) inspects without torch: its record, its blob's
+    header, and that its entropy codec (deflate, what a store with a disk tier writes) is readable on a CPU."""
+    import asyncio
+
+    from dynamo_kvtc.calibration.synthetic import synthetic_kv
+    from dynamo_kvtc.tiers import KvtcStore, TierConfig
+
+    k, v, _ = synthetic_kv(synth_cal, 256)
+    cfg = TierConfig(host_bytes=1 << 12, disk_bytes=1 << 24, disk_dir=tmp_path / "g3", min_tokens=0, disk_min_uses=1)
+    store = KvtcStore(synth_cal, cfg, block_size=16, span_tokens=256)
+    asyncio.run(store.offload(list(range(256)), k, v))
+    store.close()
+    files = sorted((tmp_path / "g3").glob("*.kvtc"))
+    assert files, "the blob should be on disk (host tier too small)"
+    p, heavy = cli("inspect", str(files[0]))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["disk_record"]["id"] == files[0].stem and info["header"]["tokens"] > 0
+    assert info["needs"]["entropy_codecs"] == ["deflate"] or "store" in info["needs"]["entropy_codecs"]
+    assert info["needs"]["readable_on_cpu"] is True and heavy == []
+    damaged = tmp_path / "damaged.kvtc"
+    damaged.write_bytes(files[0].read_bytes()[:-10])
+    p, _ = cli("inspect", str(damaged))
+    assert p.returncode == 2 and "torn write" in p.stderr
+
+
 def test_inspect_missing_path_is_one_error_line():
     p, heavy = cli("inspect", "/nonexistent")
     assert p.returncode == 2

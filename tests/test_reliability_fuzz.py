@@ -28,8 +28,7 @@ from dynamo_kvtc.codec.container import MAGIC, PREFIX, parse_blob
 from dynamo_kvtc.connector import lookup
 from dynamo_kvtc.connector.handoff import messages
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, DecodeError, TierError, TransferError
-from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig, channel
-from dynamo_kvtc.tiers import disk as disk_mod
+from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig, channel, disk_format
 
 FUZZ = settings(
     deadline=None,
@@ -240,7 +239,7 @@ def test_disk_recovery_over_damaged_files(nixl_files, data):
 @given(st.binary(max_size=512) | msgpack_values.map(lambda v: msgpack.packb(v, use_bin_type=True)))
 def test_disk_index_record_parser(raw):
     try:
-        m = disk_mod._unpack(raw)
+        m = disk_format.parse_record(raw)
     except TierError:
         return
     assert isinstance(m["id"], str) and isinstance(m["len"], int) and isinstance(m["crc"], int)

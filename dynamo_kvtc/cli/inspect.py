@@ -1,4 +1,5 @@
-"""``dynamo-kvtc inspect PATH``: summary of a calibration directory (its JSON card, no torch) or a blob's header."""
+"""``dynamo-kvtc inspect PATH``: summary of a calibration directory (its JSON card), a blob's header, or a disk-tier
+file's record and blob, with which decoder a blob needs (no torch)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,25 @@ def run(args: argparse.Namespace) -> int:
         info = card(args.path)
     else:
         from ..codec.container import parse_blob
+        from ..codec.tags import GPU_ONLY_TAGS
+        from ..tiers.disk_format import MAGIC, split_file
 
-        h, recs = parse_blob(args.path.read_bytes())
+        data, info = args.path.read_bytes(), {}
+        if data.startswith(MAGIC):  # a disk-tier file: its record, then the blob
+            record, data = split_file(data)
+            info["disk_record"] = record
+        h, recs = parse_blob(data)
         h.pop("sections")
-        info = {
-            "header": h,
-            "sections": [{"name": r.name, "tag": r.tag, "raw": r.raw_len, "stored": r.stored_len} for r in recs],
-        }
+        tags = sorted({r.tag for r in recs})
+        gpu_only = sorted(set(tags) & GPU_ONLY_TAGS)
+        info.update(
+            header=h,
+            sections=[{"name": r.name, "tag": r.tag, "raw": r.raw_len, "stored": r.stored_len} for r in recs],
+            needs={
+                "entropy_codecs": tags,
+                "readable_on_cpu": not gpu_only,
+                "decoder": f"a GPU with nvCOMP ({', '.join(gpu_only)})" if gpu_only else "any (CPU zlib or GPU nvCOMP)",
+            },
+        )
     print(json.dumps(info, indent=1, default=str))
     return 0

@@ -10,7 +10,7 @@ from ..calibration.artifact import Calibration
 from ..errors import CalibrationError, DecodeError
 from ..tiers import KvtcStore
 from ..tiers.channel import pack, unpack
-from ..tiers.disk import RECORD_LIMITS
+from ..tiers.disk_format import RECORD_LIMITS
 from .ledger import Ledger
 from .world import (
     BS,

@@ -1,41 +1,47 @@
 """Compressed storage tiers: host (G2c) and disk (G3c) stores of KVTC blobs, NIXL file I/O, layer-ordered restore.
 
 :class:`KvtcStore` (store.py) is the facade; its parts: blobs.py (records), index.py (hash -> blob, listeners),
-base.py / host.py / disk.py (the blob tiers), placement.py (host <-> disk moves), offloader.py (encode worker),
-restorer.py (restore worker, :class:`OnboardHandle`); the fused-or-reference codec choice is codec/spans.py.
+base.py / host.py / disk.py (the blob tiers; disk_format.py the file format), placement.py (host <-> disk moves),
+offloader.py (encode worker), restorer.py (restore worker, :class:`OnboardHandle`); channel.py is the one control
+channel and nixl_io.py the one NIXL wait; the fused-or-reference codec choice is codec/spans.py.
+
+Exports load lazily (PEP 562): ``dynamo_kvtc.tiers.disk_format`` and ``.channel`` import without torch.
 """
 
-from .base import BlobTier
-from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult
-from .config import TierConfig
-from .disk import DiskTier
-from .host import HostTier
-from .index import BlockIndex
-from .keys import block_hashes, chain, sequence_hashes, to_signed
-from .layout import PagedKV
-from .nixl_io import NixlFiles
-from .policy import OffloadFilter, RatioPolicy
-from .restorer import OnboardHandle
-from .store import KvtcStore
+from __future__ import annotations
 
-__all__ = [
-    "BlobMeta",
-    "BlobRun",
-    "BlobTier",
-    "BlockIndex",
-    "DiskTier",
-    "HostTier",
-    "KvtcStore",
-    "NixlFiles",
-    "OffloadFilter",
-    "OffloadRequest",
-    "OffloadResult",
-    "OnboardHandle",
-    "PagedKV",
-    "RatioPolicy",
-    "TierConfig",
-    "block_hashes",
-    "chain",
-    "sequence_hashes",
-    "to_signed",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BlobTier": "base",
+    "BlobMeta": "blobs",
+    "BlobRun": "blobs",
+    "OffloadRequest": "blobs",
+    "OffloadResult": "blobs",
+    "TierConfig": "config",
+    "DiskTier": "disk",
+    "HostTier": "host",
+    "BlockIndex": "index",
+    "block_hashes": "keys",
+    "chain": "keys",
+    "sequence_hashes": "keys",
+    "to_signed": "keys",
+    "PagedKV": "layout",
+    "NixlFiles": "nixl_io",
+    "OffloadFilter": "policy",
+    "RatioPolicy": "policy",
+    "OnboardHandle": "restorer",
+    "KvtcStore": "store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{mod}", __name__), name)
+    globals()[name] = value
+    return value

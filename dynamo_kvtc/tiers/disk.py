@@ -33,7 +33,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import stat
 import struct
 import tempfile
@@ -48,15 +47,11 @@ import torch
 
 from ..errors import ConfigError, TierError, TierFullError, TransferError
 from .base import BlobTier
-from .channel import Limits, pack, unpack
+from .channel import pack
+from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, parse_record
 from .nixl_io import NixlFiles
 
 log = logging.getLogger(__name__)
-MAGIC = b"KVTCD001"
-PREFIX = struct.Struct("<8sII")
-MAX_META = 1 << 20
-SUFFIX = ".kvtc"
-_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted under a blob's name must not block the open
@@ -71,10 +66,6 @@ class _Entry(NamedTuple):
     size: int  # file size
     meta: Any
     crc: int  # CRC-32 of the committed blob
-
-
-class _Corrupt(TierError):
-    """A file whose own bytes are wrong (torn, truncated, flipped, misnamed): safe to delete."""
 
 
 def _open_dir(path: Path) -> int:
@@ -274,7 +265,7 @@ class DiskTier(BlobTier):
                 continue
             try:
                 size, mtime, blob_id, meta, crc = self._read_header(dfd, name)
-            except _Corrupt as e:
+            except DamagedFile as e:
                 log.warning("disk tier: dropping %s (%s)", name, e)
                 self._unlink(name, dfd)
                 self.dropped += 1
@@ -292,34 +283,34 @@ class DiskTier(BlobTier):
             fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink: never ours, never followed (unlink removes the link only)
-                raise _Corrupt("a symlink") from None
+                raise DamagedFile("a symlink") from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _Corrupt("not a regular file")
+                raise DamagedFile("not a regular file")
             head = os.pread(fd, PREFIX.size, 0)
             if len(head) < PREFIX.size:
-                raise _Corrupt("truncated prefix")
+                raise DamagedFile("truncated prefix")
             magic, mlen, mcrc = PREFIX.unpack(head)
             if magic != MAGIC or mlen > MAX_META:
-                raise _Corrupt("bad magic or meta length")
+                raise DamagedFile("bad magic or meta length")
             mbytes = os.pread(fd, mlen, PREFIX.size)
         finally:
             os.close(fd)
         if len(mbytes) != mlen or zlib.crc32(mbytes) != mcrc:
-            raise _Corrupt("meta checksum mismatch")
-        m = _unpack(mbytes)
+            raise DamagedFile("meta checksum mismatch")
+        m = parse_record(mbytes)
         if name != f"{m['id']}{SUFFIX}":
-            raise _Corrupt(f"file name does not match the blob id {m['id']!r} in its header")
+            raise DamagedFile(f"file name does not match the blob id {m['id']!r} in its header")
         if st.st_size != PREFIX.size + mlen + m["len"]:
-            raise _Corrupt(f"size {st.st_size} does not match its header (torn write?)")
+            raise DamagedFile(f"size {st.st_size} does not match its header (torn write?)")
         return st.st_size, st.st_mtime_ns, m["id"], m["meta"], m["crc"]
 
     # ------------------------------------------------------------------ state
     @staticmethod
     def _name(blob_id: str) -> str:
-        if not isinstance(blob_id, str) or not _ID.fullmatch(blob_id):
+        if not isinstance(blob_id, str) or not BLOB_ID.fullmatch(blob_id):
             raise TierError(f"invalid blob id {blob_id!r} (1-128 characters of [A-Za-z0-9_-])")
         return blob_id + SUFFIX
 
@@ -440,11 +431,11 @@ class DiskTier(BlobTier):
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
-                raise _Corrupt(f"file size {st.st_size} differs from the committed {entry.size}")
+                raise DamagedFile(f"file size {st.st_size} differs from the committed {entry.size}")
             data = self.io.read(fd, entry.size).numpy().tobytes()
         except TransferError as e:  # a failed transfer is not a damaged file: keep it, report a miss
             raise TransferError(f"blob {blob_id}: {e}") from e
-        except _Corrupt as e:
+        except DamagedFile as e:
             self._forget(blob_id, str(e), delete=True)
             raise TierError(f"blob {blob_id} on disk is corrupt ({e}); dropped") from e
         except OSError as e:
@@ -483,7 +474,7 @@ class DiskTier(BlobTier):
             mbytes = data[PREFIX.size : PREFIX.size + mlen]
             if magic != MAGIC or mlen > MAX_META or zlib.crc32(mbytes) != mcrc:
                 raise TierError("header checksum mismatch")
-            m = _unpack(mbytes)
+            m = parse_record(mbytes)
         except struct.error as e:
             raise TierError(f"truncated: {e}") from None
         blob = data[PREFIX.size + mlen :]
@@ -513,19 +504,3 @@ class DiskTier(BlobTier):
                 self.used_bytes -= e.size
             if blob_id not in self._pending:
                 self._unlink(self._name(blob_id))
-
-
-RECORD_LIMITS = Limits(max_message=MAX_META, max_str=4096, max_bin=0, max_array=1 << 20, max_map=64)
-
-
-def _unpack(b: bytes) -> dict[str, Any]:
-    m = unpack(b, RECORD_LIMITS, what="index record", error=_Corrupt)
-    if not {"id", "len", "crc", "meta"} <= set(m):
-        raise _Corrupt("metadata lacks required fields")
-    if not isinstance(m["id"], str) or not _ID.fullmatch(m["id"]):
-        raise _Corrupt("metadata has an invalid blob id")
-    for key, hi in (("len", 1 << 48), ("crc", 1 << 32)):
-        v = m[key]
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
-            raise _Corrupt(f"metadata field {key}={v!r} out of range")
-    return m

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
 from ..errors import TierError
@@ -138,12 +139,16 @@ class KvtcStore:
         return self.codec(self.policy.default)
 
     def _tag(self) -> str:
-        """Entropy codec of new blobs: the measured GPU default where nvCOMP runs, Deflate (CPU-readable) elsewhere."""
-        if self.device.type == "cuda" and nvcomp_available():
-            from ..codec.gpu import default_gpu_tag
+        """Entropy codec of new blobs: Deflate (readable by CPU and GPU alike) on the CPU, and on a GPU whose store
+        has a disk tier (its files must be readable anywhere: a CPU worker, ``inspect``, a recovery script) unless
+        ``DYN_KVTC_GPU_ENTROPY`` says otherwise; else the measured GPU default (``ans``)."""
+        if self.device.type != "cuda" or not nvcomp_available():
+            return "deflate"
+        from ..codec.gpu import default_gpu_tag
 
-            return default_gpu_tag()
-        return "deflate"
+        if self.disk is not None and not settings.env_is_set("gpu_entropy"):
+            return "deflate"
+        return default_gpu_tag()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every offload queued so far finished; False if that took longer than ``timeout`` seconds."""

@@ -17,8 +17,7 @@ import atheris
 
 with atheris.instrument_imports(include=["dynamo_kvtc"]):
     from dynamo_kvtc.errors import TierError
-    from dynamo_kvtc.tiers import DiskTier, NixlFiles
-    from dynamo_kvtc.tiers import disk as disk_mod
+    from dynamo_kvtc.tiers import DiskTier, NixlFiles, disk_format
 
 from common import resign_disk_file  # noqa: E402
 
@@ -46,12 +45,12 @@ def TestOneInput(data: bytes) -> None:
                     blob, _ = t.get(FUZZ_ID)
                 except TierError:
                     continue
-                m = disk_mod._unpack(raw[16 : 16 + int.from_bytes(raw[8:12], "little")])
+                m = disk_format.parse_record(raw[16 : 16 + int.from_bytes(raw[8:12], "little")])
                 assert zlib.crc32(blob) == m["crc"] and len(blob) == m["len"]
         finally:
             t.close()
         try:
-            disk_mod._unpack(raw)
+            disk_format.parse_record(raw)
         except TierError:
             pass
 
