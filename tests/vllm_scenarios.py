@@ -238,5 +238,157 @@ def main() -> None:
     out.write_text(json.dumps(result, default=str))
 
 
+# ---------------------------------------------------------------------------------------------- issue 13 (connector)
+def _multi_engine(tmp: Path, extra: dict, **llm_kw):
+    """KvtcConnector inside vLLM's MultiConnector, beside vLLM's ExampleConnector (CPU, safetensors files), with the
+    top-level kv_load_failure_policy left at vLLM's default ("fail")."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of the engine's own paged cache on CPU (as the demo)
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from dynamo_kvtc.demo.engine import CONNECTOR_MODULE
+
+    kvtc = {
+        "kv_connector": "KvtcConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"calibration": str(find_calibration(MODEL)), **extra},
+    }
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-storage")},
+    }
+    kvc = KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [kvtc, example]}
+    )
+    return LLM(
+        model=str(resolve_model(MODEL)),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=4,
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        disable_log_stats=False,
+        kv_transfer_config=kvc,
+        **llm_kw,
+    )
+
+
+def _kvtc_child(llm):
+    """The KvtcConnector worker inside this engine's MultiConnector."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    group = get_kv_transfer_group()
+    return next(c.worker for c in getattr(group, "sub_connectors", [group]) if getattr(c, "worker", None))
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _vllm_kvtc_metrics(llm) -> dict[str, float]:
+    """The engine's own Prometheus metrics (vLLM's registry, what its /metrics serves), the vllm:kvtc_* ones."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:kvtc_") and hasattr(m, "value"):
+            label = ",".join(f"{k}={v}" for k, v in sorted(m.labels.items()) if k in ("tier", "kind", "reason"))
+            out[f"{m.name}{{{label}}}" if label else m.name] = float(m.value)
+    return out
+
+
+def _two_turns_corrupting(llm, w) -> dict:
+    """Turn 1; every stored blob corrupted; turn 2 restoring (fails: recompute), then recomputed for reference."""
+    corrupt = CorruptAfterFirstTurn(w)
+    msgs = conversation(_document(700), 2)
+    history = [{"role": "user", "content": msgs[0]}]
+    first, _ = chat(llm, history, 16)
+    w.wait_idle()
+    corrupted = corrupt()
+    history += [{"role": "assistant", "content": first.outputs[0].text}, {"role": "user", "content": msgs[1]}]
+    out, _ = chat(llm, history, 16)
+    ref, _ = chat(llm, history, 16, recompute=True)
+    w.wait_idle()
+    return {
+        "corrupted_blobs": corrupted,
+        "finish_reason": out.outputs[0].finish_reason,
+        "reply": out.outputs[0].text,
+        "reference_reply": ref.outputs[0].text,
+        "tokens": list(out.outputs[0].token_ids),
+        "reference_tokens": list(ref.outputs[0].token_ids),
+        "restores": w.restores,
+        "stats": dict(w.stats),
+        "store": w.store.snapshot() if w.store is not None else {},
+    }
+
+
+def scenario_multi_fault(tmp: Path) -> dict:
+    """Inside MultiConnector: the top-level policy becomes recompute, a corrupt blob is a recompute (the request
+    completes with the reference reply), and the connector's stats reach the engine's own metrics."""
+    llm = _multi_engine(tmp, LOSSLESS)
+    top = llm.llm_engine.vllm_config.kv_transfer_config
+    w = _kvtc_child(llm)
+    out = _two_turns_corrupting(llm, w)
+    time.sleep(0.5)
+    return {
+        **out,
+        "top_level_connector": top.kv_connector,
+        "top_level_policy": top.kv_load_failure_policy,
+        "scheduler_recomputes": bool(_scheduler(llm).recompute_kv_load_failures),
+        "example_files": sum(1 for _ in (tmp / "example-storage").rglob("*.safetensors")),
+        "vllm_metrics": _vllm_kvtc_metrics(llm),
+    }
+
+
+def scenario_fp8(tmp: Path) -> dict:
+    """--kv-cache-dtype fp8: the connector refuses at start-up (one reason, metrics still served), the engine serves."""
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cal = find_calibration(MODEL)
+    kvc_extra = {"calibration": str(cal), "metrics_port": 0}
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from dynamo_kvtc.demo.engine import CONNECTOR_MODULE
+
+    kvc = KVTransferConfig(
+        kv_connector="KvtcConnector",
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config=kvc_extra,
+    )
+    llm = LLM(
+        model=str(resolve_model(MODEL)),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=4,
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        kv_cache_dtype="fp8",
+        kv_transfer_config=kvc,
+    )
+    w = worker_of(llm)
+    out, _ = chat(llm, [{"role": "user", "content": "Say hello in one word."}], 8)
+    with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    return {
+        "disabled": w.disabled,
+        "reason": w.disabled_reason,
+        "stats": dict(w.stats),
+        "reply": out.outputs[0].text,
+        "metrics": metrics,
+        "cache_dtype": str(next(iter(w.store.kv.caches)).dtype) if w.store is not None else None,
+    }
+
+
+SCENARIOS.update({"multi-fault": scenario_multi_fault, "fp8": scenario_fp8})
+
 if __name__ == "__main__":
     main()

@@ -43,7 +43,7 @@ from .protocol import StepPlan
 from .scheduler import KvtcScheduler
 from .vllm_parts import EventCollector, EventQueue, KvtcKVEvents, probe_cpu_offsets
 from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
-from .worker import KvtcWorker
+from .worker import SUPPORTED_KV_DTYPES, KvtcWorker
 
 if TYPE_CHECKING:
     import torch
@@ -231,8 +231,8 @@ class KvtcConnector(KVConnectorBase_V1):
 
     def _cpu_offsets(self, kv_caches: dict[str, torch.Tensor]):
         first = next(iter(kv_caches.values()))
-        if first.dim() != 4 or first.device.type != "cpu":
-            return None
+        if first.dim() != 4 or first.device.type != "cpu" or first.dtype not in SUPPORTED_KV_DTYPES:
+            return None  # not the CPU layout, or a cache the worker refuses (FP8): nothing to probe
         try:
             return probe_cpu_offsets(first, self.block_size, str(self._vllm_config.cache_config.cache_dtype))
         except Exception as e:
