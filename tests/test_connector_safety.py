@@ -205,6 +205,9 @@ def test_failure_policy_is_set_on_the_enclosing_multiconnector_config():
     assert top.kv_load_failure_policy == "recompute" and own.kv_load_failure_policy == "recompute"
     assert unrelated.kv_load_failure_policy == "fail"
     assert enclosing_transfer_configs(own) == []  # alone: nothing encloses it
+    fail_own = KVTransferConfig(**child, kv_role="kv_both", engine_id=top.engine_id)
+    assert ensure_failure_policy(fail_own, "fail", [top])  # load_failure_policy "fail" is the connector's own choice
+    assert fail_own.kv_load_failure_policy == "fail" and top.kv_load_failure_policy == "recompute"  # wrapper kept
 
 
 def test_failure_policy_that_cannot_be_set_is_reported():

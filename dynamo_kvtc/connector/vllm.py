@@ -118,10 +118,11 @@ def enclosing_transfer_configs(own: Any, frame: Any = None) -> list[Any]:
 
 
 def ensure_failure_policy(own: Any, policy: str, enclosing: list[Any]) -> bool:
-    """Set ``policy`` on this connector's config and every enclosing one; True when the engine will do as the
+    """Set ``policy`` on this connector's config and, for ``recompute``, on every enclosing one (never turn a
+    wrapper's ``recompute`` into ``fail``: the other children rely on it too); True when the engine will do as the
     connector needs (``policy`` is what the scheduler reads), False when a config refused the change."""
     ok = True
-    for tc in (own, *enclosing):
+    for tc in (own, *(enclosing if policy == "recompute" else ())):
         if getattr(tc, "kv_load_failure_policy", None) == policy:
             continue
         try:
