@@ -71,9 +71,11 @@ def _s(key: str, type: str, default: Any, doc: str, scope: str, **kw: Any) -> Se
 
 SETTINGS: tuple[Setting, ...] = (
     # -- tiers (TierConfig fields) ---------------------------------------------------------------------------------
-    _s("cpu_cache_gb", "gb", 1, "compressed host tier size (one arena, allocated at start-up)", "tier",
+    _s("cpu_cache_gb", "gb", 1, "compressed host tier size, total across the TP group (each rank allocates "
+       "cpu_cache_gb / TP in one arena at start-up)", "tier",
        field="host_bytes", lo=0, hi=1 << 20),
-    _s("disk_cache_gb", "gb", 0, "compressed disk tier size (0 = none; needs `disk_cache_dir`)", "tier",
+    _s("disk_cache_gb", "gb", 0, "compressed disk tier size, total across the TP group (each rank disk_cache_gb / TP "
+       "in `disk_cache_dir/rank<r>`; 0 = none; needs `disk_cache_dir`)", "tier",
        field="disk_bytes", lo=0, hi=1 << 20),
     _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700)", "tier", field="disk_dir",
        default_doc="none"),

@@ -17,6 +17,7 @@ from dynamo_kvtc.reliability.memory_faults import scenario_host_alloc, scenario_
 from dynamo_kvtc.reliability.nixl_faults import scenario_nixl_disk
 from dynamo_kvtc.reliability.process import scenario_kill9
 from dynamo_kvtc.reliability.soak import scenario_soak
+from dynamo_kvtc.reliability.tenant_faults import scenario_tenant_keys
 from dynamo_kvtc.reliability.transfer_faults import scenario_transfer, scenario_transfer_auth
 from dynamo_kvtc.reliability.world import World
 
@@ -139,3 +140,14 @@ def test_soak_concurrent_multi_turn(world, lossless):
     assert d["onboard_disk_hits"] > 0 and d["disk_demotions"] > 0
     if not lossless:
         assert d["blocks_unverified"] <= d["distinct_blocks_served"] // 10
+
+
+def test_cross_tenant_lookups_always_miss(world):
+    """The same tokens stored under one tenant (cache salt, LoRA adapter or multimodal input) and asked for under six
+    others (another salt, another adapter id, another image, the plain request): every lookup misses; the owner's
+    restore is bit-exact."""
+    ledger = Ledger()
+    scenario_tenant_keys(world, ledger, rounds=3)
+    clean(ledger, "tenant_keys")
+    assert ledger.kinds["tenant_keys"]["faults_injected"] == 18
+    assert ledger.details["tenant_keys"]["owner_restores_ok"] == 3

@@ -40,6 +40,7 @@ class StepPlan:
     releases: list[str] = field(default_factory=list)  # finished requests to report done with no save left
     lookup_tokens: int = 0
     hit_tokens: int = 0
+    bypassed: int = 0  # requests that could not be keyed safely (never looked up or saved)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.releases or self.lookup_tokens)
+        return bool(self.loads or self.saves or self.releases or self.lookup_tokens or self.bypassed)

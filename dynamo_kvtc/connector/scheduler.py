@@ -88,12 +88,19 @@ class KvtcScheduler:
     touches KV bytes, sockets other than through ``lookup``, or the worker's state."""
 
     def __init__(
-        self, config: ConnectorConfig, block_size: int, lookup: Matcher, remote: RemotePrefill | None = None
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        lookup: Matcher,
+        remote: RemotePrefill | None = None,
+        *,
+        refuse_loads: bool = False,
     ) -> None:
         self.cfg = config
         self.block_size = block_size
         self.lookup = lookup
         self.remote = remote
+        self.refuse_loads = refuse_loads  # a failed restore could fail a request here: match nothing, save still
         self.flush_blocks = max(1, config.flush_tokens // block_size)
         self._reqs: dict[str, _Req] = {}
         self._plan = StepPlan()
@@ -116,6 +123,7 @@ class KvtcScheduler:
             st = self._reqs[request.request_id] = _Req(request, tenant_of(request))
             if st.tenant is None:
                 self.stats[BYPASS_UNKEYABLE] += 1
+                self._plan.bypassed += 1  # the workers count it too (their stats feed the metrics)
                 log.info(
                     "kvtc: request %s cannot be keyed safely (e.g. prompt embeddings); bypassing the tiers",
                     request.request_id,
@@ -150,6 +158,8 @@ class KvtcScheduler:
         return self.remote is not None and self.remote.applies(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.refuse_loads:
+            return 0, False
         bs = self.block_size
         st = self._state(request)
         st.local, st.asynchronous = num_computed_tokens, False

@@ -174,8 +174,10 @@ class KvtcConnector(KVConnectorBase_V1):
             remote = None
             if self.cfg.transfer:
                 remote = RemotePrefill(self.cfg, self.engine_id, self.block_size, self._lookup.handoff_port)
-            self._scheduler = KvtcScheduler(self.cfg, self.block_size, self._lookup, remote)
-            self._events = EventCollector()
+            self._scheduler = KvtcScheduler(
+                self.cfg, self.block_size, self._lookup, remote, refuse_loads=self.refuse_loads
+            )
+            self._events = EventCollector(self._scheduler.lora_of)  # LoRA blocks carry their adapter
         else:
             tp_rank, tp_size = _tp()
             self._event_queue = EventQueue(self.block_size)
@@ -207,8 +209,6 @@ class KvtcConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.refuse_loads:
-            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -314,6 +314,7 @@ class KvtcWorker:
             return
         self.stats["lookup_tokens"] += plan.lookup_tokens
         self.stats["hit_tokens"] += plan.hit_tokens
+        self.stats["fallback_bypass_unkeyable"] += plan.bypassed
         for op in plan.loads:
             if self.store is None:
                 self._fail_load(op, f"connector disabled: {self.disabled}")

@@ -25,6 +25,7 @@ KINDS = (
     "nixl_transfer",
     "transfer_malformed",
     "transfer_auth",
+    "tenant_keys",
     "calibration",
     "host_alloc",
     "soak_lossless",

@@ -47,6 +47,7 @@ from .memory_faults import child_rlimit, scenario_host_alloc, scenario_host_flip
 from .nixl_faults import scenario_nixl_disk
 from .process import child_kill9, scenario_kill9
 from .soak import scenario_soak
+from .tenant_faults import scenario_tenant_keys
 from .transfer_faults import child_server, scenario_transfer, scenario_transfer_auth
 from .world import World
 
@@ -93,6 +94,7 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("nixl_disk", lambda: scenario_nixl_disk(world, ledger, plan.nixl_rounds)),
         ("nixl_transfer", lambda: scenario_transfer(world, ledger, plan.transfer_rounds)),
         ("transfer_auth", lambda: scenario_transfer_auth(world, ledger)),
+        ("tenant_keys", lambda: scenario_tenant_keys(world, ledger)),
         ("calibration", lambda: scenario_calibration(world, ledger)),
         ("host_alloc", lambda: scenario_host_alloc(world, ledger, plan.rlimit_ops)),
         ("soak_lossless", lambda: scenario_soak(world, ledger, plan.soak_seconds, plan.clients, True)),
