@@ -227,9 +227,24 @@ def check_connector(doc: dict) -> list[str]:
                     out.append(f"{name}: transfer over NIXL needs nixl_backend 'UCX'")
             if transfer == "prefill" and not _pod_ip(s, e):
                 out.append(f"{name}: the prefill side must serve blobs on the pod IP (DYN_KVTC_TRANSFER_HOST)")
+            if transfer is not None:
+                out += _secret_problems(name, s, setting(s, e, "transfer_secret_file"))
     if not found:
         out.append(f"no worker runs {KVTC}")
     return out
+
+
+def _secret_problems(name: str, svc: dict, path: str | None) -> list[str]:
+    """The hand-off's shared secret is a file on a mounted Kubernetes Secret (an unauthenticated port is not
+    shipped)."""
+    if not path:
+        return [f"{name}: the hand-off needs transfer_secret_file (an HMAC on every control message)"]
+    p = PurePosixPath(path)
+    mounts = [m for m in container(svc).get("volumeMounts", []) if p.is_relative_to(m["mountPath"])]
+    vols = {v["name"]: v for v in svc.get("extraPodSpec", {}).get("volumes", [])}
+    if not mounts or "secret" not in vols.get(max(mounts, key=lambda m: len(m["mountPath"]))["name"], {}):
+        return [f"{name}: transfer_secret_file {path} is not on a mounted Secret volume"]
+    return []
 
 
 def _pod_ip(svc: dict, entry: dict) -> bool:
@@ -549,6 +564,10 @@ BROKEN = {
         lambda d: _worker(d, "VllmPrefillWorker").__setitem__("envs", []),
     ),
     "mode-mismatch": (_prefill, lambda d: _worker(d, "VllmPrefillWorker").__setitem__("subComponentType", "decode")),
+    "handoff-secret-not-mounted": (
+        lambda: load(MANIFEST_DIR / "disagg-kvtc-transfer.yaml")[0],
+        lambda d: container(_worker(d, "VllmDecodeWorker")).__setitem__("volumeMounts", []),
+    ),
 }
 
 
