@@ -28,8 +28,9 @@ ENV = {
 }
 
 
-def _run(args: list[str], timeout: int = 900, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=ENV, capture_output=True, text=True, timeout=timeout, **kw)
+def _run(args: list[str], timeout: int = 900, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    env = ENV if env is None else env
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +122,16 @@ def _free_port() -> int:
 
 def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     script = str(HERE / "vllm_transfer.py")
+    env = {**ENV, "DYN_KVTC_TRANSFER_SECRET": "test-handoff-secret-0123456789"}  # both sides: an HMAC'd channel
     prefill = subprocess.Popen(
         [sys.executable, script, "prefill", str(tmp_path), str(_free_port())],
-        env=ENV,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        d = _run([script, "decode", str(tmp_path)])
+        d = _run([script, "decode", str(tmp_path)], env=env)
         assert d.returncode == 0, d.stderr[-4000:]
     finally:
         try:
@@ -140,7 +142,9 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     assert prefill.returncode == 0, err[-4000:]
     r = json.loads((tmp_path / "decode.json").read_text())
     served = json.loads((tmp_path / "prefill-stats.json").read_text())
-    assert served == {"served": 1, "refused": 0, "leases_open": 0}
+    # two fetches served (the good prompt, the corrupted one); the wrong secret refused before anything was staged
+    assert served == {"served": 2, "refused": 1, "auth_refused": 1, "leases_open": 0}
+    assert r["wrong_secret_refused"] is True
     restore = r["restore"]
     assert restore["asynchronous"] is True and restore["tokens"] >= 800
     # only compressed bytes crossed: what NIXL moved is what was decoded, far below the 16-bit KV
@@ -149,6 +153,9 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     assert r["kept_in_host_tier"] >= restore["blocks"]  # the decode side keeps them for the next turn
     # the peer gone: one fallback, and the reply is the recomputed one
     assert r["gone_fallbacks"] == 1 and r["gone_reply"] == r["gone_reference_reply"]
+    # blobs corrupted on the prefill side: refused by the decode side before any layer, the prompt recomputed
+    assert r["corrupted_blobs"] >= 1 and r["corrupt_fallbacks"] == 1
+    assert r["corrupt_reply"] == r["corrupt_reference_reply"]
 
 
 def test_tier_blocks_reach_vllms_kv_event_stream(scenario):

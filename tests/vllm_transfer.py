@@ -5,7 +5,10 @@
 
 The prefill process computes the prompt (max_tokens=1, ``do_remote_decode``), keeps serving its compressed blobs over
 NIXL (UCX) until the decode process writes WORKDIR/done. The decode process pulls them, restores them layer by layer,
-generates, and compares with a full recompute of the same prompt; it also asks a peer that is not there.
+generates, and compares with a full recompute of the same prompt; it also asks a peer that is not there, fetches a
+second prompt whose blobs the prefill side corrupted after storing them (the decode side must refuse them and
+recompute), and knocks with the wrong shared secret (both processes hold DYN_KVTC_TRANSFER_SECRET; the prefill side
+must refuse and count it).
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from pathlib import Path
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
+from dynamo_kvtc.connector.config import ConnectorConfig
+from dynamo_kvtc.connector.handoff.client import HandoffClient
 from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of
+from dynamo_kvtc.errors import TransferError
 
 MODEL = "smollm2-135m-instruct"
 
@@ -43,14 +49,35 @@ def prefill(work: Path, port: int) -> None:
     out = llm.chat(messages(), sp, use_tqdm=False)[0]
     prefill_s = time.perf_counter() - t
     w.wait_idle()
-    info = {"params": out.kv_transfer_params, "prompt_tokens": len(out.prompt_token_ids), "prefill_s": prefill_s}
+    before = set(w.store.host.ids())
+    out2 = llm.chat(messages(5000), sp, use_tqdm=False)[0]  # a second prompt, whose blobs go bad while stored
+    w.wait_idle()
+    corrupted = 0
+    for blob_id in set(w.store.host.ids()) - before:
+        start, length = w.store.host.extents(blob_id)[-1]  # the last page: inside the coded sections
+        w.store.host.arena[start + length // 2] ^= 0x5A
+        corrupted += 1
+    info = {
+        "params": out.kv_transfer_params,
+        "params_corrupt": out2.kv_transfer_params,
+        "corrupted_blobs": corrupted,
+        "prompt_tokens": len(out.prompt_token_ids),
+        "prefill_s": prefill_s,
+    }
     (work / "prefill.json").write_text(json.dumps(info))
     deadline = time.monotonic() + 600
     while not (work / "done").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     srv = w.handoff_server
     (work / "prefill-stats.json").write_text(
-        json.dumps({"served": srv.served, "refused": srv.refused, "leases_open": srv.open_leases})
+        json.dumps(
+            {
+                "served": srv.served,
+                "refused": srv.refused,
+                "auth_refused": srv.auth_refused,
+                "leases_open": srv.open_leases,
+            }
+        )
     )
 
 
@@ -74,6 +101,7 @@ def decode(work: Path) -> None:
     out = llm.chat(messages(), sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t
     restore = w.restores[-1] if w.restores else None
+    bytes_moved = w.peer.bytes_moved  # this fetch's (later fetches add theirs)
     ref, ref_wall = chat(llm, messages(), 16, recompute=True)
     # a prefill peer that is gone (another prompt, so this side's tier cannot help): the fetch fails, the decode
     # engine recomputes the prompt
@@ -82,12 +110,29 @@ def decode(work: Path) -> None:
     sp_gone = SamplingParams(temperature=0.0, max_tokens=16, extra_args={"kv_transfer_params": gone})
     out_gone = llm.chat(messages(3000), sp_gone, use_tqdm=False)[0]
     ref_gone, _ = chat(llm, messages(3000), 16, recompute=True)
+    gone_fallbacks = w.stats["fallback_load_error"] - n_fail
+    # blobs that went bad on the prefill side: fetched, refused by the decoder before any layer, recomputed
+    n_fail = w.stats["fallback_load_error"]
+    sp_bad = SamplingParams(temperature=0.0, max_tokens=16, extra_args={"kv_transfer_params": pre["params_corrupt"]})
+    out_bad = llm.chat(messages(5000), sp_bad, use_tqdm=False)[0]
+    ref_bad, _ = chat(llm, messages(5000), 16, recompute=True)
+    bad_fallbacks = w.stats["fallback_load_error"] - n_fail
+    # the wrong shared secret: the prefill side refuses before it stages anything
+    secret = work / "wrong-secret"
+    secret.write_text("not-the-deployment-secret-0123")
+    intruder = HandoffClient(ConnectorConfig(transfer="decode", transfer_timeout_s=3, transfer_secret_file=secret))
+    try:
+        intruder.fetch(params["kvtc_host"], params["kvtc_port"], w.restores[0]["hashes"] if w.restores else [1])
+        wrong_secret_refused = False
+    except TransferError:
+        wrong_secret_refused = True
+    intruder.close()
     result = {
         "params": params,
         "prompt_tokens": len(out.prompt_token_ids),
         "restored_tokens": int(out.num_cached_tokens or 0),
         "restore": restore,
-        "bytes_moved": w.peer.bytes_moved,
+        "bytes_moved": bytes_moved,
         "tokens": list(out.outputs[0].token_ids),
         "reference_tokens": list(ref.outputs[0].token_ids),
         "reply": out.outputs[0].text,
@@ -97,7 +142,12 @@ def decode(work: Path) -> None:
         "prefill_s": pre["prefill_s"],
         "gone_reply": out_gone.outputs[0].text,
         "gone_reference_reply": ref_gone.outputs[0].text,
-        "gone_fallbacks": w.stats["fallback_load_error"] - n_fail,
+        "gone_fallbacks": gone_fallbacks,
+        "corrupt_reply": out_bad.outputs[0].text,
+        "corrupt_reference_reply": ref_bad.outputs[0].text,
+        "corrupt_fallbacks": bad_fallbacks,
+        "corrupted_blobs": pre["corrupted_blobs"],
+        "wrong_secret_refused": wrong_secret_refused,
         "stats": dict(w.stats),
         "kept_in_host_tier": w.store.snapshot()["host_blocks"],
     }
