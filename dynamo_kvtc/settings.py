@@ -190,7 +190,10 @@ def _text(s: Setting, raw: Any) -> Any:
     if s.type == "path":
         if not isinstance(raw, (str, os.PathLike)) or str(raw).strip() == "":
             raise ValueError("expected a path")
-        return Path(str(raw)).expanduser()
+        try:
+            return Path(str(raw)).expanduser()
+        except RuntimeError:  # "~user" of a user that does not exist, or no home directory at all
+            raise ValueError("cannot expand its '~' (no such user, or no home directory)") from None
     if not isinstance(raw, str) or (not s.choices and raw.strip() == ""):
         raise ValueError("expected a string")
     if s.choices:

@@ -267,3 +267,9 @@ def test_tier_config_from_env_reads_the_tier_rows_and_overrides_win():
         TierConfig.from_env({}, host_gb=1)
     with pytest.raises(ConfigError, match="transfer_staging_mb must be an integer >= 1"):
         ConnectorConfig(transfer_staging_mb=0)
+
+
+def test_a_path_whose_tilde_cannot_be_expanded_is_a_config_error():
+    """Found by the hypothesis suite on a clean machine: '~0' (no user '0') made pathlib raise RuntimeError."""
+    with pytest.raises(ConfigError, match=r"DYN_KVTC_DISK_CACHE_DIR='~no-such-user-kvtc' is invalid: cannot expand"):
+        TierConfig.from_env({"DYN_KVTC_DISK_CACHE_DIR": "~no-such-user-kvtc"})
