@@ -12,8 +12,7 @@ The names load on first use (PEP 562): ``import dynamo_kvtc`` and the errors imp
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import (
     CalibrationError,
@@ -27,6 +26,7 @@ from .errors import (
     UnsupportedCodecError,
     WrongCalibrationError,
 )
+from .lazy import exports
 
 __version__ = "0.1.0"
 
@@ -64,15 +64,4 @@ if TYPE_CHECKING:
     from .calibration import Calibration, CalibrationConfig, KvSample, calibrate
     from .codec import KvtcCodec, ModelFingerprint, RotaryConfig
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY)

@@ -6,10 +6,11 @@ tensors import no torch through this package.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from ..lazy import exports
 
 _LAZY = {
     "Calibration": ".artifact",
@@ -29,17 +30,7 @@ if TYPE_CHECKING:
     from .dp import allocate, block_errors
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _LAZY)
 
 
 class _Package(types.ModuleType):

@@ -6,8 +6,9 @@ the tensor side (``KvtcCodec``, plans, quantizers, RoPE) imports torch on first 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import exports
 
 _EXPORTS = {
     "FORMAT_VERSION": "container",
@@ -70,19 +71,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
-
-
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .container import FORMAT_VERSION, MAGIC, BlobHeader, parse_blob, write_blob
     from .entropy import EntropyCoder
@@ -92,3 +80,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .quant import BITS, KINDS, META_BITS, dequantize, group_cost_bits, quantize
     from .rope import RotaryConfig, apply_rope, remove_rope
     from .tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
+
+__getattr__, __dir__ = exports(__name__, _EXPORTS)

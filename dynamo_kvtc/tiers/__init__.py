@@ -10,8 +10,7 @@ Exports load lazily (PEP 562): ``dynamo_kvtc.tiers.disk_format`` and ``.channel`
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import exports
 
 _EXPORTS = {
     "BlobTier": "base",
@@ -37,11 +36,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{mod}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = exports(__name__, _EXPORTS)
