@@ -12,7 +12,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .ledger import Ledger
-from .world import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload, restore
+from .world import (
+    BS,
+    Expect,
+    World,
+    account_faulted_restore,
+    check_blobs,
+    close_store,
+    committed_blobs,
+    make_store,
+    offload,
+    restore,
+)
 
 
 # ====================================================================================================== NIXL
@@ -200,17 +211,7 @@ def scenario_nixl_disk(world: World, ledger: Ledger, rounds: int, ops: Sequence[
                 out = restore(world, store, hashes)
                 agent.disarm()
                 ledger.add(kind, faults_injected=1)
-                if out.ok:
-                    wrong, _ = expect.check(hashes, first, out.k, out.v)
-                    ledger.add(kind, wrong_kv_served=wrong)
-                    if wrong:
-                        ledger.problem(kind, f"{op}:{mode}: {wrong} blocks served wrong")
-                    ledger.detail(kind, **{f"{op}:{mode}:served_ok": 1})
-                else:
-                    ledger.add(kind, faults_detected=1, recomputes=1)
-                    if out.status != "failed":
-                        ledger.add(kind, crashes=1)
-                        ledger.problem(kind, f"{op}:{mode}: restore {out.status}")
+                account_faulted_restore(ledger, kind, f"{op}:{mode}", out, expect, hashes, first)
                 # the fault is gone: the committed blob must come back exactly
                 if check_blobs(ledger, kind, world, store, expect, {target: committed[target]}, set())[target] != "ok":
                     committed.pop(target)

@@ -22,7 +22,7 @@ from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
 from .process import child_cmd, drain, wait_marker
-from .world import BS, Expect, Outcome, World, close_store, make_store, offload, restore
+from .world import BS, Expect, Outcome, World, account_faulted_restore, close_store, make_store, offload, restore
 
 
 # ====================================================================================================== transfer
@@ -137,17 +137,7 @@ def scenario_transfer(
             agent.disarm()
             ledger.add(kind, faults_injected=1)
             ledger.detail(kind, **{mode: 1})
-            if out.ok:
-                wrong, _ = expect.check(hashes, 0, out.k, out.v)
-                ledger.add(kind, wrong_kv_served=wrong)
-                if wrong:
-                    ledger.problem(kind, f"{mode}: {wrong} blocks served wrong")
-                ledger.detail(kind, **{f"{mode}:served_ok": 1})
-            else:
-                ledger.add(kind, faults_detected=1, recomputes=1)
-                if out.status != "failed":
-                    ledger.add(kind, crashes=1)
-                    ledger.problem(kind, f"{mode}: restore {out.status}: {out.error}")
+            account_faulted_restore(ledger, kind, mode, out, expect, hashes)
             if not peer.alive():
                 peer.start()
             hashes, out = fetch_restore(toks)  # the fault is gone: a clean fetch restores exactly

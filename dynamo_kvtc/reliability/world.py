@@ -300,3 +300,21 @@ def check_blobs(
         if status != "ok":
             committed.pop(bid, None)
     return results
+
+
+def account_faulted_restore(
+    ledger: Any, kind: str, label: str, out: Outcome, expect: Expect, hashes: Sequence[int], first: int = 0
+) -> None:
+    """Count one restore made while a fault was armed: served blocks are checked against the reference (wrong ones
+    are ``wrong_kv_served``), a clean failure is a detected fault and a recompute, anything else a crash."""
+    if out.ok:
+        wrong, _ = expect.check(hashes, first, out.k, out.v)
+        ledger.add(kind, wrong_kv_served=wrong)
+        if wrong:
+            ledger.problem(kind, f"{label}: {wrong} blocks served wrong")
+        ledger.detail(kind, **{f"{label}:served_ok": 1})
+        return
+    ledger.add(kind, faults_detected=1, recomputes=1)
+    if out.status != "failed":
+        ledger.add(kind, crashes=1)
+        ledger.problem(kind, f"{label}: restore {out.status}: {out.error}")
