@@ -500,3 +500,21 @@ def test_span_coder_falls_back_to_the_reference_path(monkeypatch, synth, synth_c
         assert codec.fused is None and enc.fused == (what == "open") and not restore.fused and len(got) == k.shape[0]
         ref = KvtcCodec(synth_cal, ratio=8).decode(blob)
         assert torch.equal(got[-1][1][0][0], ref[0][-1])
+
+
+def test_bench_tiers_puts_raw_host_and_raw_disk_tiers_beside_kvtc(tmp_path):
+    """`dynamo-kvtc bench tiers` measures, in one run on the same KV, the kvtc host and disk tiers and the raw
+    baselines (pinned copy; the same bytes through NIXL POSIX with the page cache dropped, read back bit-exact)."""
+    import json
+
+    from dynamo_kvtc.cli.main import main
+
+    out = tmp_path / "tiers.json"
+    argv = ["bench", "tiers", "--synthetic", "smollm2-135m", "--tokens", "512", "--repeat", "1"]
+    assert main([*argv, "--disk-dir", str(tmp_path), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["raw_disk"]["onboard_all_layers_s"] > 0 and r["raw_disk"]["file_system"] != "unknown"
+    assert r["raw_host"]["onboard_all_layers_s"] == r["raw_copy_from_host_s"] > 0
+    for tier in ("host", "disk"):
+        assert r["kvtc_vs_raw"][tier] > 0 and r[tier]["onboard_all_layers_s"] > 0
+    assert r["kvtc_vs_raw"]["disk"] == r["disk"]["onboard_all_layers_s"] / r["raw_disk"]["onboard_all_layers_s"]
