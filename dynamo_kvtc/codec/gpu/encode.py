@@ -29,7 +29,7 @@ from ..tags import CHUNK_BYTES, chunk_sizes
 from .batch_entropy import EncodeOut
 from .clock import Clock
 from .layouts import Span, gather_tokens
-from .ops import ALIGN, FLAG_F16_OVERFLOW, FLAG_NONFINITE, align, mm_f32
+from .ops import ALIGN, FLAG_F16_OVERFLOW, FLAG_NONFINITE, align
 
 if TYPE_CHECKING:
     from .fused import FusedCodec
@@ -174,7 +174,6 @@ class EncodeRun:
             l0, l1 = tab.layers
             for kind in ("k", "v"):
                 mean = tab.k_mean if kind == "k" else tab.v_mean
-                basis = tab.k_basis if kind == "k" else tab.v_basis
                 plan = (tab.k_plans if kind == "k" else tab.v_plans)[fc.cfg.ratio]
                 X = torch.empty(R, (l1 - l0) * HD, dtype=cdt, device=dev)
                 for layer in range(l0, l1):
@@ -188,7 +187,7 @@ class EncodeRun:
                         H, D, src.stride_h, src.stride_d, bf16=self.bf16,
                     )  # fmt: skip
                 self.clock.mark("prep")
-                C = mm_f32(X, basis[:, : plan.rank].to(cdt))
+                C = fc.projector.encode(X, tab, kind, plan.rank)
                 del X
                 self.clock.mark("project")
                 for b in self.blobs:

@@ -53,6 +53,7 @@ from .batch_entropy import BatchEntropy
 from .encode import EncodeRun, F16Overflow
 from .layouts import DenseKV, PagedBlocks, Span
 from .ops import TorchOps, get_ops, rope_tables
+from .projection import Projector
 from .restore import RestoreJob
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class FusedCodec:
         self.torch_ops = TorchOps()
         self.entropy = BatchEntropy(self.device)
         self.tables = [_GroupTables(g, self.device) for g in codec.cal.groups]
+        self.projector = Projector()
         self._rope_cfgs = list(self.fp.rotary)
         self.last_timings: dict[str, float] = {}
         self.kernel_errors: list[str] = []

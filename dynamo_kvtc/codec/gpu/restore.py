@@ -23,7 +23,7 @@ from ..sinks import decode_sinks
 from ..tags import CHUNK_BYTES, chunk_sizes
 from .clock import Clock
 from .layouts import scatter_rows
-from .ops import ALIGN, align, mm_f32
+from .ops import ALIGN, align
 
 if TYPE_CHECKING:
     from .fused import FusedCodec
@@ -277,10 +277,8 @@ class RestoreJob:
                 cols = slice((layer - l0) * HD, (layer - l0 + 1) * HD)
                 for rg in self.rgroups:
                     for kind, dst in (("k", kdst), ("v", vdst)):
-                        basis = tab.k_basis if kind == "k" else tab.v_basis
                         mean = (tab.k_mean if kind == "k" else tab.v_mean)[cols]
-                        Dm = rg["coeffs"][gi][kind]
-                        Y = mm_f32(Dm, basis[cols, : Dm.shape[1]].t())
+                        Y = fc.projector.restore(rg["coeffs"][gi][kind], tab, kind, cols)
                         rope = None
                         if kind == "k" and fc.codec.rope_removed:
                             rope = fc.rope(rg["rope"], layer, rg["pos"], inverse=False)
