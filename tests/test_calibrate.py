@@ -87,3 +87,30 @@ def test_cli_calibrate_resumes_after_interruption(tmp_path, smollm2):
         cli + ["--model", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "c")], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "unknown model" in bad.stderr
+
+
+def test_regroup_equals_a_separate_run_on_the_same_samples(synth):
+    """One capture, several layer-group counts: the derived calibration is the one a separate run would make."""
+    samples = [KvSample(*synth.sample(300, start=i * 300)) for i in range(6)]
+    cfg = CalibrationConfig(ratios=(8, 16), dp_tokens=600, progress=False, seed=1, pca_method="exact")
+    joint = Calibrator(synth.fp, cfg)
+    for s in samples:
+        joint.add(s)
+    for g in (2, synth.fp.num_layers):
+        direct = Calibrator(synth.fp, CalibrationConfig(**{**vars(cfg), "layer_groups": g}))
+        for s in samples:
+            direct.add(s)
+        a, b = joint.regroup(g).finish(), direct.finish()
+        assert a.layer_groups == b.layer_groups == g
+        for ga, gb in zip(a.groups, b.groups):
+            assert ga.layers == gb.layers
+            torch.testing.assert_close(ga.k_mean, gb.k_mean, rtol=1e-5, atol=1e-5)
+            # PCA bases are defined up to the sign of each component
+            cos = (ga.v_basis.float().T @ gb.v_basis.float()).diagonal().abs()
+            assert torch.allclose(cos, torch.ones(1), atol=1e-2)
+            assert {r: p.groups for r, p in ga.k_plans.items()} == {r: p.groups for r, p in gb.k_plans.items()}
+        assert a.provenance["tokens"] == b.provenance["tokens"] and a.provenance["dp_tokens"] == 600
+    whole = joint.finish()  # the joint calibrator itself is untouched by regrouping
+    assert whole.layer_groups == 1 and whole.provenance["tokens"] == 6 * 300 - 4
+    with pytest.raises(Exception, match="spans several"):
+        joint.regroup(2).regroup(3)  # a group of 3 would straddle the two groups of 2

@@ -13,7 +13,7 @@ import os
 import platform
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -164,6 +164,7 @@ class Calibrator:
 
     def __init__(self, full_fp: ModelFingerprint, cfg: CalibrationConfig) -> None:
         self.cfg = cfg
+        self.full_fp = full_fp
         self.total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
         self.heads = shard_heads(self.total_heads, cfg.tp_rank, cfg.tp_size)
         H = self.heads.stop - self.heads.start
@@ -248,6 +249,38 @@ class Calibrator:
         self.seconds += now - self._last
         self._last = now
         self._bar.update(n)
+
+    def regroup(self, layer_groups: int) -> Calibrator:
+        """A calibrator for ``layer_groups`` consecutive groups holding exactly the samples fed to this one, without
+        capturing them again (``dynamo-kvtc calibrate --layer-groups 1,2,3`` captures once).
+
+        Each new group's moments are the diagonal block of this calibrator's moments over the group's columns (same
+        shift, sum and Gram entries as feeding the group alone), and the DP sample is shared (the reservoir keeps
+        whole rows), so the result equals a separate run on the same samples up to float summation order. Every new
+        group must lie inside one of this calibrator's groups (always true when this one has a single group)."""
+        out = Calibrator(self.full_fp, replace(self.cfg, layer_groups=layer_groups))
+        H, D = self.fp.num_kv_heads, self.fp.head_dim
+        for g, (a, b) in enumerate(out.slices):
+            src = next((i for i, (sa, sb) in enumerate(self.slices) if sa <= a and b <= sb), None)
+            if src is None:
+                raise ConfigError(
+                    f"layer group {a}..{b} of {layer_groups} groups spans several of this calibrator's "
+                    f"{len(self.slices)} groups; regroup from a one-group calibrator"
+                )
+            off = self.slices[src][0]
+            cols = slice((a - off) * H * D, (b - off) * H * D)
+            for kind in "kv":
+                base, m = self.mom[(src, kind)], out.mom[(g, kind)]
+                m.n = base.n
+                m.shift = None if base.shift is None else base.shift[cols].clone()
+                m.sum = base.sum[cols].clone()
+                m.gram = base.gram[cols, cols].clone()
+        out.gen.set_state(self.gen.get_state())
+        out.res_u = list(self.res_u)
+        out.res_rows = {kind: list(rows) for kind, rows in self.res_rows.items()}
+        out.tokens, out.sequences, out.seconds = self.tokens, self.sequences, self.seconds
+        out._bar.update(self.tokens)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:

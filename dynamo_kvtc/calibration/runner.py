@@ -3,6 +3,10 @@
 Resumable: every ``--checkpoint-every`` tokens the streaming state (moments, DP sample, RNG) is written to
 ``OUT.partial/``; a rerun with the same arguments continues from there and produces the same calibration as an
 uninterrupted run. The finished artifact appears at OUT atomically; ``OUT.partial`` is removed then.
+
+Several layer-group counts (``--layer-groups 1,2,3,5,6,30``) share one capture: the run accumulates the one-group
+(joint) moments, then derives each count's calibration from them (:meth:`Calibrator.regroup`) and writes it to
+``OUT/G<n>``. Capture dominates a calibration's time, so this costs about one run instead of one per count.
 """
 
 from __future__ import annotations
@@ -43,12 +47,21 @@ def _texts(args) -> tuple[list[str], object]:
     return texts, desc
 
 
+def _group_counts(args) -> list[int]:
+    g = args.layer_groups
+    counts = [g] if isinstance(g, int) else list(dict.fromkeys(g))
+    if not counts or any(x < 1 for x in counts):
+        raise ConfigError(f"layer groups must be positive integers, got {g}")
+    return counts
+
+
 def run_calibrate(args) -> int:
     t0 = time.time()
     texts, desc = _texts(args)
+    counts = _group_counts(args)
     cfg = CalibrationConfig(
         ratios=args.ratios,
-        layer_groups=args.layer_groups,
+        layer_groups=counts[0] if len(counts) == 1 else 1,
         rank=args.rank,
         dp_tokens=args.dp_tokens,
         max_tokens=args.tokens,
@@ -68,6 +81,7 @@ def run_calibrate(args) -> int:
                 "cfg": {k: str(v) for k, v in vars(cfg).items() if k != "progress"},
                 "model": fp.to_dict(),
                 "seq_len": args.seq_len,
+                "layer_group_counts": counts,
                 "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest(),
             },
             sort_keys=True,
@@ -98,14 +112,24 @@ def run_calibrate(args) -> int:
             if args.stop_after_tokens and cal.tokens >= args.stop_after_tokens:
                 print(f"stopping after {cal.tokens} tokens as asked; rerun to resume")
                 return 3
-    result = cal.finish({"model": args.model, "data": desc, "seq_len": args.seq_len})
-    result.save(out)
+    prov = {"model": args.model, "data": desc, "seq_len": args.seq_len}
+    if len(counts) == 1:
+        _finish(cal, prov, out, t0)
+    else:
+        prov["shared_capture"] = {"layer_group_counts": counts}
+        for g in counts:
+            _finish(cal.regroup(g), prov, out / f"G{g}", t0)
     shutil.rmtree(partial, ignore_errors=True)
+    return 0
+
+
+def _finish(cal: Calibrator, prov: dict, out: Path, t0: float) -> None:
+    result = cal.finish(prov)
+    result.save(out)
     print(
-        f"wrote {out} (id {result.id}, {result.provenance['tokens']} tokens, "
+        f"wrote {out} (id {result.id}, {result.layer_groups} layer groups, {result.provenance['tokens']} tokens, "
         f"{result.provenance['seconds']['total']:.0f} s calibration, {time.time() - t0:.0f} s this run)"
     )
-    return 0
 
 
 def _checkpoint(partial: Path, cal: Calibrator, key: str, windows: int) -> None:

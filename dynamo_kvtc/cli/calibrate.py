@@ -20,7 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokens", type=types.positive_int, default=65536, help="calibration tokens (sinks excluded)")
     p.add_argument("--ratios", type=types.ratios, default=(8, 16, 32, 64))
-    p.add_argument("--layer-groups", type=types.positive_int, default=1)
+    p.add_argument(
+        "--layer-groups",
+        type=types.positive_ints,
+        default=[1],
+        help="consecutive layers per basis: G groups (default 1, the joint basis); a list (1,2,3) captures once and "
+        "writes one calibration per G to OUT/G<n>",
+    )
     p.add_argument("--rank", type=types.positive_int, default=None, help="cap on retained PCA components")
     p.add_argument("--dp-tokens", type=types.positive_int, default=16384)
     p.add_argument("--seq-len", type=types.positive_int, default=2048)
