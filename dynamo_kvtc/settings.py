@@ -93,6 +93,9 @@ SETTINGS: tuple[Setting, ...] = (
        "offload counts once, every restore once; 1 = every eviction)", "tier", lo=1),
     _s("page_bytes", "int", 16384, "page size of the host-tier arena (a power of two)", "tier", lo=512),
     _s("nixl_timeout_s", "float", 30, "deadline of one disk-tier NIXL transfer", "tier", lo=0, lo_open=True),
+    _s("ratio_policy", "str", "fixed", "`fixed`: every offload at `ratio` (higher under host-tier pressure, up to "
+       "`max_ratio`); `raw_first`: store uncompressed while the host tier has room (below 90% full with the new "
+       "blob), compress once it has not", "tier", choices=("fixed", "raw_first")),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
        default_doc="the shipped one"),

@@ -62,3 +62,43 @@ def test_working_set_counts_shared_blocks_once():
     w = wl.generate("multi-round-qa", 0, users=2, rounds=2, system=32, history=64, question=16, answer=16)
     # users share the 2-block system prompt; each user's last turn + reply is 32+64+16+16+16+16 = 160 tokens
     assert wl.working_set_blocks(w.requests, 16) == 2 + 2 * (160 - 32) // 16
+
+
+# ============================================================================================ the raw_first policy
+def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal):
+    import torch
+
+    from dynamo_kvtc.tiers import KvtcStore, TierConfig
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+
+    T, bs = 256, 16
+    raw_bytes = 2 * 4 * T * 2 * 16 * 2  # K and V, 4 layers x 2 heads x 16 dims, bf16
+    cfg = TierConfig(host_bytes=4 * raw_bytes, ratio=8, min_tokens=0, page_bytes=1024, window=32)
+    seqs = [(list(range(i * 1000, i * 1000 + T)), *synth.sample(T)[:2]) for i in range(5)]
+
+    def stored(policy: str) -> tuple[list[float], KvtcStore]:
+        store = KvtcStore(synth_cal, cfg.with_(ratio_policy=policy), block_size=bs, span_tokens=128)
+        out = []
+        for tokens, k, v in seqs:
+            r = store.submit_offload(sequence_hashes(tokens, bs), tokens, keys=k, values=v).result(60)
+            out.append(r.raw_bytes / r.stored_bytes)
+        return out, store
+
+    fixed, s0 = stored("fixed")
+    s0.close()
+    assert all(r > 2 for r in fixed)  # the default compresses every offload
+    first, store = stored("raw_first")
+    assert [r < 1.01 for r in first] == [True, True, True, False, False]  # raw until the 4th would pass 90% full
+    assert first[3] > 2 and store.stats["offload_raw_first"] == 3
+    tokens, k, v = seqs[0]  # a raw blob restores bit for bit
+    sink_k, sink_v = torch.zeros_like(k), torch.zeros_like(v)
+
+    def sink(layer, start, kk, vv):
+        sink_k[layer, start : start + kk.shape[0]] = kk
+        sink_v[layer, start : start + vv.shape[0]] = vv
+
+    hashes = sequence_hashes(tokens, bs)
+    assert store.match(hashes) == len(hashes)
+    assert store.start_onboard(hashes, sink=sink).wait(60)
+    assert torch.equal(sink_k, k) and torch.equal(sink_v, v)
+    store.close()

@@ -22,6 +22,7 @@ from ..settings import GB
 _INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks", "disk_min_uses")
 _FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 _d = settings.default  # field defaults are the table's
+RATIO_POLICIES = ("fixed", "raw_first")
 
 __all__ = ["GB", "TierConfig"]
 
@@ -45,6 +46,7 @@ class TierConfig:
     window: int = _d("window")  # tokens of a sequence's tail blob kept raw
     sinks: int = _d("sinks")
     nixl_timeout_s: float = _d("nixl_timeout_s")
+    ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room)
 
     def __post_init__(self) -> None:
         for name in _INTS:
@@ -79,6 +81,8 @@ class TierConfig:
             raise ConfigError(f"disk_min_uses must be >= 1, got {self.disk_min_uses}")
         if self.window < 0 or self.sinks < 0:
             raise ConfigError(f"window ({self.window}) and sinks ({self.sinks}) must be >= 0")
+        if self.ratio_policy not in RATIO_POLICIES:
+            raise ConfigError(f"ratio_policy must be one of {', '.join(RATIO_POLICIES)}, got {self.ratio_policy!r}")
         if self.page_bytes < 512 or self.page_bytes & (self.page_bytes - 1):
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")
 

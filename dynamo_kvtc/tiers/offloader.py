@@ -31,7 +31,8 @@ class Offloader:
 
     Owns the offload worker (one thread) and its CUDA stream (ordered after the producer by the request's event), the
     admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
-    the sequence's last blob holding the whole raw window. Encoding goes through :class:`SpanCoder`; placing the blobs
+    the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's choice (store a request
+    uncompressed while the host tier has room for it). Encoding goes through :class:`SpanCoder`; placing the blobs
     (and demoting the host's victims) through :class:`Placement`. It never raises from the worker (errors end up in the
     :class:`OffloadResult`), never restores, and reads the engine's cache only through :class:`PagedKV`'s public
     methods."""
@@ -111,12 +112,16 @@ class Offloader:
             self.stats["offload_filtered"] += 1
             done.set_result(res)
             return done
+        host = self.placement.host
+        raw = self.cfg.ratio_policy == "raw_first" and self.policy.room_for_raw(
+            host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity)
+        )
         req = OffloadRequest(
             hashes,
             token_ids,
             start,
             end,
-            self.policy.choose(self.placement.host.fill),
+            self.policy.choose(host.fill),
             first_block=first_block,
             parent=parent,
             keys=keys,
@@ -125,11 +130,17 @@ class Offloader:
             ready_event=ready_event,
             tail=tail,
         )
-        return self._pool.submit(self._guarded, req, res)
+        return self._pool.submit(self._guarded, req, res, raw)
 
-    def _guarded(self, req: OffloadRequest, res: OffloadResult) -> OffloadResult:
+    def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
+        """16-bit-or-wider bytes of ``blocks`` blocks of K and V (what a raw blob of them holds)."""
+        fp = self.cal.fingerprint
+        itemsize = keys.element_size() if keys is not None else self.kv.dtype.itemsize
+        return 2 * fp.num_layers * blocks * self.block_size * fp.num_kv_heads * fp.head_dim * itemsize
+
+    def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> OffloadResult:
         try:
-            self._run(req, res)
+            self._run(req, res, raw)
         except KvtcError as e:
             log.warning("kvtc offload failed: %s", e)
             self.stats[f"offload_error_{type(e).__name__}"] += 1
@@ -141,9 +152,10 @@ class Offloader:
         return res
 
     # ------------------------------------------------------------------ the worker
-    def cuts(self, req: OffloadRequest) -> list[tuple[int, int, int]]:
+    def cuts(self, req: OffloadRequest, raw: bool = False) -> list[tuple[int, int, int]]:
         """(first block, end block, raw window) of each blob of the request; the sequence's last blob holds the whole
-        raw window (it grows past ``span_blocks`` rather than leave part of the window in a compressed blob)."""
+        raw window (it grows past ``span_blocks`` rather than leave part of the window in a compressed blob). ``raw``:
+        every blob's window is the whole blob (stored uncompressed)."""
         bs, window = self.block_size, self.cfg.window
         out = []
         a = req.start
@@ -151,11 +163,11 @@ class Offloader:
             b = min(req.end, a + self.span_blocks)
             if req.tail and req.end == req.n and (req.end - b) * bs <= window:
                 b = req.end
-            out.append((a, b, window if (req.tail and b == req.n) else 0))
+            out.append((a, b, (b - a) * bs if raw else window if (req.tail and b == req.n) else 0))
             a = b
         return out
 
-    def _run(self, req: OffloadRequest, res: OffloadResult) -> None:
+    def _run(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> None:
         t0 = time.perf_counter()
         bs = self.block_size
         codec = self.codec(req.ratio)
@@ -163,7 +175,9 @@ class Offloader:
         with ctx:
             if req.ready_event is not None and self._stream is not None:
                 self._stream.wait_event(req.ready_event)
-            cuts = self.cuts(req)
+            cuts = self.cuts(req, raw)
+            if raw:
+                self.stats["offload_raw_first"] += 1
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
                 self.stats["offload_fused_batches"] += 1

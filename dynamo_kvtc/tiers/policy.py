@@ -32,7 +32,7 @@ class OffloadFilter:
 
 class RatioPolicy:
     """Pick a DP plan per offload: the configured default, a higher ratio under host-tier pressure, never above the
-    accuracy floor's ``max_ratio``."""
+    accuracy floor's ``max_ratio``; and, for the ``raw_first`` policy, whether a blob may still be stored raw."""
 
     def __init__(
         self, available: Sequence[float], default: float, max_ratio: float | None = None, pressure_high: float = 0.9
@@ -43,6 +43,11 @@ class RatioPolicy:
         self.default = float(default)
         self.max_ratio = float(max_ratio) if max_ratio is not None else self.default
         self.pressure_high = pressure_high
+
+    def room_for_raw(self, host_fill: float, share: float) -> bool:
+        """Whether a blob of ``share`` of the host tier's capacity, stored raw, keeps the tier below
+        ``pressure_high`` (the ``raw_first`` policy stores raw while it does, and compresses once it does not)."""
+        return host_fill + share < self.pressure_high
 
     def choose(self, host_fill: float) -> float:
         if host_fill < self.pressure_high:
