@@ -1,15 +1,19 @@
-"""The --quick accuracy evaluation on the shipped SmolLM2 calibration (what the README's numbers come from)."""
+"""The --quick accuracy evaluation on the shipped SmolLM2 calibration (what the README's numbers come from); the
+method table of a run (ablations at several ratios, FP8 projection rows) on synthetic KV."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
+from dynamo_kvtc import calibrate
 from dynamo_kvtc.calibration.catalog import find_calibration
-from dynamo_kvtc.cli.main import main
-
-pytestmark = pytest.mark.model
+from dynamo_kvtc.cli.main import build_parser, main
+from dynamo_kvtc.errors import ConfigError
+from dynamo_kvtc.evaluation.methods import Kvtc
+from dynamo_kvtc.evaluation.runner import ablation_ratios_of, methods_for
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +26,7 @@ def quick_eval(tmp_path_factory, smollm2):
     return out, {r["method"]: r for r in data["summary"]}, data
 
 
+@pytest.mark.model
 def test_outputs_written(quick_eval):
     out, rows, data = quick_eval
     assert (out / "results.md").read_text().startswith("| method")
@@ -30,11 +35,13 @@ def test_outputs_written(quick_eval):
     assert all(r["passkey_n"] == 4 for r in rows.values())
 
 
+@pytest.mark.model
 def test_kvtc16_keeps_passkey_at_vanilla_level(quick_eval):
     _, rows, _ = quick_eval
     assert rows["kvtc-16x"]["passkey"] >= rows["vanilla"]["passkey"]
 
 
+@pytest.mark.model
 def test_kvtc16_beats_kivi2_retrieval_at_a_higher_ratio(quick_eval):
     _, rows, _ = quick_eval
     kvtc, kivi = rows["kvtc-16x"], rows["kivi-2bit"]
@@ -43,9 +50,64 @@ def test_kvtc16_beats_kivi2_retrieval_at_a_higher_ratio(quick_eval):
     assert kvtc["ppl"] < kivi["ppl"]  # next-token KL against the uncompressed cache
 
 
+@pytest.mark.model
 def test_ratio_accounting_is_measured(quick_eval):
     _, rows, _ = quick_eval
     assert 16 <= rows["kvtc-16x"]["ratio"] <= 24  # plan 16x before DEFLATE, DEFLATE adds a little
     assert rows["fp8-e4m3"]["ratio"] == pytest.approx(2.0)
     assert 1.0 < rows["deflate-raw-bf16"]["ratio"] < 1.6  # lossless alone buys little
     assert rows["vanilla"]["ppl"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fp8_projection_rows_decode_the_same_blobs_with_fp8_rounding(synth, synth_cal):
+    k, v, pos = synth.sample(400)
+    ref, fp8 = Kvtc(synth_cal, 16), Kvtc(synth_cal, 16, projection="fp8")
+    assert (ref.name, fp8.name) == ("kvtc-16x", "kvtc-16x-fp8")
+    a, b = ref.reconstruct(k, v, pos), fp8.reconstruct(k, v, pos)
+    coded = slice(4, 400 - 128)  # sinks and the raw window are the same bytes either way
+    assert not torch.equal(a.keys[:, coded], b.keys[:, coded])  # the projections really ran in emulated e4m3
+    assert torch.equal(a.keys[:, -128:], b.keys[:, -128:])
+
+    def rel(x):
+        return float((x[:, coded].float() - k[:, coded].float()).norm() / k[:, coded].float().norm())
+
+    assert rel(b.keys) < 1.5 * rel(a.keys) + 0.02  # FP8 operands cost little next to the 16x quantization itself
+    assert b.ratio == pytest.approx(a.ratio, rel=0.1)
+
+
+def test_ablations_at_several_ratios_and_projections(synth, synth_cal):
+    grouped = calibrate(
+        [synth.sample(512, start=i * 37) for i in range(4)],
+        synth.fp,
+        ratios=(8, 16),
+        layer_groups=2,
+        dp_tokens=1024,
+        progress=False,
+    )
+    ms = methods_for(
+        synth_cal,
+        [8, 16],
+        False,
+        {"G2": grouped},
+        projections=("fp16", "fp8"),
+        ablation_ratios=[8, 16],
+        baselines=False,
+    )
+    assert [m.name for m in ms] == [
+        "vanilla", "kvtc-8x", "kvtc-16x", "kvtc-8x-fp8", "kvtc-16x-fp8",
+        "kvtc-8x-G2", "kvtc-8x-G2-fp8", "kvtc-16x-G2", "kvtc-16x-G2-fp8",
+    ]  # fmt: skip
+    assert ms[-1].codec.cal.layer_groups == 2 and ms[-1].codec.config.projection == "fp8"
+    default = methods_for(synth_cal, [16], False, {"G2": grouped})
+    assert [m.name for m in default][-1] == "kvtc-16x-G2" and "fp8-e4m3" in [m.name for m in default]
+    assert ablation_ratios_of(grouped) == [16.0]
+    with pytest.raises(ConfigError, match="no plan for 32x"):
+        ablation_ratios_of(grouped, [16, 32])
+
+
+@pytest.mark.parametrize("args", [["--projections", "fp4"], ["--projections", ""], ["--ablation-ratios", "0"]])
+def test_bad_eval_arguments_exit_2(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["eval", *args, "--out", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("dynamo-kvtc: error:")

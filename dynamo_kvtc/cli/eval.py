@@ -9,6 +9,18 @@ from . import types
 HELP = "offline accuracy: kvtc vs baselines on held-out tasks (JSON, Markdown, PNG)"
 
 
+PROJECTIONS = ("fp16", "fp8")
+
+
+def projections(s: str) -> tuple[str, ...]:
+    """Comma-separated projection precisions (``fp16,fp8``)."""
+    out = tuple(dict.fromkeys(x.strip() for x in s.split(",") if x.strip()))
+    bad = [x for x in out if x not in PROJECTIONS]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"projections are comma-separated {' or '.join(PROJECTIONS)}, got {s!r}")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--calibration", type=types.existing_dir, help="calibration directory (default: the shipped one)")
@@ -18,7 +30,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ratios", type=types.ratios, default=None, help="kvtc ratios (default: every plan in the calibration)"
     )
     p.add_argument(
-        "--ablation", action="append", type=types.name_eq_dir, metavar="NAME=DIR", help="extra calibration at 16x"
+        "--ablation",
+        action="append",
+        type=types.name_eq_dir,
+        metavar="NAME=DIR",
+        help="extra calibration, rows kvtc-<r>x-NAME (at 16x unless --ablation-ratios)",
+    )
+    p.add_argument(
+        "--ablation-ratios", type=types.ratios, default=None, help="ratios of the --ablation rows (e.g. 16,32)"
+    )
+    p.add_argument(
+        "--projections",
+        type=projections,
+        default=("fp16",),
+        help="kvtc projection precisions, comma-separated: fp16 (the float32 reference), fp8 (emulated e4m3 GEMM "
+        "operands); fp8 adds kvtc-<r>x-fp8 rows for the calibration and every --ablation",
+    )
+    p.add_argument(
+        "--baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="FP8, int8, KIVI and DEFLATE rows (vanilla is always run)",
     )
     p.add_argument(
         "--ablations",
