@@ -361,7 +361,9 @@ def test_fused_gpu_only_tags(synth, synth_cal, tag):
 
 
 def test_fused_rejects_corrupt_blob_before_writing(synth, synth_cal):
-    from dynamo_kvtc.codec.gpu import DenseKV
+    """Device verification (the default): the layers run, nothing is written, finish() names the section; eager
+    verification refuses at open(); without a destination the verdict is read before the first layer."""
+    from dynamo_kvtc.codec.gpu import DenseKV, RestoreJob
 
     k, v, pos = synth.sample(400)
     fus = _fused(synth_cal, tag="deflate")
@@ -370,12 +372,58 @@ def test_fused_rejects_corrupt_blob_before_writing(synth, synth_cal):
     blob[rec.offset + rec.stored_len // 2] ^= 0x10
     out_k = torch.full_like(k, 7.0).to(DEV)
     out_v = torch.full_like(v, 7.0).to(DEV)
-    with pytest.raises(CorruptBlobError):
-        job = fus.fused.open([bytes(blob)])
-        list(job.layers(dest=DenseKV(out_k, out_v)))
+    job = fus.fused.open([bytes(blob)])
+    assert list(job.layers(dest=DenseKV(out_k, out_v))) == list(range(k.shape[0]))
+    with pytest.raises(CorruptBlobError, match="blob 0 section '0.k' checksum mismatch"):
+        job.finish()
+    assert job.bad_blobs == [0]
     assert bool((out_k == 7).all()) and bool((out_v == 7).all())
+    with pytest.raises(CorruptBlobError, match="'0.k'"):
+        RestoreJob(fus.fused, [bytes(blob)], verify="eager")  # the old contract: refused before anything is decoded
+    with pytest.raises(InputError):
+        RestoreJob(fus.fused, [bytes(blob)], verify="later")
+    layers = fus.decode_layers(bytes(blob))
     with pytest.raises(CorruptBlobError):
-        fus.decode_layers(bytes(blob))  # raises at the call, before any layer
+        next(iter(layers))  # no layer of a corrupt blob is ever handed out
+
+
+@marks(kernels)
+def test_scatter_matches_torch_and_skips_negative_offsets(ops):
+    tri, ref = ops
+    H, D, n = 3, 16, 50
+    g = torch.Generator().manual_seed(5)
+    for src_dtype, dst_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)):
+        vals = torch.randn(n, H, D, generator=g).to(src_dtype)
+        vals[0, 0, 0] = -0.0
+        vals = vals.to(DEV)
+        off = (torch.randperm(120, generator=g)[:n] * H * D).to(DEV)
+        off[7] = -1
+        outs = []
+        for o in (tri, ref):
+            dst = torch.full((120, H, D), 3.0, dtype=dst_dtype, device=DEV)
+            o.scatter(vals, off, dst, H, D, D, 1)
+            outs.append(dst)
+        if dst_dtype == torch.bfloat16 or CUDA:  # same dtype: bit for bit (-0.0 stays -0.0)
+            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+        keep = off >= 0
+        assert torch.equal(outs[1][(off[keep] // (H * D))], vals[keep].to(dst_dtype))
+        untouched = torch.ones(120, dtype=torch.bool, device=DEV)
+        untouched[off[keep] // (H * D)] = False
+        assert bool((outs[0][untouched] == 3.0).all())  # the -1 row went nowhere
+
+
+@marks(kernels)
+def test_crc_check_on_the_device(ops):
+    tri, ref = ops
+    g = torch.Generator().manual_seed(2)
+    n = 200_000 if CUDA else 30_000
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    offs, lens = [0, 17, n // 2, 5], [n // 3, 1000, n // 2, 0]
+    want = [zlib.crc32(bytes(data[o : o + k].numpy())) for o, k in zip(offs, lens)]
+    want[1] ^= 1  # one wrong checksum
+    for o in (tri, ref):
+        got = o.crc_check(data.to(DEV), offs, lens, want)
+        assert got.device.type == torch.device(DEV).type and got.cpu().tolist() == [True, False, True, True]
 
 
 def test_fused_fp16_overflow_reruns_in_bf16(synth, synth_cal):

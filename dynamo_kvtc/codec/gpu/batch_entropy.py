@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CorruptBlobError, InputError
+from ...errors import CorruptBlobError, DecodeError, InputError
 from ..entropy import CHUNK_BYTES, NVCOMP_ALGO, deflate_chunk, inflate_chunk, map_chunks, nvcomp_available
 from .ops import align
 
@@ -107,15 +107,24 @@ class BatchEntropy:
         dst_sizes: list[int],
     ) -> Callable[[], None]:
         """Inflate chunk i of ``src`` into ``dst[dst_offs[i]:+dst_sizes[i]]``; returns a check to call once the
-        stream has finished (raises CorruptBlobError if a chunk did not decode to its size)."""
+        stream has finished (raises CorruptBlobError if a chunk did not decode to its size). A chunk that does not
+        decode never raises here: bytes not yet CRC-checked may be corrupt, and the restore reports that first."""
         if not sizes:
             return lambda: None
         if self.nvcomp:
             return self._nvcomp_decode(tag, src, offs, sizes, dst, dst_offs, dst_sizes)
         if tag != "deflate":
             raise InputError(f"entropy codec {tag!r} needs nvCOMP on a CUDA device")
-        host = src.cpu().numpy() if src.device.type != "cpu" else src.numpy()
-        outs = map_chunks(inflate_chunk, [(bytes(host[o : o + s]), n) for o, s, n in zip(offs, sizes, dst_sizes)])
+        host = src.cpu().numpy() if src.device.type != "cpu" else src.numpy()  # (zlib on the host: synchronises)
+        try:
+            outs = map_chunks(inflate_chunk, [(bytes(host[o : o + s]), n) for o, s, n in zip(offs, sizes, dst_sizes)])
+        except DecodeError as e:  # reported by the check, like nvCOMP's: the caller's CRC verdict decides first
+            err = CorruptBlobError(f"{tag} chunk did not inflate: {e}")
+
+            def failed() -> None:
+                raise err
+
+            return failed
         for o, raw in zip(dst_offs, outs):
             dst[o : o + len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         return lambda: None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import InputError
-from .ops import flat_view
+from .ops import device_tensor, flat_view
 
 
 class DenseKV:
@@ -55,15 +55,26 @@ class PagedBlocks:
         self.dtype, self.device = k.dtype, k.device
         self.stride_block, self.stride_tok, self.stride_h, self.stride_d = k.stride()
         self.block_ids = [torch.as_tensor(list(b), dtype=torch.int64) for b in block_ids]
+        # every sequence's block ids on the device, from one pinned buffer (one asynchronous copy, no blocking)
+        flat = [int(x) for b in self.block_ids for x in b.tolist()]
+        dev_ids = device_tensor(flat, torch.int64, self.device)
+        self._dev_ids, a = [], 0
+        for b in self.block_ids:
+            self._dev_ids.append(dev_ids[a : a + b.numel()])
+            a += b.numel()
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._views(layer)
 
     def token_offsets(self, seq: int, start: int, n: int) -> torch.Tensor:
-        t = torch.arange(start, start + n, dtype=torch.int64)
-        blocks = self.block_ids[seq][t // self.block_size]
-        off = blocks * self.stride_block + (t % self.block_size) * self.stride_tok
-        return off.to(self.device, non_blocking=True)
+        """Element offsets of tokens ``start..start+n-1`` of sequence ``seq``, computed on the device (no host
+        synchronisation); InputError if they run past the sequence's blocks."""
+        nblk = self.block_ids[seq].numel()
+        if start < 0 or start + n > nblk * self.block_size:
+            raise InputError(f"tokens {start}..{start + n} run past sequence {seq}'s {nblk} blocks")
+        t = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
+        blocks = self._dev_ids[seq][t // self.block_size]
+        return blocks * self.stride_block + (t % self.block_size) * self.stride_tok
 
 
 @dataclass
@@ -89,10 +100,3 @@ def gather_tokens(source, l0: int, l1: int, toff: torch.Tensor) -> tuple[torch.T
         ks.append(flat_view(k)[idx])
         vs.append(flat_view(v)[idx])
     return torch.stack(ks), torch.stack(vs)
-
-
-def scatter_rows(dst: torch.Tensor, off: torch.Tensor, vals: torch.Tensor, H, D, sh, sd) -> None:
-    """Write ``vals [n, H, D]`` to the tokens at element offsets ``off`` of ``dst`` (offsets < 0 are skipped)."""
-    keep = off >= 0
-    idx = (torch.arange(H, device=off.device) * sh)[:, None] + (torch.arange(D, device=off.device) * sd)[None, :]
-    flat_view(dst)[off[keep][:, None, None] + idx[None]] = vals[keep].to(dst.dtype)

@@ -47,15 +47,46 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((n,), (1,), t.storage_offset())
 
 
+def device_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without blocking the host: built in pinned memory and copied
+    asynchronously on the current stream (the caching host allocator keeps the pinned block until the copy is done)."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=64)
+def _device_inv_freq(cfg: RotaryConfig, device: str) -> torch.Tensor:
+    inv = cfg.inv_freq()
+    return inv.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else inv
+
+
+def _cos_sin(cfg: RotaryConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`RotaryConfig.cos_sin` on ``positions``' device with the inverse frequencies cached there (the plain
+    method copies them host->device, blocking, on every call); same operations, same values."""
+    dev = positions.device
+    if dev.type != "cuda":
+        return cfg.cos_sin(positions, device=dev)
+    inv = _device_inv_freq(cfg, str(dev))
+    ang = positions.to(dtype=torch.float32)[:, None] * inv[None, :]
+    if cfg.style == "half":
+        ang = torch.cat((ang, ang), dim=-1)
+    else:
+        ang = torch.repeat_interleave(ang, 2, dim=-1, output_size=2 * ang.shape[-1])
+    s = cfg.attention_scaling()
+    return ang.cos() * s, ang.sin() * s
+
+
 def rope_tables(
     cfg: RotaryConfig, positions: torch.Tensor, head_dim: int, *, inverse: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(A [R, D] fp32, B [R, D] fp32, partner [D] int32) so that ``x*A + x[partner]*B`` (un)rotates like
-    :func:`dynamo_kvtc.codec.rope.rotate`; None when the layer applies no RoPE."""
+    :func:`dynamo_kvtc.codec.rope.rotate`; None when the layer applies no RoPE. Queues no host synchronisation."""
     if cfg.scaling == "none":
         return None
     dev = positions.device
-    cos, sin = cfg.cos_sin(positions, device=dev)
+    cos, sin = _cos_sin(cfg, positions)
     R, D, rd = positions.numel(), head_dim, cfg.dims
     s2 = cfg.attention_scaling() ** 2 if inverse else 1.0
     sign = 1.0 if inverse else -1.0
@@ -128,13 +159,25 @@ def crc_finish(raw_xor: int, length: int) -> int:
     return (crc_shift(0xFFFFFFFF, length) ^ raw_xor ^ 0xFFFFFFFF) & 0xFFFFFFFF
 
 
+@lru_cache(maxsize=65536)
+def _crc_init(length: int) -> int:
+    return crc_shift(0xFFFFFFFF, length)
+
+
+def crc_register(crc: int, length: int) -> int:
+    """The raw register the CRC kernel accumulates for a message of ``length`` bytes whose zlib CRC-32 is ``crc``
+    (the inverse of :func:`crc_finish`), as a signed int32: compared on the device, no read-back needed."""
+    return _i32((crc ^ 0xFFFFFFFF ^ _crc_init(int(length))) & 0xFFFFFFFF)
+
+
+def _i32(v: int) -> int:
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 @lru_cache(maxsize=8)
 def _crc_device_tables(device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    def i32(v: int) -> int:
-        return v - (1 << 32) if v >= 1 << 31 else v
-
-    tab = torch.tensor([i32(v) for v in crc_table()], dtype=torch.int32, device=device)
-    mats = torch.tensor([i32(v) for m in crc_matrices()[:CRC_NBITS] for v in m], dtype=torch.int32, device=device)
+    tab = device_tensor([_i32(v) for v in crc_table()], torch.int32, device)
+    mats = device_tensor([_i32(v) for m in crc_matrices()[:CRC_NBITS] for v in m], torch.int32, device)
     return tab, mats
 
 
@@ -197,9 +240,22 @@ class TorchOps:
         idx = (torch.arange(H, device=y.device) * sh)[:, None] + (torch.arange(D, device=y.device) * sd)[None, :]
         flat[doff[keep][:, None, None] + idx[None]] = x[keep].to(dst.dtype)
 
+    def scatter(self, vals, off, dst, H, D, sh, sd) -> None:
+        """Write ``vals [n, H, D]`` (cast to ``dst``'s dtype) to the tokens at element offsets ``off`` of ``dst``;
+        offsets < 0 are skipped. (Boolean-mask indexing: this twin synchronises on CUDA.)"""
+        keep = off >= 0
+        idx = (torch.arange(H, device=off.device) * sh)[:, None] + (torch.arange(D, device=off.device) * sd)[None, :]
+        flat_view(dst)[off[keep][:, None, None] + idx[None]] = vals.reshape(-1, H, D)[keep].to(dst.dtype)
+
     def crc(self, data: torch.Tensor, offs: Sequence[int], lens: Sequence[int]) -> list[int]:
         host = data.cpu().numpy() if data.device.type != "cpu" else data.numpy()
         return [zlib.crc32(memoryview(host[o : o + n])) for o, n in zip(offs, lens)]
+
+    def crc_check(self, data: torch.Tensor, offs: Sequence[int], lens: Sequence[int], want: Sequence[int]):
+        """A bool tensor on ``data``'s device: section i's CRC-32 equals ``want[i]`` (this twin reads the data back
+        to the host)."""
+        got = self.crc(data, offs, lens)
+        return device_tensor([g == w for g, w in zip(got, want)], torch.bool, data.device)
 
     def copy_chunks(self, src, dst, src_offs, dst_offs, lens) -> None:
         for so, do, n in zip(src_offs, dst_offs, lens):
@@ -298,15 +354,33 @@ class TritonOps(TorchOps):
         if not sec:
             return acc
         tab, mats = _crc_device_tables(str(dev))
-        item_sec = torch.tensor(sec, dtype=torch.int32).to(dev, non_blocking=True)
-        item_blk = torch.tensor(blk, dtype=torch.int32).to(dev, non_blocking=True)
-        sec_off = torch.tensor(list(offs), dtype=torch.int64).to(dev, non_blocking=True)
-        sec_len = torch.tensor(list(lens), dtype=torch.int64).to(dev, non_blocking=True)
+        item_sec = device_tensor(sec, torch.int32, dev)
+        item_blk = device_tensor(blk, torch.int32, dev)
+        sec_off = device_tensor(offs, torch.int64, dev)
+        sec_len = device_tensor(lens, torch.int64, dev)
         self.K.crc_kernel[(len(sec),)](
             data, item_sec, item_blk, sec_off, sec_len, tab, mats, acc,
             PIECE=CRC_PIECE, LANES=CRC_LANES, NBITS=CRC_NBITS,
         )  # fmt: skip
         return acc
+
+    def crc_check(self, data: torch.Tensor, offs: Sequence[int], lens: Sequence[int], want: Sequence[int]):
+        """A bool tensor on the device: section i's CRC-32 equals ``want[i]``; computed and compared there (no
+        synchronisation)."""
+        n = len(offs)
+        if n == 0:
+            return torch.ones(0, dtype=torch.bool, device=data.device)
+        acc = self.crc_async(data, offs, lens)
+        exp = device_tensor([crc_register(w, ln) for w, ln in zip(want, lens)], torch.int32, data.device)
+        return acc[:n] == exp
+
+    def scatter(self, vals, off, dst, H, D, sh, sd) -> None:
+        R = off.numel()
+        if R == 0:
+            return
+        src = vals.reshape(R, H * D)
+        grid = (triton_cdiv(R, self.BR),)
+        self.K.scatter_kernel[grid](src, src.stride(0), off, dst, R, sh, sd, H=H, D=D, DB=_pow2(D), BR=self.BR)
 
     @staticmethod
     def crc_collect(acc: torch.Tensor, lens: Sequence[int]) -> list[int]:
@@ -322,7 +396,7 @@ class TritonOps(TorchOps):
         def t(v):
             if isinstance(v, torch.Tensor):
                 return v.to(dev, torch.int64)
-            return torch.tensor(list(v), dtype=torch.int64).to(dev, non_blocking=True)
+            return device_tensor(v, torch.int64, dev)
 
         self.K.copy_chunks_kernel[(n,)](src, dst, t(src_offs), t(dst_offs), t(lens), BLOCK=4096)
 

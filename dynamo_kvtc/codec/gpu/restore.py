@@ -1,10 +1,23 @@
-"""Restore for the fused codec: many blobs in one job, checked before anything is decoded, then layer by layer.
+"""Restore for the fused codec: many blobs in one job, streamed layer group by layer group, no host synchronisation.
 
 :meth:`FusedCodec.open <dynamo_kvtc.codec.gpu.FusedCodec.open>` builds a :class:`RestoreJob`: headers parsed and
-checked on the host (the reference checks), section bytes copied host->device (pinned sources asynchronously), every
-section's CRC-32 computed on the device and compared. :meth:`RestoreJob.layers` then inflates every chunk (one nvCOMP
-batch per tag), dequantizes into one fp16 coefficient matrix per K/V and layer group, and per layer projects back,
-adds the mean, re-applies RoPE and scatters the rows into the destination; sinks and window rows follow.
+checked on the host (the reference checks), then the section bytes are queued host->device group by group (all
+blobs' ``{g}.*`` sections for g = 0, 1, ...; pinned sources copy directly, others through a pinned bounce buffer) on
+a copy stream, one CUDA event per group. :meth:`RestoreJob.layers` then, on the caller's stream:
+
+1. waits for group 0's bytes, computes their CRC-32s on the device, inflates group 0's chunks (one nvCOMP batch per
+   tag) and dequantizes them into one fp16 coefficient matrix per K/V and DP plan — while later groups still copy;
+2. waits for the remaining bytes and computes every other section's CRC on the device: the job's verdict is one
+   device boolean (every section of every blob intact);
+3. per layer of group 0: projects back, adds the mean, re-applies RoPE and scatters the rows into the destination,
+   then the sinks and window rows — every write through offsets that the verdict turns to -1 (skipped) when any
+   section is corrupt, so a corrupt job leaves the destination untouched, never partially written;
+4. groups 1, 2, ... the same way (inflate, dequantize, project), so layer 0 waits only for group 0's work.
+
+Nothing on that path reads a device value back: the host learns the verdict in :meth:`RestoreJob.finish`, which
+synchronises and raises CorruptBlobError naming the blob and section. ``verify="eager"`` keeps the old contract
+(every CRC checked, with one synchronisation, before the constructor returns). Without a destination (fresh
+tensors handed to the caller) nothing can be gated on the device, so the verdict is read before the first yield.
 """
 
 from __future__ import annotations
@@ -22,24 +35,28 @@ from ..plan import iter_sections
 from ..sinks import decode_sinks
 from ..tags import CHUNK_BYTES, chunk_sizes
 from .clock import Clock
-from .layouts import scatter_rows
-from .ops import ALIGN, align
+from .ops import ALIGN, align, device_tensor
 
 if TYPE_CHECKING:
     from .fused import FusedCodec
 
+VERIFY_MODES = ("device", "eager")
+
 
 class RestoreJob:
-    """One restore of many blobs (:meth:`FusedCodec.open`): owns the staged section bytes on the device and the
-    decode of them. Construction validates every blob (structure, calibration, every section CRC) and raises
-    DecodeError before anything is decoded; :meth:`layers` decodes, :meth:`finish` waits and reports timings. It never
-    writes outside the destination rows it is given."""
+    """One restore of many blobs (:meth:`FusedCodec.open`): owns the staged section bytes on the device, their
+    CRC verdict (a device boolean) and the group-by-group decode of them. Construction validates every header on
+    the host (DecodeError before anything is queued) and queues the host->device copies; with ``verify="eager"`` it
+    also checks every section CRC (one synchronisation). :meth:`layers` decodes; :meth:`finish` waits, raises
+    CorruptBlobError for a corrupt section and reports timings. It never writes outside the destination rows it is
+    given, and never writes them at all unless every section of every blob passed its CRC."""
 
-    def __init__(self, fc: FusedCodec, blobs: Sequence[Any]) -> None:
-        self.fc = fc
+    def __init__(self, fc: FusedCodec, blobs: Sequence[Any], verify: str = "device") -> None:
+        if verify not in VERIFY_MODES:
+            raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        self.fc, self.verify = fc, verify
         codec = fc.codec
-        dev = fc.device
-        self.clock = Clock(dev)
+        self.clock = Clock(fc.device)
         self.clock.mark("start")
         self.heads: list[dict[str, Any]] = []
         self.recs: list[list] = []
@@ -48,93 +65,150 @@ class RestoreJob:
             if isinstance(b, tuple):
                 t, off, n = b
                 mv = memoryview(t.numpy())[off : off + n]
-                srcs.append((t, off, n, mv))
+                srcs.append((t, off, mv))
             else:
                 mv = memoryview(b).cast("B")
-                srcs.append((None, 0, len(mv), mv))
+                srcs.append((None, 0, mv))
             h, recs = codec.check_blob(mv)
             self.heads.append(h)
             self.recs.append(recs)
         self.tokens = [h["tokens"] for h in self.heads]
-        self.bases = []
-        acc = 0
+        self.bases, acc = [], 0
         for T in self.tokens:
             self.bases.append(acc)
             acc += T
         self.total_tokens = acc
-        # ---- host -> device: each blob's section bytes, back to back
-        spans, total = [], 0
-        for (_, _, n, _), recs in zip(srcs, self.recs):
-            first = recs[0].offset if recs else n
-            spans.append((total, first, n - first))
-            total += n - first
-        self.staged = torch.empty(max(total, 1), dtype=torch.uint8, device=dev)
-        self.spans = spans
-        with fc.restore_lock:  # the pinned staging buffer is reused: held until the CRC step has synchronised
-            self._stage_and_check(srcs, spans, total)
-        self._checks: list[Callable[[], None]] = []
+        self.bad_blobs: list[int] = []  # after finish() (or an eager open): the blobs with a corrupt section
         self.timings: dict[str, float] = {}
+        self._checks: list[Callable[[], None]] = []
+        self._ok: torch.Tensor | None = None  # every section intact (device bool), once every CRC is queued
+        self._crc_ok: list[torch.Tensor] = []
+        self._crc_rows: list[dict[str, Any]] = []
+        self._crc_done = 0
+        self._layout()
+        self._stage(srcs)
+        if verify == "eager":
+            self._crc_upto(len(fc.tables))
+            self._raise_if_corrupt()
 
-    def _stage_and_check(self, srcs, spans, total) -> None:
-        fc, dev = self.fc, self.fc.device
-        stage = None
-        if dev.type == "cuda" and any(t is None or not t.is_pinned() for t, *_ in srcs):
-            stage = fc.pinned_buf(total, "restore")
-        for (t, off, _, mv), (dst, first, ln) in zip(srcs, spans):
-            if not ln:
-                continue
-            if t is not None and (dev.type != "cuda" or t.is_pinned()):
-                self.staged[dst : dst + ln].copy_(t[off + first : off + first + ln], non_blocking=True)
-            else:
-                host = stage if stage is not None else self.staged
-                host[dst : dst + ln].numpy()[:] = np.frombuffer(mv[first : first + ln], dtype=np.uint8)
-                if stage is not None:
-                    self.staged[dst : dst + ln].copy_(stage[dst : dst + ln], non_blocking=True)
+    # ------------------------------------------------------------------------------------------ staging
+    def _layout(self) -> None:
+        """Staged byte order: group 0's sections of every blob, then group 1's, ... (each blob's group sections are
+        one contiguous range of the blob)."""
+        G = len(self.fc.tables)
+        self.rows: list[list[dict[str, Any]]] = [[] for _ in range(G)]  # per group: its sections, blob by blob
+        self.sec: list[dict[str, dict[str, Any]]] = [{} for _ in self.recs]  # per blob: section name -> row
+        self.pieces: list[list[tuple[int, int, int, int]]] = [[] for _ in range(G)]  # (blob, src, dst, n)
+        total = 0
+        for g in range(G):
+            for bi, recs in enumerate(self.recs):
+                mine = [r for r in recs if int(r.name.split(".", 1)[0]) == g]
+                if not mine:
+                    continue
+                lo = min(r.offset for r in mine)
+                hi = max(r.offset + r.stored_len for r in mine)
+                self.pieces[g].append((bi, lo, total, hi - lo))
+                for r in mine:
+                    row = {"bi": bi, "rec": r, "staged_off": total + r.offset - lo}
+                    self.rows[g].append(row)
+                    self.sec[bi][r.name] = row
+                total += hi - lo
+        self.staged = torch.empty(max(total, 1), dtype=torch.uint8, device=self.fc.device)
+
+    def _stage(self, srcs) -> None:
+        """Queue the host->device copies group by group; ``self._copied[g]``: the event after group g's copies."""
+        dev = self.fc.device
+        self._copied: list[Any] = []
+        if dev.type != "cuda":
+            for pieces in self.pieces:
+                for bi, lo, dst, n in pieces:
+                    t, off, mv = srcs[bi]
+                    self.staged[dst : dst + n].numpy()[:] = np.frombuffer(mv[lo : lo + n], dtype=np.uint8)
+            return
+        pinned = [t is not None and t.is_pinned() for t, _, _ in srcs]
+        bounce_n = sum(n for pieces in self.pieces for bi, _, _, n in pieces if not pinned[bi])
+        # a fresh pinned buffer from torch's caching host allocator: it is reused only once these copies are done
+        bounce = torch.empty(bounce_n, dtype=torch.uint8, pin_memory=True) if bounce_n else None
+        main = torch.cuda.current_stream(dev)
+        cs = torch.cuda.Stream(device=dev)
+        cs.wait_stream(main)  # the staged buffer may reuse memory the caller's stream still reads
+        self.staged.record_stream(cs)
+        b0 = 0
+        for pieces in self.pieces:
+            with torch.cuda.stream(cs):
+                for bi, lo, dst, n in pieces:
+                    t, off, mv = srcs[bi]
+                    if pinned[bi]:
+                        src = t[off + lo : off + lo + n]
+                    else:
+                        bounce[b0 : b0 + n].numpy()[:] = np.frombuffer(mv[lo : lo + n], dtype=np.uint8)
+                        src, b0 = bounce[b0 : b0 + n], b0 + n
+                    self.staged[dst : dst + n].copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(cs)
+            self._copied.append(ev)
+
+    def _crc_upto(self, groups: int) -> None:
+        """Queue (on the caller's stream) the CRC check of every section of groups < ``groups`` not yet checked."""
+        a = self._crc_done
+        if groups <= a:
+            return
+        if self._copied:
+            main = torch.cuda.current_stream(self.fc.device)
+            for ev in self._copied[a:groups]:
+                main.wait_event(ev)
         self.clock.mark("h2d")
-        # ---- CRC of every section on the device (one synchronisation), before anything is inflated
-        self.sec: list[list[dict[str, Any]]] = []
-        offs, lens, want = [], [], []
-        for (dst, first, _), recs in zip(spans, self.recs):
-            rows = []
-            for r in recs:
-                so = dst + r.offset - first
-                rows.append({"rec": r, "staged_off": so})
-                offs.append(so)
-                lens.append(r.stored_len)
-                want.append(r.crc)
-            self.sec.append(rows)
-        got = fc.run_stage("crc", self.staged, offs, lens)
-        for g, w, (bi, r) in zip(got, want, [(i, r) for i, rs in enumerate(self.recs) for r in rs]):
-            if g != w:
-                raise CorruptBlobError(f"blob {bi} section {r.name!r} checksum mismatch (corrupted bytes)")
+        rows = [row for g in range(a, groups) for row in self.rows[g]]
+        recs = [row["rec"] for row in rows]
+        ok = self.fc.run_stage(
+            "crc_check",
+            self.staged,
+            [row["staged_off"] for row in rows],
+            [r.stored_len for r in recs],
+            [r.crc for r in recs],
+        )
+        self._crc_ok.append(ok)
+        self._crc_rows.extend(rows)
+        self._crc_done = groups
+        if groups == len(self.fc.tables):
+            self._ok = torch.cat(self._crc_ok).all()
         self.clock.mark("crc")
 
-    # ------------------------------------------------------------------------------------------------ decode
-    def _inflate(self) -> None:
-        """Realign compressed chunks, inflate them (one nvCOMP batch per tag) into 16 B aligned raw sections."""
+    def _raise_if_corrupt(self) -> None:
+        """Read the CRC verdicts back (synchronises up to the CRC kernels) and raise for the first corrupt section."""
+        self._crc_upto(len(self.fc.tables))
+        ok = torch.cat(self._crc_ok).cpu().tolist() if self._crc_ok else []
+        bad = [row for row, good in zip(self._crc_rows, ok) if not good]
+        self.bad_blobs = sorted({row["bi"] for row in bad})
+        if bad:
+            row = min(bad, key=lambda r: (r["bi"], r["rec"].offset))
+            raise CorruptBlobError(f"blob {row['bi']} section {row['rec'].name!r} checksum mismatch (corrupted bytes)")
+
+    # ------------------------------------------------------------------------------------------ decode
+    def _inflate(self, g: int) -> torch.Tensor:
+        """Group g's sections, realigned and inflated (one nvCOMP batch per tag) into 16 B aligned raw sections of
+        a new buffer (returned); each row gets its ``raw_off``."""
         fc, dev = self.fc, self.fc.device
         raw_len = 0
-        for rows in self.sec:
-            for row in rows:
-                row["raw_off"] = raw_len
-                raw_len = align(raw_len + row["rec"].raw_len)
-        self.raw = torch.zeros(max(raw_len, ALIGN), dtype=torch.uint8, device=dev)
+        for row in self.rows[g]:
+            row["raw_off"] = raw_len
+            raw_len = align(raw_len + row["rec"].raw_len)
+        raw = torch.zeros(max(raw_len, ALIGN), dtype=torch.uint8, device=dev)
         store_cp: list[tuple[int, int, int]] = []
         comp: dict[str, list[tuple[int, int, int, int]]] = {}  # tag -> (staged_off, stored_len, raw_off, raw_len)
-        for rows in self.sec:
-            for row in rows:
-                r = row["rec"]
-                if not r.raw_len:
-                    continue
-                if r.tag == "store":
-                    store_cp.append((row["staged_off"], row["raw_off"], r.raw_len))
-                    continue
-                so = row["staged_off"]
-                for ci, (n, raw_n) in enumerate(zip(r.chunks, chunk_sizes(r.raw_len))):
-                    comp.setdefault(r.tag, []).append((so, n, row["raw_off"] + ci * CHUNK_BYTES, raw_n))
-                    so += n
+        for row in self.rows[g]:
+            r = row["rec"]
+            if not r.raw_len:
+                continue
+            if r.tag == "store":
+                store_cp.append((row["staged_off"], row["raw_off"], r.raw_len))
+                continue
+            so = row["staged_off"]
+            for ci, (n, raw_n) in enumerate(zip(r.chunks, chunk_sizes(r.raw_len))):
+                comp.setdefault(r.tag, []).append((so, n, row["raw_off"] + ci * CHUNK_BYTES, raw_n))
+                so += n
         if store_cp:
-            fc.run_stage("copy_chunks", self.staged, self.raw, *zip(*store_cp))
+            fc.run_stage("copy_chunks", self.staged, raw, *zip(*store_cp))
         for tag, items in comp.items():
             if not fc.entropy.usable(tag):
                 raise CorruptBlobError(f"entropy codec {tag!r} cannot be decoded here")
@@ -143,157 +217,183 @@ class RestoreJob:
                 aligned_offs.append(total)
                 total = align(total + n)
             aligned = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=dev)
-            fc.run_stage(
-                "copy_chunks", self.staged, aligned, [i[0] for i in items], aligned_offs, [i[1] for i in items]
-            )
+            sizes = [i[1] for i in items]
+            fc.run_stage("copy_chunks", self.staged, aligned, [i[0] for i in items], aligned_offs, sizes)
             self._checks.append(
-                fc.entropy.decode(
-                    tag,
-                    aligned,
-                    aligned_offs,
-                    [i[1] for i in items],
-                    self.raw,
-                    [i[2] for i in items],
-                    [i[3] for i in items],
-                )
+                fc.entropy.decode(tag, aligned, aligned_offs, sizes, raw, [i[2] for i in items], [i[3] for i in items])
             )
         self.clock.mark("entropy")
+        return raw
 
-    def _dequant(self) -> None:
-        fc, dev = self.fc, self.fc.device
-        H, D = fc.fp.num_kv_heads, fc.fp.head_dim
-        # coded rows: per DP plan (ratio), the concatenation of its blobs' coded tokens -> one matrix per K/V/group
+    def _plan_rows(self) -> None:
+        """Coded rows: per DP plan (ratio), the concatenation of its blobs' coded tokens (one GEMM per plan)."""
         self.rgroups: list[dict[str, Any]] = []
         by_ratio: dict[float, list[int]] = {}
         for bi, h in enumerate(self.heads):
             if h["mode"] == "kvtc" and h["tokens"] - h["sinks"] - h["window"]:
                 by_ratio.setdefault(float(h["ratio"]), []).append(bi)
         for ratio, members in sorted(by_ratio.items()):
-            rows0, R, pos_rows = {}, 0, []
+            rows0, R, pos = {}, 0, []
             for bi in members:
                 h = self.heads[bi]
                 nc = h["tokens"] - h["sinks"] - h["window"]
                 rows0[bi] = R
                 R += nc
-                pos = torch.tensor(runs_to_positions(h["positions"]), dtype=torch.int64)
-                pos_rows.append(pos[h["sinks"] : h["sinks"] + nc])
-            rg = {"ratio": ratio, "blobs": members, "rows0": rows0, "R": R, "pos": torch.cat(pos_rows).to(dev)}
-            rg["coeffs"] = []
-            for gi, tab in enumerate(fc.tables):
-                out = {}
-                for kind in ("k", "v"):
-                    plan = (tab.k_plans if kind == "k" else tab.v_plans)[ratio]
-                    Dm = torch.zeros(R, plan.rank, dtype=torch.float16, device=dev)
-                    for bi in members:
-                        h = self.heads[bi]
-                        nc = h["tokens"] - h["sinks"] - h["window"]
-                        row = next(x for x in self.sec[bi] if x["rec"].name == f"{gi}.{kind}")
-                        base0 = row["raw_off"]
-                        view = Dm[rows0[bi] : rows0[bi] + nc]
-                        for bki, (bk, boff, nb) in enumerate(iter_sections(plan, nc)):
-                            n = len(bk.starts)
-                            base = base0 + boff
-                            shift = self.raw[base : base + 2 * n * nc].view(torch.float16)
-                            scale = self.raw[base + 2 * n * nc : base + 4 * n * nc].view(torch.float16)
-                            codes = self.raw[base + 4 * n * nc : base + nb]
-                            starts = tab.starts(kind, ratio, bki, bk)
-                            fc.run_stage("dequant", codes, shift, scale, bk.kind, bk.size, starts, view, nc)
-                    out[kind] = Dm
-                rg["coeffs"].append(out)
-            self.rgroups.append(rg)
-        # sinks (fp8 -> float) and window rows, all blobs, all layers: [L, n_extra, H, D] in each blob's dtype
-        self.extra = []
-        for gi, tab in enumerate(fc.tables):
-            l0, l1 = tab.layers
-            Lg = l1 - l0
-            ks, vs, toks = [], [], []
-            for bi, (h, rows) in enumerate(zip(self.heads, self.sec)):
-                dtype = DTYPES[h["dtype"]]
-                ns, nw, T = h["sinks"], h["window"], h["tokens"]
-                if ns:
-                    row = next(x for x in rows if x["rec"].name == f"{gi}.sinks")
-                    buf = self.raw[row["raw_off"] : row["raw_off"] + row["rec"].raw_len]
-                    sk, sv = decode_sinks(buf, Lg, ns, H, D)
-                    ks.append(sk.to(dtype))
-                    vs.append(sv.to(dtype))
-                    toks.append((bi, 0, ns))
-                if nw:
-                    row = next(x for x in rows if x["rec"].name == f"{gi}.window")
-                    item = dtype.itemsize
-                    half = Lg * nw * H * D * item
-                    a = row["raw_off"]
-                    ks.append(self.raw[a : a + half].view(dtype).view(Lg, nw, H, D))
-                    vs.append(self.raw[a + half : a + 2 * half].view(dtype).view(Lg, nw, H, D))
-                    toks.append((bi, T - nw, nw))
-            self.extra.append((ks, vs, toks))
+                pos.extend(runs_to_positions(h["positions"])[h["sinks"] : h["sinks"] + nc])
+            pos_t = device_tensor(pos, torch.int64, self.fc.device)
+            self.rgroups.append({"ratio": ratio, "blobs": members, "rows0": rows0, "R": R, "pos": pos_t, "rope": {}})
+
+    def _dequant(self, g: int, raw: torch.Tensor) -> None:
+        """Group g's coefficient matrices (``rg["coeffs"][kind]``) and its sinks/window rows (``self.extra``)."""
+        fc, dev = self.fc, self.fc.device
+        H, D = fc.fp.num_kv_heads, fc.fp.head_dim
+        tab = fc.tables[g]
+        for rg in self.rgroups:
+            ratio, out = rg["ratio"], {}
+            for kind in ("k", "v"):
+                plan = (tab.k_plans if kind == "k" else tab.v_plans)[ratio]
+                Dm = torch.zeros(rg["R"], plan.rank, dtype=torch.float16, device=dev)
+                for bi in rg["blobs"]:
+                    h = self.heads[bi]
+                    nc = h["tokens"] - h["sinks"] - h["window"]
+                    base0 = self.sec[bi][f"{g}.{kind}"]["raw_off"]
+                    view = Dm[rg["rows0"][bi] : rg["rows0"][bi] + nc]
+                    for bki, (bk, boff, nb) in enumerate(iter_sections(plan, nc)):
+                        n = len(bk.starts)
+                        base = base0 + boff
+                        shift = raw[base : base + 2 * n * nc].view(torch.float16)
+                        scale = raw[base + 2 * n * nc : base + 4 * n * nc].view(torch.float16)
+                        codes = raw[base + 4 * n * nc : base + nb]
+                        starts = tab.starts(kind, ratio, bki, bk)
+                        fc.run_stage("dequant", codes, shift, scale, bk.kind, bk.size, starts, view, nc)
+                out[kind] = Dm
+            rg["coeffs"] = out
+        # sinks (fp8 -> float) and window rows of every blob: [Lg, n_extra, H, D] in each blob's dtype
+        Lg = tab.layers[1] - tab.layers[0]
+        ks, vs = [], []
+        for bi, h in enumerate(self.heads):
+            dtype = DTYPES[h["dtype"]]
+            ns, nw = h["sinks"], h["window"]
+            if ns:
+                row = self.sec[bi][f"{g}.sinks"]
+                sk, sv = decode_sinks(raw[row["raw_off"] : row["raw_off"] + row["rec"].raw_len], Lg, ns, H, D)
+                ks.append(sk.to(dtype))
+                vs.append(sv.to(dtype))
+            if nw:
+                a = self.sec[bi][f"{g}.window"]["raw_off"]
+                half = Lg * nw * H * D * dtype.itemsize
+                ks.append(raw[a : a + half].view(dtype).view(Lg, nw, H, D))
+                vs.append(raw[a + half : a + 2 * half].view(dtype).view(Lg, nw, H, D))
+        self.extra = (ks, vs)
         self.clock.mark("dequantize")
 
-    def layers(self, dest=None, targets: Sequence[tuple[int, int]] | None = None, keep=None) -> Iterator:
-        """Decode layer by layer. With ``dest`` (:class:`DenseKV` / :class:`PagedBlocks`), blob i is written to
-        tokens ``targets[i] = (seq, start)`` onwards (``keep[i] = (a, b)``: only its tokens a..b-1) and
-        ``layer`` is yielded once its writes are queued; without, yields ``(layer, k, v)`` with fresh
-        ``[total_tokens, H, D]`` tensors (blob i at rows ``bases[i]``...). Call :meth:`finish` afterwards."""
-        fc, dev = self.fc, self.fc.device
-        fp = fc.fp
-        H, D = fp.num_kv_heads, fp.head_dim
-        HD = H * D
-        self._inflate()
-        self._dequant()
-        dtypes = {DTYPES[h["dtype"]] for h in self.heads}
+    # ------------------------------------------------------------------------------------------ layers
+    def _offsets(self, dest, targets, keep) -> list[torch.Tensor]:
+        """Per blob, one element offset per token into the destination (-1: not written)."""
+        dev = self.fc.device
         if dest is None:
+            HD = self.fc.fp.num_kv_heads * self.fc.fp.head_dim
+            return [torch.arange(b, b + T, dtype=torch.int64, device=dev) * HD for b, T in zip(self.bases, self.tokens)]
+        targets = targets or [(i, 0) for i in range(len(self.heads))]
+        offs = []
+        for i, ((seq, start), T) in enumerate(zip(targets, self.tokens)):
+            o = dest.token_offsets(seq, start, T)
+            if keep is not None and keep[i] is not None:
+                a, b = keep[i]
+                m = torch.ones(T, dtype=torch.bool, device=o.device)
+                m[a:b] = False
+                o = torch.where(m, torch.full_like(o, -1), o)
+            offs.append(o)
+        return offs
+
+    def _gate(self, offs: list[torch.Tensor]) -> None:
+        """Route every write through the CRC verdict (device mode: offsets become -1 unless every section is
+        intact) and build the per-plan and sinks/window offset vectors."""
+        if self.verify == "device":
+            offs = [torch.where(self._ok, o, -1) for o in offs]
+        for rg in self.rgroups:
+            ns = [self.heads[bi]["sinks"] for bi in rg["blobs"]]
+            rg["doff"] = torch.cat([offs[bi][a : a + n] for (bi, n), a in zip(_ncs(self, rg), ns)])
+        parts = []
+        for bi, h in enumerate(self.heads):
+            T, ns, nw = h["tokens"], h["sinks"], h["window"]
+            if ns:
+                parts.append(offs[bi][:ns])
+            if nw:
+                parts.append(offs[bi][T - nw :])
+        self.extra_off = torch.cat(parts) if parts else None
+
+    def layers(self, dest=None, targets: Sequence[tuple[int, int]] | None = None, keep=None) -> Iterator:
+        """Decode layer by layer, group by group. With ``dest`` (:class:`DenseKV` / :class:`PagedBlocks`), blob i is
+        written to tokens ``targets[i] = (seq, start)`` onwards (``keep[i] = (a, b)``: only its tokens a..b-1) and
+        ``layer`` is yielded once its writes are queued (sync-free; nothing is written if a section is corrupt, and
+        :meth:`finish` raises); without, yields ``(layer, k, v)`` with fresh ``[total_tokens, H, D]`` tensors (blob
+        i at rows ``bases[i]``...; the CRC verdict is read, and CorruptBlobError raised, before the first yield).
+        Call :meth:`finish` afterwards."""
+        fc = self.fc
+        out_dtype = None
+        if dest is None:
+            dtypes = {DTYPES[h["dtype"]] for h in self.heads}
             if len(dtypes) != 1:
                 raise InputError("blobs of different dtypes need a destination")
             out_dtype = dtypes.pop()
-            sh, sd = D, 1
-            offs = [torch.arange(b, b + T, dtype=torch.int64, device=dev) * HD for b, T in zip(self.bases, self.tokens)]
-        else:
-            sh, sd = dest.stride_h, dest.stride_d
-            targets = targets or [(i, 0) for i in range(len(self.heads))]
-            offs = []
-            for i, ((seq, start), T) in enumerate(zip(targets, self.tokens)):
-                o = dest.token_offsets(seq, start, T)
-                if keep is not None and keep[i] is not None:
-                    a, b = keep[i]
-                    m = torch.ones(T, dtype=torch.bool, device=o.device)
-                    m[a:b] = False
-                    o = torch.where(m, torch.full_like(o, -1), o)
-                offs.append(o)
+        offs = self._offsets(dest, targets, keep)
+        self._plan_rows()
+        for g in range(len(fc.tables)):
+            if g == 0:
+                self._crc_upto(1)
+            raw = self._inflate(g)
+            self._dequant(g, raw)
+            if g == 0:
+                self._crc_upto(len(fc.tables))  # every section's CRC queued before the first write
+                if dest is None and self.verify == "device":
+                    self._raise_if_corrupt()
+                self._gate(offs)
+            yield from self._project(g, dest, out_dtype)
+            del raw
+        self.extra = ([], [])
         for rg in self.rgroups:
-            rg["doff"] = torch.cat(
-                [offs[bi][self.heads[bi]["sinks"] : self.heads[bi]["sinks"] + rg_nc] for bi, rg_nc in _ncs(self, rg)]
-            )
-            rg["rope"] = {}
-        for gi, tab in enumerate(fc.tables):
-            l0, l1 = tab.layers
-            ks, vs, toks = self.extra[gi]
-            extra_off = torch.cat([offs[bi][a : a + n] for bi, a, n in toks]) if toks else None
-            for layer in range(l0, l1):
-                if dest is None:
-                    kbuf = torch.empty(self.total_tokens, H, D, dtype=out_dtype, device=dev)
-                    vbuf = torch.empty_like(kbuf)
-                    kdst, vdst = kbuf, vbuf
-                else:
-                    kdst, vdst = dest.layer(layer)
-                cols = slice((layer - l0) * HD, (layer - l0 + 1) * HD)
-                for rg in self.rgroups:
-                    for kind, dst in (("k", kdst), ("v", vdst)):
-                        mean = (tab.k_mean if kind == "k" else tab.v_mean)[cols]
-                        Y = fc.projector.restore(rg["coeffs"][gi][kind], tab, kind, cols)
-                        rope = None
-                        if kind == "k" and fc.codec.rope_removed:
-                            rope = fc.rope(rg["rope"], layer, rg["pos"], inverse=False)
-                        fc.run_stage("post", Y, rg["doff"], dst, mean, rope, H, D, sh, sd)
-                if toks:
-                    i = layer - l0
-                    scatter_rows(kdst, extra_off, torch.cat([k[i] for k in ks]), H, D, sh, sd)
-                    scatter_rows(vdst, extra_off, torch.cat([v[i] for v in vs]), H, D, sh, sd)
-                self.clock.mark(f"layer{layer}")
-                yield (layer, kbuf, vbuf) if dest is None else layer
+            rg.pop("coeffs", None)
+
+    def _project(self, g: int, dest, out_dtype) -> Iterator:
+        fc, dev = self.fc, self.fc.device
+        H, D = fc.fp.num_kv_heads, fc.fp.head_dim
+        HD = H * D
+        sh, sd = (D, 1) if dest is None else (dest.stride_h, dest.stride_d)
+        tab = fc.tables[g]
+        l0, l1 = tab.layers
+        ks, vs = self.extra
+        for layer in range(l0, l1):
+            if dest is None:
+                kbuf = torch.empty(self.total_tokens, H, D, dtype=out_dtype, device=dev)
+                vbuf = torch.empty_like(kbuf)
+                kdst, vdst = kbuf, vbuf
+            else:
+                kdst, vdst = dest.layer(layer)
+            cols = slice((layer - l0) * HD, (layer - l0 + 1) * HD)
+            for rg in self.rgroups:
+                for kind, dst in (("k", kdst), ("v", vdst)):
+                    mean = (tab.k_mean if kind == "k" else tab.v_mean)[cols]
+                    Y = fc.projector.restore(rg["coeffs"][kind], tab, kind, cols)
+                    rope = None
+                    if kind == "k" and fc.codec.rope_removed:
+                        rope = fc.rope(rg["rope"], layer, rg["pos"], inverse=False)
+                    fc.run_stage("post", Y, rg["doff"], dst, mean, rope, H, D, sh, sd)
+            if ks:
+                i = layer - l0
+                fc.run_stage("scatter", torch.cat([k[i] for k in ks]), self.extra_off, kdst, H, D, sh, sd)
+                fc.run_stage("scatter", torch.cat([v[i] for v in vs]), self.extra_off, vdst, H, D, sh, sd)
+            self.clock.mark(f"layer{layer}")
+            yield (layer, kbuf, vbuf) if dest is None else layer
 
     def finish(self) -> dict[str, float]:
-        """Wait for the stream, run the deferred nvCOMP size checks, return stage timings (seconds)."""
+        """Wait for the stream; raise CorruptBlobError (blob and section named, ``bad_blobs`` set) if a section
+        failed its CRC — then nothing was written — and run the deferred nvCOMP size checks; return stage timings
+        (seconds)."""
+        self._crc_upto(len(self.fc.tables))
         if self.fc.device.type == "cuda":
             torch.cuda.current_stream(self.fc.device).synchronize()
+        self._raise_if_corrupt()
         for check in self._checks:
             check()
         st = self.clock.stages()

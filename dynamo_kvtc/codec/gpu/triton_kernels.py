@@ -12,6 +12,8 @@ or on the CPU under ``TRITON_INTERPRET=1``).
 - :func:`dequant_kernel`: the inverse, writing fp16 coefficients for the inverse-projection GEMM.
 - :func:`post_kernel`: one layer of the inverse-projection output + mean, RoPE re-applied (keys), cast to the cache
   dtype and scattered to per-row destination offsets (paged blocks or a dense tensor); rows with offset -1 are skipped.
+- :func:`scatter_kernel`: rows ``[n, H*D]`` (sinks, raw window) cast to the cache dtype and scattered like
+  ``post_kernel`` (offset -1: skipped), without arithmetic: a same-dtype row is copied bit for bit.
 - :func:`crc_kernel`: CRC-32 (zlib's) of byte ranges on the device: byte-serial CRC of 512-byte pieces in parallel,
   each advanced over the bytes that follow it with precomputed GF(2) matrices, XOR-reduced per section.
 - :func:`copy_chunks_kernel`: gathers variable-length byte chunks (compaction of nvCOMP outputs, realignment of
@@ -229,6 +231,34 @@ def post_kernel(
             mup = tl.load(mean_ptr + h * D + part, mask=dmask, other=0.0)
             xp = tl.load(y_ptr + rows64[:, None] * y_stride + h * D + part[None, :], mask=m2, other=0.0)
             x = x * A + (xp + mup[None, :]) * B
+        dst = dst_ptr + doff[:, None] + h * stride_h + d[None, :] * stride_d
+        tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def scatter_kernel(
+    src_ptr,
+    src_stride,
+    doff_ptr,
+    dst_ptr,
+    R,
+    stride_h,
+    stride_d,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DB: tl.constexpr,
+    BR: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BR + tl.arange(0, BR)
+    rmask = rows < R
+    d = tl.arange(0, DB)
+    dmask = d < D
+    doff = tl.load(doff_ptr + rows, mask=rmask, other=-1)
+    m2 = (rmask & (doff >= 0))[:, None] & dmask[None, :]
+    rows64 = rows.to(tl.int64)
+    for h in tl.static_range(H):
+        x = tl.load(src_ptr + rows64[:, None] * src_stride + h * D + d[None, :], mask=m2)
         dst = dst_ptr + doff[:, None] + h * stride_h + d[None, :] * stride_d
         tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=m2)
 
