@@ -65,6 +65,50 @@ def test_host_tier_lru_and_no_fragmentation_collapse():
         host.put("huge", b"x" * (host.capacity + 1))
 
 
+def test_host_tier_keeps_blobs_contiguous_and_leases_pin_their_pages():
+    host = HostTier(64 * 1024, page_bytes=1024, pinned=False)
+    a, b = os.urandom(10_000), os.urandom(5_000)
+    host.put("a", a)
+    host.put("b", b)
+    assert host.extents("a") == [(0, 10_000)] and host.extents("b") == [(10 * 1024, 5_000)]  # one piece each
+    lease = host.lease("a")
+    t, off, n = lease.view()
+    assert bytes(t.numpy()[off : off + n]) == a and lease.tobytes() == a and lease.meta is None
+    # a leased blob is never an eviction victim: filling the tier evicts b (LRU after the lease touched a)
+    victims = host.put("c", os.urandom(52_000))
+    assert [v[0] for v in victims] == ["b"] and "a" in host
+    with pytest.raises(TierFullError):  # only a's pages could make room, and they are being read
+        host.put("d", os.urandom(60_000))
+    assert "a" in host and "c" in host  # all-or-nothing
+    # dropped while leased: gone from the tier at once, its pages come back only when the reader is done
+    host.discard("a")
+    assert "a" not in host and host.lease("a") is None
+    assert bytes(t.numpy()[off : off + n]) == a  # still intact for the reader
+    full = host.fill
+    lease.release()
+    lease.release()  # idempotent
+    assert host.fill < full and host.used_bytes == 52_000
+    # freed runs merge: after churn a blob that fits a free run gets one piece
+    host.discard("c")
+    assert host.fill == 0.0
+    host.put("e", os.urandom(64 * 1024))
+    assert len(host.extents("e")) == 1
+
+
+def test_host_tier_fragmented_arena_still_stores_and_reads_back():
+    host = HostTier(16 * 1024, page_bytes=1024, pinned=False)
+    for i in range(16):
+        host.put(f"p{i}", bytes([i]) * 1024)
+    for i in range(0, 16, 2):
+        host.discard(f"p{i}")  # 8 free single pages, none adjacent
+    data = os.urandom(4 * 1024)
+    assert host.put("frag", data) == []
+    assert len(host.extents("frag")) == 4 and host.get("frag")[0] == data
+    lease = host.lease("frag")
+    assert lease.view() is None and lease.tobytes() == data  # not contiguous: read as bytes
+    lease.release()
+
+
 # ---------------------------------------------------------------------------------------------- disk tier
 @pytest.fixture(scope="module")
 def nixl_files():

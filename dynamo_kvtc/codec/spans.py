@@ -57,9 +57,11 @@ class EncodeSpan:
 @dataclass
 class RestoreRun:
     """Tokens ``start .. start + tokens`` of ``blob`` to restore; ``blocks``: the destination blocks of those tokens
-    (one per ``block_size`` tokens) when restoring into a :class:`PagedView`."""
+    (one per ``block_size`` tokens) when restoring into a :class:`PagedView`. ``blob`` is bytes-like, or
+    ``(tensor, offset, length)`` over a CPU uint8 tensor (read in place; pinned: copied to the device asynchronously,
+    so the caller keeps those bytes unchanged until the restore finished)."""
 
-    blob: bytes
+    blob: Any
     start: int
     tokens: int
     blocks: Sequence[int] | None = None
@@ -72,6 +74,14 @@ class Encoded:
 
     blobs: Iterable[bytes]
     fused: bool
+
+
+def host_bytes(blob: Any) -> Any:
+    """A bytes-like view of a blob given as bytes or as ``(tensor, offset, length)`` (no copy)."""
+    if isinstance(blob, tuple):
+        t, off, n = blob
+        return memoryview(t.numpy())[off : off + n]
+    return blob
 
 
 class SpanCoder:
@@ -204,7 +214,7 @@ class SpanRestore:
         gens = []
         for i, r in enumerate(self.runs):
             try:
-                gens.append(self.codec.decode_layers(r.blob))  # validates the whole blob
+                gens.append(self.codec.decode_layers(host_bytes(r.blob)))  # validates the whole blob
             except DecodeError as e:
                 self.bad(i, e)
                 raise

@@ -9,7 +9,7 @@ from collections import Counter
 from ..errors import TierError, TierFullError
 from .blobs import BlobMeta
 from .disk import DiskTier
-from .host import HostTier
+from .host import HostLease, HostTier
 from .index import BlockIndex
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,20 @@ class Placement:
         self.index.remove(blob_id)
 
     # ------------------------------------------------------------------ reads
+    def read(self, blob_id: str) -> HostLease | bytes:
+        """Like :meth:`fetch`, but a host-resident blob comes back as a :class:`HostLease` (read in place, no copy;
+        the caller releases it once its device copy is done) — also right after a disk hit promoted it."""
+        lease = self.host.lease(blob_id)
+        if lease is None:
+            blob = self.fetch(blob_id)
+            lease = self.host.lease(blob_id)  # promoted (or, without room in memory, only the bytes)
+            if lease is None:
+                return blob
+        else:
+            self.stats["onboard_host_hits"] += 1
+            self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
+        return lease
+
     def fetch(self, blob_id: str, _retry: bool = False) -> bytes:
         """A blob's bytes from the host tier, else from disk (then promoted to the host tier). TierError if no tier
         holds it; TransferError (a TierError) when a disk read failed but the file is kept."""

@@ -19,6 +19,7 @@ from ..codec.kvtc import KvtcCodec
 from ..codec.spans import PagedView, RestoreRun, SpanCoder
 from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
+from .host import HostLease
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
@@ -49,6 +50,7 @@ class OnboardHandle:
         self.future: Future | None = None
         self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
         self.raw_bytes = 0  # 16-bit bytes of the KV it restores
+        self.leases: list[Any] = []  # host pages read in place by this restore (released by the restorer)
 
     # ------------------------------------------------------------------ producer side
     def mark_layer_ready(self, i: int) -> None:
@@ -191,8 +193,11 @@ class Restorer:
             else:
                 runs, ids, tiers = self._from_tiers(handle, hashes)
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-            with ctx:
-                self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
+            try:
+                with ctx:
+                    self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
+            finally:
+                self._release(handle)
             fp = self.cal.fingerprint
             bs = self.block_size
             handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
@@ -206,9 +211,20 @@ class Restorer:
             self.timings.append(("first_layer", handle.ready_times[0] or 0.0))
             handle.finish()
         except BaseException as e:  # any failure is a miss: the engine recomputes
+            self._release(handle)
             self.stats[f"onboard_error_{type(e).__name__}"] += 1
             log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
             handle.fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
+
+    def _release(self, handle: OnboardHandle) -> None:
+        """Give the leased host pages back, after the device finished reading them."""
+        if not handle.leases:
+            return
+        if self._stream is not None:
+            self._stream.synchronize()  # the restore's host->device copies of the leased pages are done
+        for lease in handle.leases:
+            lease.release()
+        handle.leases.clear()
 
     def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source) -> list[BlobRun]:
         runs = source()
@@ -220,18 +236,26 @@ class Restorer:
         return runs
 
     def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
+        """The runs covering ``hashes``; host-resident blobs are leased (read in place) and recorded in
+        ``handle.leases`` for the caller to release once the device has copied them."""
         runs, ids = [], []
         tiers: Counter[str] = Counter()
         for r in self.index.plan(hashes):
             tiers["host" if r.blob_id in self.placement.host else "disk"] += r.count
             try:
-                blob = self.placement.fetch(r.blob_id)
+                got = self.placement.read(r.blob_id)
             except TransferError:
                 raise  # a failed read of an intact file: a miss now, the blob stays for the next try
             except TierError as e:
                 self.placement.drop(r.blob_id, e)
                 raise
-            handle.bytes_read += len(blob)
+            if isinstance(got, HostLease):
+                handle.leases.append(got)
+                blob = got.view() or got.tobytes()
+                handle.bytes_read += got.nbytes
+            else:
+                blob = got
+                handle.bytes_read += len(blob)
             runs.append(BlobRun(blob, r.first, r.count, r.at))
             ids.append(r.blob_id)
         return runs, ids, tiers
