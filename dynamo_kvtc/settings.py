@@ -95,7 +95,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("nixl_timeout_s", "float", 30, "deadline of one disk-tier NIXL transfer", "tier", lo=0, lo_open=True),
     _s("ratio_policy", "str", "fixed", "`fixed`: every offload at `ratio` (higher under host-tier pressure, up to "
        "`max_ratio`); `raw_first`: store uncompressed while the host tier has room (below 90% full with the new "
-       "blob), compress once it has not", "tier", choices=("fixed", "raw_first")),
+       "blob), compress once it has not; `raw`: never compress (a raw tier: the serving benchmark's baseline)",
+       "tier", choices=("fixed", "raw_first", "raw")),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
        default_doc="the shipped one"),
@@ -128,6 +129,10 @@ SETTINGS: tuple[Setting, ...] = (
        "anywhere", "process", choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
        "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
+    _s("projection", "str", "fp16", "precision of the codec's projection GEMMs: `fp16`, `fp8` (e4m3, row-wise "
+       "scales, fp32 accumulation; where FP8 tensor cores are absent it runs in fp16, on the CPU reference path it "
+       "emulates the FP8 rounding), `auto` (fp8 on CUDA devices of compute capability >= 8.9, else fp16). Blobs "
+       "are the same format either way", "process", choices=("auto", "fp16", "fp8")),
     _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
        "process"),
     _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process",

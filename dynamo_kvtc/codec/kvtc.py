@@ -60,6 +60,7 @@ class CodecConfig:
     window: int = 128
     min_tokens: int = 16
     tag: str = "deflate"
+    projection: str = "fp16"  # precision of the projection GEMMs: auto | fp16 | fp8 (the blob format is the same)
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
@@ -70,6 +71,9 @@ class CodecConfig:
             raise ConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
         if self.tag not in TAGS:
             raise ConfigError(f"unknown entropy codec tag {self.tag!r}; choose one of {TAGS}")
+        choices = settings.BY_KEY["projection"].choices
+        if self.projection not in choices:
+            raise ConfigError(f"unknown projection {self.projection!r}; choose one of {choices}")
 
     def segments(self, positions: torch.Tensor, window: int | None = None) -> tuple[str, int, int, int]:
         """``(mode, sinks, window, coded)`` token counts of a span at ``positions`` (CPU int64, validated);
@@ -109,6 +113,11 @@ class KvtcCodec:
     ``False`` keeps the reference path (float32 math, the definition of the format); ``True`` forces it (on the CPU
     too, with torch stages: for tests). Both paths write and read the same blobs. If the fused path fails
     unexpectedly the codec logs it and continues on the reference path.
+
+    ``projection`` (``auto``/``fp16``/``fp8``; None: ``DYN_KVTC_PROJECTION``) sets the precision of the projection
+    GEMMs. The fused path runs them in fp16 or FP8 (e4m3, row-wise scales; ``auto``: FP8 where the GPU has FP8
+    tensor cores). The reference path stays float32 for ``auto``/``fp16`` and, for ``fp8``, emulates the FP8 GEMM's
+    rounding (same scales, operands rounded to e4m3, fp32 matmul) so its accuracy can be measured on the CPU.
     """
 
     def __init__(
@@ -123,10 +132,13 @@ class KvtcCodec:
         tag: str = "deflate",
         profile: bool = False,
         fused: bool | None = None,
+        projection: str | None = None,
     ) -> None:
         self.cal = calibration
         self.profile = profile
-        self.config = CodecConfig(float(ratio), sinks, window, min_tokens, tag)
+        if projection is None:
+            projection = settings.env_value("projection")
+        self.config = CodecConfig(float(ratio), sinks, window, min_tokens, tag, projection)
         if float(ratio) not in [float(r) for r in calibration.ratios]:
             raise ConfigError(
                 f"ratio {ratio} has no DP plan in calibration {calibration.id[:12]}; available: "
@@ -304,7 +316,7 @@ class KvtcCodec:
                 if kind == "k" and self.rope_removed:
                     xs = self._rope(xs, pos_c, l0, rope_cache, inverse=True)
                 rows = xs.permute(1, 0, 2, 3).reshape(nc, -1)
-                coeffs = (rows - mean) @ basis[:, : plan.rank]
+                coeffs = self._ref_mm(rows - mean, basis[:, : plan.rank])
                 t1 = self._now()
                 payload = encode_coefficients(coeffs, plan)
                 t2 = self._now()
@@ -346,6 +358,19 @@ class KvtcCodec:
             cache[cfg] = cfg.cos_sin(pos, device=x.device)
         cos, sin = cache[cfg]
         return rotate(x, cos, sin, cfg, inverse=inverse)
+
+    def _ref_operand(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """A GEMM operand of the reference path: ``x`` itself (float32), or with ``projection="fp8"`` ``x`` rounded
+        through e4m3 with one scale per slice along ``dim``, as the fused path's FP8 GEMM sees it."""
+        if self.config.projection != "fp8":
+            return x
+        from .gpu.projection import fake_e4m3
+
+        return fake_e4m3(x, dim)
+
+    def _ref_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` on the reference path (per-row scales for ``a``, per-column for ``b`` when emulating fp8)."""
+        return self._ref_operand(a, 1) @ self._ref_operand(b, 0)
 
     # ================================================================== decode
     def _check_header(self, h: dict[str, Any]) -> None:
@@ -449,8 +474,8 @@ class KvtcCodec:
                 sink_k, sink_v = decode_sinks(raw["sinks"].to(dev), Lg, ns, H, D)
             coeffs = {}
             if nc:
-                coeffs["k"] = decode_coefficients(raw["k"].to(dev), tab.k_plans[ratio], nc)
-                coeffs["v"] = decode_coefficients(raw["v"].to(dev), tab.v_plans[ratio], nc)
+                coeffs["k"] = self._ref_operand(decode_coefficients(raw["k"].to(dev), tab.k_plans[ratio], nc), 1)
+                coeffs["v"] = self._ref_operand(decode_coefficients(raw["v"].to(dev), tab.v_plans[ratio], nc), 1)
             win_k = win_v = None
             if nw:
                 w = raw["window"].to(dev)
@@ -473,7 +498,7 @@ class KvtcCodec:
                         ("k", k_out, tab.k_mean, tab.k_basis, tab.k_plans[ratio]),
                         ("v", v_out, tab.v_mean, tab.v_basis, tab.v_plans[ratio]),
                     ):
-                        x = coeffs[kind] @ basis[cols, : plan.rank].t() + mean[cols]
+                        x = coeffs[kind] @ self._ref_operand(basis[cols, : plan.rank], 1).t() + mean[cols]
                         x = x.view(nc, H, D)
                         if kind == "k" and self.rope_removed:
                             x = self._rope_layer(x, pos_c, l0 + i, rope_cache, inverse=False)

@@ -9,8 +9,9 @@ Encode (:meth:`FusedCodec.encode_batch`), for all spans of a batch together:
    engine keeps them (paged blocks or a dense tensor), RoPE removed, the calibration mean subtracted and written as
    fp16 into one ``[rows, p]`` matrix (fp32 arithmetic; non-finite input and fp16 overflow are flagged on the device,
    overflow re-runs the batch in bf16);
-2. ``project``: one fp16 x fp16 GEMM with fp32 accumulation and fp32 output onto the plan's leading components
-   (the fp16 basis is exactly what the calibration stores);
+2. ``project``: one GEMM onto the plan's leading components, fp16 x fp16 with fp32 accumulation and output (the fp16
+   basis is exactly what the calibration stores), or e4m3 with row-wise scales (codec option ``projection``,
+   :mod:`.projection`);
 3. ``quantize``: each plan bucket quantized straight from the GEMM output and packed into its blob's section layout;
 4. ``entropy``: all chunks of all sections in one nvCOMP batch call with preallocated outputs on the stream;
 5. ``finish``: one synchronisation for the compressed sizes, compaction into the blobs' byte order, CRC-32 of every
@@ -23,8 +24,9 @@ Restore (:meth:`FusedCodec.open` then :meth:`RestoreJob.layers`), for all blobs 
 2. compressed chunks realigned for nvCOMP and inflated in one batch call per codec tag, sync-free (decompression
    configuration built from the sizes the header gives; fallbacks recorded in ``nvcomp_mode``);
 3. ``dequantize`` into one fp16 coefficient matrix per K/V and layer group;
-4. per layer: ``Y = D @ V[cols_l]^T`` (fp16 GEMM, fp32 output), then ``post``: + mean, RoPE re-applied, cast, and
-   scattered straight into the destination rows (engine blocks or per-layer buffers); sinks and window rows follow.
+4. per layer: ``Y = D @ V[cols_l]^T`` (fp16 or FP8 GEMM, fp32 accumulation), then ``post``: + mean, RoPE
+   re-applied, cast, and scattered straight into the destination rows (engine blocks or per-layer buffers); sinks and
+   window rows follow.
 
 The reference path (``KvtcCodec`` with ``fused=False``) stays the CPU path and the definition of the format.
 
@@ -53,7 +55,7 @@ from .batch_entropy import BatchEntropy
 from .encode import EncodeRun, F16Overflow
 from .layouts import DenseKV, PagedBlocks, Span
 from .ops import TorchOps, get_ops, rope_tables
-from .projection import Projector
+from .projection import make_projector, resolve_projection
 from .restore import RestoreJob
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class FusedCodec:
         self.torch_ops = TorchOps()
         self.entropy = BatchEntropy(self.device)
         self.tables = [_GroupTables(g, self.device) for g in codec.cal.groups]
-        self.projector = Projector()
+        self.projector = make_projector(self.cfg.projection, self.device)  # fp16, fp8 or fp8-emulated (CPU)
         self._rope_cfgs = list(self.fp.rotary)
         self.last_timings: dict[str, float] = {}
         self.kernel_errors: list[str] = []
@@ -174,16 +176,22 @@ class FusedCodec:
         return RestoreJob(self, blobs)
 
 
-def fused_status(device: str | torch.device) -> dict[str, Any]:
-    """What the fused path would use on ``device``: ops backend, nvCOMP, the GEMM output mode."""
+def fused_status(device: str | torch.device, projection: str | None = None) -> dict[str, Any]:
+    """What the fused path would use on ``device``: ops backend, nvCOMP, the projection GEMMs (``projection``:
+    auto|fp16|fp8, default ``DYN_KVTC_PROJECTION``) and why."""
     from .ops import triton_status
 
     dev = torch.device(device)
     ok, why = triton_status()
+    choice = settings.env_value("projection") if projection is None else projection
+    proj, proj_why = resolve_projection(choice, dev)
     return {
         "device": str(dev),
         "ops": "triton" if (ok and dev.type == "cuda") else "torch",
         "triton": why,
         "nvcomp": dev.type == "cuda" and nvcomp_available(),
         "env_disabled": settings.env_value("fused") == "0",
+        "projection": proj,
+        "projection_choice": choice,
+        "projection_why": proj_why,
     }
