@@ -7,8 +7,8 @@ a copy stream, one CUDA event per group. :meth:`RestoreJob.layers` then, on the 
 
 1. waits for group 0's bytes, computes their CRC-32s on the device, inflates group 0's chunks (one nvCOMP batch per
    tag) and dequantizes them into one fp16 coefficient matrix per K/V and DP plan — while later groups still copy;
-2. waits for the remaining bytes and computes every other section's CRC on the device: the job's verdict is one
-   device boolean (every section of every blob intact);
+2. computes every other group's CRCs on the device, each as soon as that group's bytes landed: the job's verdict is
+   one device boolean (every section of every blob intact);
 3. per layer of group 0: projects back, adds the mean, re-applies RoPE and scatters the rows into the destination,
    then the sinks and window rows — every write through offsets that the verdict turns to -1 (skipped) when any
    section is corrupt, so a corrupt job leaves the destination untouched, never partially written;
@@ -239,8 +239,8 @@ class RestoreJob:
                 nc = h["tokens"] - h["sinks"] - h["window"]
                 rows0[bi] = R
                 R += nc
-                pos.extend(runs_to_positions(h["positions"])[h["sinks"] : h["sinks"] + nc])
-            pos_t = device_tensor(pos, torch.int64, self.fc.device)
+                pos.append(_positions(h["positions"], self.fc.device)[h["sinks"] : h["sinks"] + nc])
+            pos_t = torch.cat(pos)
             self.rgroups.append({"ratio": ratio, "blobs": members, "rows0": rows0, "R": R, "pos": pos_t, "rope": {}})
 
     def _dequant(self, g: int, raw: torch.Tensor) -> None:
@@ -345,7 +345,8 @@ class RestoreJob:
             raw = self._inflate(g)
             self._dequant(g, raw)
             if g == 0:
-                self._crc_upto(len(fc.tables))  # every section's CRC queued before the first write
+                for later in range(2, len(fc.tables) + 1):  # each group's CRC as soon as its bytes landed
+                    self._crc_upto(later)  # -> every section's CRC queued before the first write
                 if dest is None and self.verify == "device":
                     self._raise_if_corrupt()
                 self._gate(offs)
@@ -405,6 +406,15 @@ class RestoreJob:
         self.timings = out
         self.fc.last_timings = dict(out)
         return out
+
+
+def _positions(runs: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """A blob's token positions (``(start, length)`` runs) as an int64 tensor built on ``device``; a blob of many
+    short runs goes through one pinned host list instead of one ``arange`` per run."""
+    if len(runs) > 8:
+        return device_tensor(runs_to_positions(runs), torch.int64, device)
+    parts = [torch.arange(a, a + n, dtype=torch.int64, device=device) for a, n in runs]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def _ncs(job: RestoreJob, rg: dict) -> list[tuple[int, int]]:
