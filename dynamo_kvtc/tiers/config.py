@@ -22,7 +22,7 @@ from ..settings import GB
 _INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks", "disk_min_uses")
 _FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 _d = settings.default  # field defaults are the table's
-RATIO_POLICIES = ("fixed", "raw_first")
+RATIO_POLICIES = ("fixed", "raw_first", "raw")
 
 __all__ = ["GB", "TierConfig"]
 
@@ -46,7 +46,7 @@ class TierConfig:
     window: int = _d("window")  # tokens of a sequence's tail blob kept raw
     sinks: int = _d("sinks")
     nixl_timeout_s: float = _d("nixl_timeout_s")
-    ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room)
+    ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room) | raw
 
     def __post_init__(self) -> None:
         for name in _INTS:

@@ -32,7 +32,7 @@ class Offloader:
     Owns the offload worker (one thread) and its CUDA stream (ordered after the producer by the request's event), the
     admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
     the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's choice (store a request
-    uncompressed while the host tier has room for it). Encoding goes through :class:`SpanCoder`; placing the blobs
+    uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding goes through :class:`SpanCoder`; placing the blobs
     (and demoting the host's victims) through :class:`Placement`. It never raises from the worker (errors end up in the
     :class:`OffloadResult`), never restores, and reads the engine's cache only through :class:`PagedKV`'s public
     methods."""
@@ -113,8 +113,9 @@ class Offloader:
             done.set_result(res)
             return done
         host = self.placement.host
-        raw = self.cfg.ratio_policy == "raw_first" and self.policy.room_for_raw(
-            host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity)
+        raw = self.cfg.ratio_policy == "raw" or (
+            self.cfg.ratio_policy == "raw_first"
+            and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
         )
         req = OffloadRequest(
             hashes,
@@ -177,7 +178,7 @@ class Offloader:
                 self._stream.wait_event(req.ready_event)
             cuts = self.cuts(req, raw)
             if raw:
-                self.stats["offload_raw_first"] += 1
+                self.stats["offload_raw"] += 1
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
                 self.stats["offload_fused_batches"] += 1

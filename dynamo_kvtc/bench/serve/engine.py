@@ -1,0 +1,359 @@
+"""The engine loop of ``bench serve``: continuous batching over a trace, prefix reuse through the real ``KvtcStore``.
+
+Each step takes the decodes of the running sequences (one token each) and chunks of their prefills up to a token
+budget (chunked prefill), and runs them through a random-initialised decoder of a real model's shape
+(:class:`~dynamo_kvtc.bench.gpu_model.RandomDecoder`'s weights; speed only — the weights are random, the replies
+mean nothing). A request whose prompt starts with blocks the store holds restores them (``start_onboard`` into the
+sequence's KV, layer by layer: attention on layer i waits for layer i only) and computes the rest; a finished request
+offloads its prompt and reply (``submit_offload``, on the store's own worker/stream) and frees its KV. There is no
+prefix cache on the device: what the tier does not hold is recomputed. A later turn of a session arrives at its
+scheduled time, but never before the turn it follows finished *and* that turn's offload was stored (a user reads the
+reply before asking again; the tier's encode time still delays the turn when the trace is that dense).
+
+Times are measured in the run itself (the device synchronised after every step). Idle gaps between arrivals are
+skipped once the offload worker is idle (the clock jumps to the next arrival), so a trace of minutes runs in the time
+its work takes.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ...errors import TierError
+from ...tiers.keys import sequence_hashes
+from .workloads import Request, Workload, segment_ids
+
+log = logging.getLogger(__name__)
+
+__all__ = ["EngineConfig", "RequestMetrics", "ServeEngine", "summarize"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The batching limits: tokens per step (prefill chunks + decodes), sequences running at once, the store's block
+    and span size, and the TTFT SLO goodput is counted against."""
+
+    token_budget: int = 8192
+    max_seqs: int = 8
+    block_size: int = 16
+    span_tokens: int = 1024
+    slo_s: float = 2.0
+
+
+@dataclass
+class RequestMetrics:
+    """What one request saw: when it arrived (its dependency included), started, got its first token, finished;
+    prompt and restored (hit) tokens, restore time, and whether a restore failed (then recomputed)."""
+
+    id: int
+    session: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    start_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    hit_tokens: int = 0
+    restore_s: float = 0.0
+    restore_failed: bool = False
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+
+@dataclass
+class _Seq:
+    req: Request
+    m: RequestMetrics
+    tokens: list[int]  # prompt + reply
+    k: torch.Tensor  # [L, tokens, H, D]
+    v: torch.Tensor
+    computed: int = 0  # tokens whose KV is in k/v
+    generated: int = 0
+    handle: Any = None
+    failed: bool = False
+
+    @property
+    def prompt(self) -> int:
+        return self.m.prompt_tokens
+
+    def sink(self, layer: int, start: int, kk: torch.Tensor, vv: torch.Tensor) -> None:
+        self.k[layer, start : start + kk.shape[0]] = kk
+        self.v[layer, start : start + vv.shape[0]] = vv
+
+
+@lru_cache(maxsize=4096)
+def _segment(seed: int, seg: str, n: int) -> tuple[int, ...]:
+    return tuple(segment_ids(seed, seg, n))
+
+
+def request_tokens(seed: int, r: Request) -> list[int]:
+    """Prompt + reply token ids of a request (the reply is the output segment: the decode is teacher-forced, so a
+    later turn's history matches what this turn stored)."""
+    out: list[int] = []
+    for s, n in [*r.segments, r.output]:
+        out.extend(_segment(seed, s, n))
+    return out
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] rotated at positions ``pos`` [n] (rotate-half, as the decoder does)."""
+    ang = pos.float()[:, None] * inv_freq[None, :]
+    ang = torch.cat((ang, ang), -1)[:, None, :]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
+
+
+class ServeEngine:
+    """Runs one trace against one system: owns the running sequences, their KV, the clock and the metrics. It uses
+    ``store`` (None: no offload) only through its public methods, and never changes the decoder's weights."""
+
+    def __init__(self, decoder: Any, store: Any, cfg: EngineConfig, device: str | torch.device) -> None:
+        self.dec, self.store, self.cfg = decoder, store, cfg
+        self.dev = torch.device(device)
+        self.L, self.H, self.D = decoder.s.layers, decoder.s.kv_heads, decoder.s.head_dim
+        self.nh = decoder.d.heads
+        # compute in bf16 on GPUs, in float32 on CPUs (CPU bf16 GEMMs and attention are slow); the KV is bf16 either way
+        self.dt = torch.bfloat16 if self.dev.type == "cuda" else torch.float32
+        conv = (lambda t: t) if self.dt == torch.bfloat16 else (lambda t: t.to(self.dt))
+        self.layers = [{k: conv(t) for k, t in lw.items()} for lw in decoder.layers]
+        self.embed = conv(decoder.embed) if decoder.embed is not None else None
+        self.head = conv(decoder.head) if decoder.head is not None else None
+        self._pending: deque = deque()  # (future, k, v): KV kept alive until its offload finished
+        self._saved: dict[int, float] = {}  # request id -> when its offload was stored (run clock)
+        self._t0 = 0.0
+        self._skipped = 0.0
+
+    # ------------------------------------------------------------------ clock
+    def clock(self) -> float:
+        return time.perf_counter() - self._t0 + self._skipped
+
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, w: Workload) -> list[RequestMetrics]:
+        reqs = sorted(w.requests, key=lambda r: (r.arrival_s, r.id))
+        t_first = reqs[0].arrival_s if reqs else 0.0
+        future: deque[Request] = deque(reqs)
+        blocked: list[Request] = []  # arrived, waiting for the turn they follow
+        waiting: deque[_Seq | Request] = deque()
+        running: list[_Seq] = []
+        done: dict[int, RequestMetrics] = {}
+        self._t0, self._skipped, self._saved = time.perf_counter(), 0.0, {}
+        while future or blocked or waiting or running:
+            now = self.clock() + t_first
+            while future and future[0].arrival_s <= now:
+                blocked.append(future.popleft())
+            for r in [r for r in blocked if r.after < 0 or r.after in self._saved]:
+                blocked.remove(r)
+                waiting.append((r, max(r.arrival_s, self._saved.get(r.after, 0.0))))
+            while waiting and len(running) < self.cfg.max_seqs:
+                r, arrival = waiting.popleft()
+                running.append(self._admit(w.seed, r, arrival, now))
+            if not running:
+                self._idle(future, blocked, t_first)
+                continue
+            self._step(running, t_first)
+            for s in [s for s in running if s.generated >= s.req.output_tokens]:
+                running.remove(s)
+                s.m.finish_s = self.clock() + t_first
+                done[s.req.id] = s.m
+                self._offload(s, t_first)
+        self._drain()
+        return [done[r.id] for r in reqs]
+
+    def _idle(self, future: deque, blocked: list, t_first: float) -> None:
+        """Nothing runs: let the offload worker finish, then jump the clock to the next arrival."""
+        self._drain()
+        nxt = [r.arrival_s for r in list(future)[:1]]
+        nxt += [max(r.arrival_s, self._saved[r.after]) for r in blocked if r.after in self._saved]
+        if not nxt:
+            raise ValueError(f"requests {[r.id for r in blocked]} follow turns that are not in the trace")
+        gap = min(nxt) - (self.clock() + t_first)
+        if gap > 0:
+            self._skipped += gap
+
+    def _admit(self, seed: int, r: Request, arrival: float, now: float) -> _Seq:
+        toks = request_tokens(seed, r)
+        n = len(toks)
+        m = RequestMetrics(r.id, r.session, arrival, r.prompt_tokens, r.output_tokens, start_s=now)
+        kv = torch.empty(2, self.L, n, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
+        s = _Seq(r, m, toks, kv[0], kv[1])
+        if self.store is not None:
+            bs = self.cfg.block_size
+            hashes = sequence_hashes(toks[: r.prompt_tokens], bs)
+            hit = min(self.store.match(hashes), (r.prompt_tokens - 1) // bs)  # the last prompt token is computed
+            if hit:
+                s.handle = self.store.start_onboard(hashes[:hit], sink=s.sink)
+                s.computed = m.hit_tokens = hit * bs
+        return s
+
+    def _offload(self, s: _Seq, t_first: float) -> None:
+        rid = s.req.id
+        bs = self.cfg.block_size
+        n = (s.computed // bs) * bs
+        if self.store is None or n == 0:
+            self._saved[rid] = s.m.finish_s
+            return
+        ev = None
+        if self.dev.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+        hashes = sequence_hashes(s.tokens[:n], bs)
+        fut = self.store.submit_offload(hashes, s.tokens[:n], keys=s.k[:, :n], values=s.v[:, :n], ready_event=ev)
+        fut.add_done_callback(lambda _f: self._saved.__setitem__(rid, self.clock() + t_first))
+        self._pending.append((fut, s.k, s.v))
+        while self._pending and self._pending[0][0].done():
+            self._pending.popleft()
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].result()
+
+    # ------------------------------------------------------------------ one step
+    def _plan(self, running: list[_Seq]) -> list[tuple[_Seq, int, int]]:
+        """(sequence, first position, tokens) of this step: every decode, then prefill chunks within the budget."""
+        budget = self.cfg.token_budget
+        batch = []
+        for s in running:
+            if s.computed >= s.prompt:
+                batch.append((s, s.computed, 1))
+                budget -= 1
+        for s in running:
+            if s.computed < s.prompt and budget > 0:
+                n = min(budget, s.prompt - s.computed)
+                batch.append((s, s.computed, n))
+                budget -= n
+        return batch
+
+    def _step(self, running: list[_Seq], t_first: float) -> None:
+        batch = self._plan(running)
+        self._forward(batch)
+        self._sync()
+        now = self.clock() + t_first
+        for s, start, n in batch:
+            if s.failed:  # the restore failed during this step: recompute the whole prompt
+                s.failed, s.handle, s.computed, s.m.hit_tokens, s.m.restore_failed = False, None, 0, 0, True
+                continue
+            if s.handle is not None:
+                s.m.restore_s = max((t for t in s.handle.ready_times if t is not None), default=0.0)
+                s.handle = None
+            s.computed = start + n
+            if start + n >= s.prompt and s.generated == 0 or start >= s.prompt:
+                s.generated += 1
+                if s.generated == 1:
+                    s.m.first_token_s = now
+
+    def _forward(self, batch: list[tuple[_Seq, int, int]]) -> None:
+        dec, dev = self.dec, self.dev
+        ids = torch.tensor([t for s, a, n in batch for t in s.tokens[a : a + n]], device=dev)
+        x = self.embed[ids] if self.embed is not None else torch.zeros(len(ids), dec.d.hidden, device=dev)
+        x = x.to(self.dt)
+        pos = [torch.arange(a, a + n, device=dev) for _, a, n in batch]
+        hd, nkv, nh = self.D, self.H, self.nh
+        for i, lw in enumerate(self.layers):
+            qkv = _rms(x) @ lw["qkv"]
+            q_all, k_all, v_all = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            outs, o = [], 0
+            for (s, a, n), p in zip(batch, pos):
+                if s.handle is not None and not s.failed:
+                    try:
+                        s.handle.wait_layer(i)
+                    except TierError as e:
+                        log.info("restore of request %d failed, recomputing: %s", s.req.id, e)
+                        s.failed = True
+                q = _rope(q_all[o : o + n].view(n, nh, hd), p, dec.inv_freq)
+                s.k[i, a : a + n] = _rope(k_all[o : o + n].view(n, nkv, hd), p, dec.inv_freq).to(s.k.dtype)
+                s.v[i, a : a + n] = v_all[o : o + n].view(n, nkv, hd).to(s.v.dtype)
+                outs.append(self._attend(q, s.k[i, : a + n], s.v[i, : a + n]))
+                o += n
+            x = x + torch.cat(outs) @ lw["o"]
+            gt, up = (_rms(x) @ lw["gu"]).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gt) * up) @ lw["d"]
+        if self.head is not None:  # logits of each sequence's last token of the step
+            last = torch.tensor([o - 1 for o in torch.cumsum(torch.tensor([n for *_, n in batch]), 0).tolist()])
+            _rms(x[last.to(dev)]) @ self.head
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``q`` [n, nh, d] (the last n positions) over ``k``/``v`` [S, nkv, d]; returns
+        [n, nh*d]."""
+        n, nh, hd = q.shape
+        S, nkv = k.shape[0], k.shape[1]
+        rep = nh // nkv
+        kt, vt = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [nkv, S, d]
+        if n == 1:  # a decode: the rep query heads of a KV head as rep rows, no copies
+            a = torch.nn.functional.scaled_dot_product_attention(q.view(nkv, rep, hd), kt, vt)
+            return a.reshape(1, nh * hd)
+        from torch.nn.attention.bias import causal_lower_right
+
+        ke = kt[:, None].expand(nkv, rep, S, hd).reshape(nh, S, hd)
+        ve = vt[:, None].expand(nkv, rep, S, hd).reshape(nh, S, hd)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], ke[None], ve[None], attn_mask=causal_lower_right(n, S)
+        )
+        return a[0].transpose(0, 1).reshape(n, nh * hd)
+
+
+def _pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(ms: list[RequestMetrics], slo_s: float) -> dict[str, Any]:
+    """Per run: hit rate (restored / prompt tokens), mean/p50/p90/p99 TTFT, output tokens/s over the run's span,
+    goodput (requests/s whose TTFT met the SLO) and the fraction that met it, mean restore time of the hits."""
+    if not ms:
+        return {}
+    ttft = [m.ttft_s for m in ms]
+    span = max(m.finish_s for m in ms) - min(m.arrival_s for m in ms)
+    ok = sum(t <= slo_s for t in ttft)
+    hits = [m for m in ms if m.hit_tokens]
+    return {
+        "requests": len(ms),
+        "hit_rate": sum(m.hit_tokens for m in ms) / max(1, sum(m.prompt_tokens for m in ms)),
+        "ttft_mean_s": statistics.fmean(ttft),
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p90_s": _pct(ttft, 0.9),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "output_tok_s": sum(m.output_tokens for m in ms) / max(span, 1e-9),
+        "goodput_rps": ok / max(span, 1e-9),
+        "slo_attainment": ok / len(ms),
+        "slo_s": slo_s,
+        "restore_mean_s": statistics.fmean(m.restore_s for m in hits) if hits else 0.0,
+        "restore_failures": sum(m.restore_failed for m in ms),
+        "span_s": span,
+    }
+
+
+@dataclass
+class RunRecord:
+    """One (system, host budget) run: the summary and the per-request metrics."""
+
+    system: str
+    budget_fraction: float | None
+    host_bytes: int
+    summary: dict[str, Any]
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    store: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,204 @@
+"""``dynamo-kvtc bench serve``: a workload replayed against each system at each host budget; JSON and a plot.
+
+The decoder has a real model's shape and random weights (speed only); the calibration is synthetic (a power-law
+spectrum on random bases, the real DP), so compressed sizes and codec times are real, reconstruction errors are not
+meaningful. ``none`` does not depend on the budget and runs once.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..gpu_model import MODELS, ModelDims, RandomDecoder
+from ..output import machine, write_json
+from ..shapes import SHAPES, Shape
+from . import workloads as wl
+from .engine import EngineConfig, RunRecord, ServeEngine, summarize
+from .systems import SYSTEMS, host_budget, tier_config
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SERVE_MODELS", "ServeBench", "run_bench_serve"]
+
+NOTE = "random weights and a synthetic calibration: speed only (replies and reconstruction errors mean nothing)"
+# model name -> (decoder dims, KV shape); "tiny" is for CPU smoke runs
+SERVE_MODELS: dict[str, tuple[ModelDims, Shape]] = {
+    name: (MODELS[name], SHAPES[name]) for name in ("llama-3.1-8b", "mistral-nemo-12b", "smollm2-135m")
+}
+SERVE_MODELS["tiny"] = (ModelDims(128, 4, 256, 32000, True, True), Shape(4, 2, 32, 1e4))
+
+
+def make_calibration(name: str, s: Shape, ratios: tuple[float, ...], device: str):
+    if torch.device(device).type == "cuda":
+        from ..gpu_model import synthetic_calibration_gpu
+
+        return synthetic_calibration_gpu(name, s, ratios, dev=torch.device(device))[0]
+    from ...calibration.synthetic import synthetic_calibration
+
+    return synthetic_calibration(s.layers, s.kv_heads, s.head_dim, s.theta, ratios=ratios, dp_rows=512, name=name)
+
+
+class ServeBench:
+    """One model, one calibration and one workload, run against systems at host budgets. Owns the decoder and the
+    calibration (built once); builds a fresh store per run and closes it after; never changes the workload."""
+
+    def __init__(self, model: str, workload: wl.Workload, cfg: EngineConfig, device: str, **tier_kw: Any) -> None:
+        dims, self.shape = SERVE_MODELS[model]
+        self.model, self.w, self.cfg, self.device, self.tier_kw = model, workload, cfg, device, tier_kw
+        self.cal = make_calibration(model, self.shape, (16.0, 32.0), device)
+        self.decoder = RandomDecoder(dims, self.shape, torch.device(device))
+        s = self.shape
+        self.bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 2  # K and V, bf16
+        self.ws_blocks = wl.working_set_blocks(workload.requests, cfg.block_size)
+        self.ws_bytes = self.ws_blocks * cfg.block_size * self.bytes_per_token
+
+    def store(self, system_name: str, host_bytes: int, disk_dir: str | None):
+        from ...tiers import KvtcStore
+
+        sysm = SYSTEMS[system_name]
+        if not sysm.offload:
+            return None
+        kw = dict(self.tier_kw)
+        if kw.get("disk_bytes"):
+            kw["disk_dir"] = tempfile.mkdtemp(prefix=f"serve-{system_name}-", dir=disk_dir)
+        cfg = tier_config(sysm, host_bytes, **kw)
+        return KvtcStore(
+            self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens
+        )
+
+    def warm_up(self, systems: list[str]) -> None:
+        """One short trace per system, untimed (codec set-up, kernel compilation, allocator)."""
+        w = wl.generate("multi-round-qa", 99, users=1, rounds=2, system=0, history=2 * self.cfg.span_tokens,
+                        question=16, answer=4, qps=100)  # fmt: skip
+        for name in systems:
+            store = self.store(name, 1 << 30, None)
+            try:
+                ServeEngine(self.decoder, store, self.cfg, self.device).run(w)
+            finally:
+                if store is not None:
+                    store.close()
+
+    def run(self, system_name: str, fraction: float | None, disk_dir: str | None = None) -> RunRecord:
+        host = host_budget(fraction or 0.0, self.ws_blocks, self.cfg.block_size, self.bytes_per_token)
+        store = self.store(system_name, host, disk_dir)
+        try:
+            ms = ServeEngine(self.decoder, store, self.cfg, self.device).run(self.w)
+            snap = store.snapshot() if store is not None else {}
+        finally:
+            if store is not None:
+                store.close()
+        rec = RunRecord(system_name, fraction, host if store is not None else 0, summarize(ms, self.cfg.slo_s))
+        rec.requests = [{**asdict(m), "ttft_s": m.ttft_s} for m in ms]
+        rec.store = {k: v for k, v in snap.items() if isinstance(v, (int, float))}
+        return rec
+
+
+def sweep(bench: ServeBench, systems: list[str], fractions: list[float], disk_dir: str | None) -> list[RunRecord]:
+    out = []
+    for name in systems:
+        for f in [None] if not SYSTEMS[name].offload else fractions:
+            t0 = time.perf_counter()
+            rec = bench.run(name, f, disk_dir)
+            s = rec.summary
+            print(
+                f"{name:>7} budget {'-' if f is None else f'{f:.3f}':>6}: hit {s['hit_rate']:.3f}  TTFT mean "
+                f"{s['ttft_mean_s']:.3f} p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} s  "
+                f"{s['output_tok_s']:.1f} out tok/s  goodput {s['goodput_rps']:.3f} req/s  "
+                f"({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
+            out.append(rec)
+    return out
+
+
+def plot(records: list[RunRecord], path: str, title: str) -> str | None:
+    """Hit rate, mean/p50/p99 TTFT, output tokens/s and goodput vs host budget, one line per system (``none`` as a
+    horizontal line). Returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    keys = [
+        ("hit_rate", "hit rate"),
+        ("ttft_mean_s", "mean TTFT (s)"),
+        ("ttft_p50_s", "p50 TTFT (s)"),
+        ("ttft_p99_s", "p99 TTFT (s)"),
+        ("output_tok_s", "output tokens/s"),
+        ("goodput_rps", "goodput (req/s)"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    names = list(dict.fromkeys(r.system for r in records))
+    for ax, (k, label) in zip(axes.flat, keys):
+        for n in names:
+            rs = [r for r in records if r.system == n]
+            if rs[0].budget_fraction is None:
+                ax.axhline(rs[0].summary[k], ls="--", color="gray", label=n)
+                continue
+            rs.sort(key=lambda r: r.budget_fraction)
+            ax.plot([r.budget_fraction for r in rs], [r.summary[k] for r in rs], marker="o", label=n)
+        ax.set_xscale("log")
+        ax.set_xlabel("host budget / raw working set")
+        ax.set_title(label)
+    axes.flat[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def load_workload(args) -> wl.Workload:
+    if args.trace:
+        return wl.load(args.trace)
+    params = dict(args.param or {})
+    w = wl.generate(args.workload, args.seed, **params)
+    if args.save_trace:
+        wl.save(w, args.save_trace)
+    return w
+
+
+def run_bench_serve(args) -> int:
+    w = load_workload(args)
+    cfg = EngineConfig(args.token_budget, args.max_seqs, args.block_size, args.span_tokens, args.slo)
+    tier_kw: dict[str, Any] = {"window": args.window}
+    if args.disk_gb:
+        tier_kw["disk_bytes"] = int(args.disk_gb * 1e9)
+    bench = ServeBench(args.model, w, cfg, args.device, **tier_kw)
+    print(f"bench serve: {args.model} on {args.device} ({NOTE}); workload {w.name}: {w.stats()}")
+    print(f"raw working set: {bench.ws_blocks} blocks = {bench.ws_bytes / 1e9:.3f} GB")
+    if not args.no_warmup:
+        bench.warm_up(args.systems)
+    records = sweep(bench, args.systems, args.budgets, args.disk_dir)
+    data = {
+        "benchmark": "serve",
+        "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
+        "note": NOTE,
+        "model": args.model,
+        "device": args.device,
+        "engine": asdict(cfg),
+        "window": args.window,
+        "disk_gb": args.disk_gb,
+        "workload": wl.describe(w),
+        "raw_working_set_bytes": bench.ws_bytes,
+        "machine": machine(),
+        "runs": [asdict(r) for r in records],
+    }
+    if args.plot:
+        why = plot(records, args.plot, f"bench serve: {args.model}, {w.name} ({NOTE})")
+        data["plot"] = why or str(args.plot)
+        if why:
+            print(why)
+    write_json(args.json_path, data)
+    return 0

@@ -1,0 +1,77 @@
+"""The systems ``bench serve`` compares, on the same requests and the same host budget.
+
+- ``none``: no offload tier; every history is recomputed.
+- ``raw``: the same :class:`~dynamo_kvtc.tiers.KvtcStore` with the codec off (``ratio_policy=raw``): blobs cut into
+  the same spans, every one stored uncompressed (what a raw offload tier — KVBM, vLLM's OffloadingConnector — holds).
+  (A raw window covering the whole sequence, as the lossless tests use, would also store raw, but as one blob per
+  offload: a 20K-token history would then fit a budget only whole, and leave it whole.)
+- ``kvtc16`` / ``kvtc32``: the kvtc tier at 16x / 32x (each saved sequence's last ``window`` tokens raw).
+- ``policy``: kvtc 16x under ``ratio_policy=raw_first``: stored raw while the host tier has room, compressed once it
+  has not.
+
+Host budgets are fractions of the workload's raw working set (:func:`host_budget`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...tiers import TierConfig
+
+__all__ = ["SYSTEMS", "System", "host_budget", "tier_config"]
+
+
+@dataclass(frozen=True)
+class System:
+    """What one system stores: nothing (``offload`` False), raw blobs, or kvtc blobs at ``ratio`` under
+    ``ratio_policy``."""
+
+    name: str
+    doc: str
+    offload: bool = True
+    ratio: float = 16.0
+    ratio_policy: str = "fixed"
+
+
+SYSTEMS = {
+    s.name: s
+    for s in (
+        System("none", "no offload: every history is recomputed", offload=False),
+        System("raw", "the same store with the codec off (every blob raw): a raw host(+disk) tier",
+               ratio_policy="raw"),
+        System("kvtc16", "kvtc at 16x", ratio=16.0),
+        System("kvtc32", "kvtc at 32x", ratio=32.0),
+        System("policy", "kvtc 16x, stored raw while the host tier has room (ratio_policy=raw_first)",
+               ratio_policy="raw_first"),
+    )
+}  # fmt: skip
+
+
+def tier_config(
+    system: System,
+    host_bytes: int,
+    *,
+    window: int = 128,
+    disk_bytes: int = 0,
+    disk_dir: str | Path | None = None,
+    page_bytes: int = 16384,
+) -> TierConfig:
+    """The tier settings of ``system`` at a host budget (every offload admitted, every eviction to disk if any)."""
+    return TierConfig(
+        host_bytes=int(host_bytes),
+        disk_bytes=int(disk_bytes),
+        disk_dir=disk_dir if disk_bytes else None,
+        ratio=system.ratio,
+        min_tokens=0,
+        min_frequency=1,
+        disk_min_uses=1,
+        page_bytes=page_bytes,
+        window=window,
+        ratio_policy=system.ratio_policy,
+    )
+
+
+def host_budget(fraction: float, working_set_blocks: int, block_size: int, bytes_per_token: int) -> int:
+    """Host bytes at ``fraction`` of the raw working set (1.0: raw holds every block the workload reuses)."""
+    return int(fraction * working_set_blocks * block_size * bytes_per_token)
