@@ -56,24 +56,38 @@ def _pad16(n: int) -> int:
 # ------------------------------------------------------------------------------------------------ FP8 numerics
 def e4m3_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 dequantization scales of ``x`` along ``dim`` (kept): ``amax / 448``, 1 where a slice is all zero."""
-    amax = x.abs().amax(dim=dim, keepdim=True).float()
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)  # one read of x
+    return torch.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+_DIV_INTO_E4M3 = [True]  # torch.div(..., out=<e4m3 view>): divide and round in one pass (else via an fp32 temporary)
+
+
+def _div_into(q: torch.Tensor, x: torch.Tensor, sc: torch.Tensor) -> None:
+    """``q[:] = e4m3(x / sc)`` (fp32 division, round to nearest even; ``|x / sc| <= 448`` by construction)."""
+    if _DIV_INTO_E4M3[0]:
+        try:
+            torch.div(x, sc, out=q)
+            return
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            _DIV_INTO_E4M3[0] = False
+            _log_once(f"torch.div into float8_e4m3fn unavailable ({type(e).__name__}: {e}); quantizing in two passes")
+    q.copy_(x.float() / sc)
 
 
 def quantize_rows(x: torch.Tensor, k_pad: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> ``(q [M, k_pad] e4m3 row-major, scale [M, 1] fp32)`` with one scale per row; columns K..k_pad
-    are zero. Runs in passes of :data:`QUANT_ROWS` rows so the fp32 temporary stays small."""
+    are zero. Two passes over ``x`` (row maxima, then divide-and-round), :data:`QUANT_ROWS` rows at a time."""
     M, K = x.shape
     kp = K if k_pad is None else k_pad
+    q = torch.empty(M, kp, dtype=E4M3, device=x.device)
     if kp > K:
-        q = torch.zeros(M, kp, dtype=torch.uint8, device=x.device).view(E4M3)
-    else:
-        q = torch.empty(M, kp, dtype=E4M3, device=x.device)
+        q.view(torch.uint8)[:, K:].zero_()
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     for i in range(0, M, QUANT_ROWS):
         xs = x[i : i + QUANT_ROWS]
         sc = e4m3_scales(xs, 1)
-        q[i : i + QUANT_ROWS, :K] = (xs.float() / sc).clamp_(-E4M3_MAX, E4M3_MAX)  # cast to e4m3 in the copy
+        _div_into(q[i : i + QUANT_ROWS, :K], xs, sc)
         s[i : i + QUANT_ROWS] = sc
     return q, s
 
@@ -83,7 +97,7 @@ def fake_e4m3(x: torch.Tensor, dim: int) -> torch.Tensor:
     and back, in fp32: the operand an FP8 GEMM with those scales multiplies, since
     ``(A_q @ B_q) * s_a * s_b == (A_q * s_a) @ (B_q * s_b)``."""
     sc = e4m3_scales(x, dim)
-    return (x.float() / sc).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * sc
+    return (x.float() / sc).to(E4M3).float() * sc
 
 
 # ------------------------------------------------------------------------------------------------ device support
