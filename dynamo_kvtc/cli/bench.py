@@ -13,6 +13,7 @@ BENCHMARKS = {
     "codec": "bench_codec",
     "tiers": "bench_tiers",
     "gpu": "bench_gpu",
+    "serve": "bench_serve",
 }
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...errors import ConfigError
 from ..gpu_model import MODELS, ModelDims, RandomDecoder
 from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
@@ -160,10 +161,14 @@ def plot(records: list[RunRecord], path: str, title: str) -> str | None:
 
 
 def load_workload(args) -> wl.Workload:
-    if args.trace:
-        return wl.load(args.trace)
-    params = dict(args.param or {})
-    w = wl.generate(args.workload, args.seed, **params)
+    """The trace of ``--trace``, or the one ``--workload``/``--param``/``--seed`` generate (saved to
+    ``--save-trace``); a bad file or parameter is a :class:`ConfigError`."""
+    try:
+        if args.trace:
+            return wl.load(args.trace)
+        w = wl.generate(args.workload, args.seed, **dict(args.param or {}))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError(f"workload: {e}") from None
     if args.save_trace:
         wl.save(w, args.save_trace)
     return w

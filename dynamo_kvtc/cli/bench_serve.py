@@ -1,0 +1,98 @@
+"""``dynamo-kvtc bench serve`` (the work: :mod:`dynamo_kvtc.bench.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from . import types
+
+HELP = "trace-driven multi-turn serving benchmark: TTFT, hit rate, throughput per system vs host budget"
+MODELS = ("llama-3.1-8b", "mistral-nemo-12b", "smollm2-135m", "tiny")  # bench.serve.run.SERVE_MODELS
+
+EPILOG = """\
+workloads (generated from --seed, or replayed with --trace; --param KEY=VALUE sets a generator argument):
+  multi-round-qa  LMBenchmark synthetic-multi-round-qa: users x rounds, a shared system prompt, a per-user history,
+                  short answers, Poisson arrivals at qps; round r of a user follows its round r-1
+                  (users=15 rounds=20 system=1000 history=20000 question=50 answer=100 qps=0.5)
+  conversation    sessions shaped after the Mooncake FAST'25 conversation trace (~12K mean input, ~330 mean output,
+                  ~40% of input tokens reused from earlier turns): each turn appends the reply and a new input
+                  (sessions=40 qps=0.5 first_median=8500 turn_median=1500 output_median=220 more_turns=0.47
+                  max_turns=8 think_s=10 max_input=32000)
+  long-doc-qa     LMCache long-doc-qa: a warm-up pass over the documents, then query rounds in random or
+                  interleaved order (documents=8 doc_tokens=20000 question=32 answer=100 repeats=2
+                  order=random|interleave qps=1)
+
+systems (the same requests, the same host budget, a fresh store each run):
+{systems}
+
+The decoder has the model's shape and random weights, the calibration is synthetic: speed only. Host budgets are
+fractions of the workload's raw working set (1.0: a raw tier holds every block the workload reuses).
+"""
+
+
+def _param(s: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE an int, a float or a word."""
+    key, sep, val = s.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"KEY=VALUE expected, got {s!r}")
+    for kind in (int, float):
+        try:
+            return key, kind(val)
+        except ValueError:
+            pass
+    return key, val
+
+
+def _systems(s: str) -> list[str]:
+    from ..bench.serve.systems import SYSTEMS
+
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in out if x not in SYSTEMS]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"systems are {', '.join(SYSTEMS)}; got {s!r}")
+    return out
+
+
+def _fractions(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated fractions expected, got {s!r}") from None
+    if not out or any(not x > 0 for x in out):
+        raise argparse.ArgumentTypeError(f"host budgets must be positive fractions, got {s!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench.serve.systems import SYSTEMS
+    from ..bench.serve.workloads import WORKLOADS
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG.format(systems="\n".join(f"  {s.name:<15} {s.doc}" for s in SYSTEMS.values()))
+    p.add_argument("--workload", choices=list(WORKLOADS), default="multi-round-qa")
+    p.add_argument("--param", type=_param, action="append", help="a workload generator argument, KEY=VALUE")
+    p.add_argument("--seed", type=types.nonneg_int, default=0)
+    p.add_argument("--trace", type=types.existing_file, help="replay this JSONL trace instead of generating one")
+    p.add_argument("--save-trace", help="write the generated trace here (JSONL)")
+    p.add_argument("--systems", type=_systems, default=list(SYSTEMS), help="comma-separated (default: all)")
+    p.add_argument("--budgets", type=_fractions, default=[1.0, 0.5, 0.25, 0.125, 0.05], help="host budgets, fractions")
+    p.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="decoder and KV shape (tiny: CPU smoke)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--token-budget", type=types.positive_int, default=8192, help="tokens per engine step")
+    p.add_argument("--max-seqs", type=types.positive_int, default=8, help="sequences running at once")
+    p.add_argument("--block-size", type=types.positive_int, default=16)
+    p.add_argument("--span-tokens", type=types.positive_int, default=1024)
+    p.add_argument("--window", type=types.nonneg_int, default=128, help="raw tokens at the end of a saved sequence")
+    p.add_argument("--slo", type=types.positive_float, default=2.0, help="TTFT SLO of the goodput, seconds")
+    p.add_argument("--disk-gb", type=types.nonneg_float, default=0.0, help="a disk tier of this size (0: none)")
+    p.add_argument("--disk-dir", type=types.existing_dir, default=None, help="where the disk tiers' folders go")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per system")
+    p.add_argument("--json", dest="json_path", help="write results as JSON")
+    p.add_argument("--plot", help="write the plot here (PNG; needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.serve.run import run_bench_serve
+
+    args.param = dict(args.param or [])
+    return run_bench_serve(args)
