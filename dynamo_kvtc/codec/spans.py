@@ -88,7 +88,7 @@ class SpanCoder:
     """Chooses between the fused and the reference path for batches of spans and blobs of one codec.
 
     Owns nothing but the choice: the codec keeps its own state (including whether the fused path is still on). It
-    never reads a tier, never names a blob id, and never yields a layer before every blob of a restore verified."""
+    never reads a tier, never names a blob id, and never writes a byte of a blob that fails verification."""
 
     def __init__(self, codec: Any) -> None:
         self.codec = codec
@@ -147,8 +147,11 @@ class SpanCoder:
     ) -> SpanRestore:
         """Layer by layer, every run of every blob: iterate the result for ``(layer, parts)``, ``parts`` holding
         ``(k, v)`` ``[tokens, H, D]`` per run, or None when the layer was written straight into ``paged`` (fused
-        path only; runs then carry their ``blocks``). Every blob is verified before the first layer is yielded;
-        ``bad(i, error)`` is told of each blob found corrupt (then DecodeError is raised)."""
+        path only; runs then carry their ``blocks``). Every blob is verified before anything of it is used: the
+        reference path and tensor outputs check before the first layer is yielded; writes into ``paged`` are gated
+        on the device by the CRC verdict (a corrupt blob writes nothing) and the verdict surfaces when the iteration
+        ends — so a restore counts as done only once the iteration completed without error. ``bad(i, error)`` is told
+        of each blob found corrupt (then DecodeError is raised)."""
         return SpanRestore(self.codec, list(runs), paged, bad)
 
 
@@ -190,6 +193,17 @@ class SpanRestore:
             return None
 
     def _fused(self, job) -> Iterator[tuple[int, list[KV] | None]]:
+        """The fused restore. Its CRC verdict is taken on the device: a corrupt blob makes the job write nothing
+        and surfaces from ``job.finish()`` (after the last layer), where the bad blobs are named and reported."""
+        try:
+            yield from self._fused_layers(job)
+            job.finish()
+        except DecodeError as e:
+            for i in getattr(job, "bad_blobs", ()):
+                self.bad(i, e)
+            raise
+
+    def _fused_layers(self, job) -> Iterator[tuple[int, list[KV] | None]]:
         if self.paged is not None:
             bs = self.paged.block_size
             seqs, keep = [], []
@@ -208,7 +222,6 @@ class SpanRestore:
                     a = job.bases[i] + r.start
                     parts.append((kbuf[a : a + r.tokens], vbuf[a : a + r.tokens]))
                 yield layer, parts
-        job.finish()
 
     def _reference(self) -> Iterator[tuple[int, list[KV] | None]]:
         gens = []

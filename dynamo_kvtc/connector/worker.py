@@ -214,6 +214,8 @@ class KvtcWorker:
             if self.tp_rank == 0:
                 self._warn_host_memory()
             store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv)
+            stage = "warm_up"
+            log.info("kvtc: codec warm-up took %.2f s", store.warm_up())
         except (KvtcError, OSError, ValueError) as e:
             self._disable(str(e), stage)
             return

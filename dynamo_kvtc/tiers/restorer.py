@@ -131,6 +131,11 @@ class Restorer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
+    @property
+    def stream(self) -> Any:
+        """The onboard worker's CUDA stream (None on the CPU)."""
+        return self._stream
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -9,7 +9,9 @@
   event per layer, so attention on layer 0 can start while later layers are still being restored.
 - Anything that fails (unknown calibration, corrupt blob, NIXL error, ENOSPC) is logged, counted, removed from the
   index, and surfaces as a miss: :meth:`OnboardHandle.wait_layer` raises :class:`~dynamo_kvtc.errors.TierError` and
-  the engine recomputes. Nothing wrong is ever scattered: every blob is fully verified before its first layer.
+  the engine recomputes. Nothing wrong is ever scattered: every blob is verified (CRC of every section) before its
+  bytes are used — on the fused path the writes are gated on the device by that verdict, which the restore reports
+  when it ends, so a restore counts only once it finished.
 
 The parts: :class:`~.index.BlockIndex` (hash -> blob), :class:`~.host.HostTier` / :class:`~.disk.DiskTier` (one
 :class:`~.base.BlobTier` face), :class:`~.placement.Placement` (moves between tiers), :class:`~.offloader.Offloader`
@@ -20,10 +22,13 @@ codec path). The public methods are asyncio coroutines or thread-safe calls (an 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ import torch
 from .. import settings
 from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
+from ..codec.spans import EncodeSpan, RestoreRun, SpanCoder
 from ..errors import TierError
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
@@ -43,6 +49,8 @@ from .offloader import Offloader
 from .placement import Placement
 from .policy import OffloadFilter, RatioPolicy
 from .restorer import OnboardHandle, Restorer, Source
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BlobMeta", "BlobRun", "KvtcStore", "OffloadRequest", "OffloadResult", "OnboardHandle", "Sink"]
 
@@ -149,6 +157,41 @@ class KvtcStore:
         if self.disk is not None and not settings.env_is_set("gpu_entropy"):
             return "deflate"
         return default_gpu_tag()
+
+    def warm_up(self) -> float:
+        """Pay first-use costs now, at start-up, not on the first offload or restore: build the codec of every ratio
+        the policy may pick and run one small encode and restore through each on this device (kernel compilation,
+        device tables, entropy coder, staging buffers). Nothing is stored. Returns the seconds it took; a failure is
+        logged and left to the first real call (which then falls back or reports a miss as it would anyway)."""
+        t0 = time.perf_counter()
+        ratios = [r for r in self.policy.available if self.policy.default <= r <= self.policy.max_ratio]
+        try:
+            for ratio in ratios:
+                self._warm(self.codec(ratio))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - a warm-up never takes the engine down
+            self.stats["warm_up_errors"] += 1
+            log.warning("kvtc: warm-up failed (%s: %s); first calls pay their set-up", type(e).__name__, e)
+        took = time.perf_counter() - t0
+        self.timings.append(("warm_up", took))
+        return took
+
+    def _warm(self, codec: KvtcCodec) -> None:
+        """One small encode and restore through ``codec`` (random K/V: only the code paths matter)."""
+        fp, cfg = self.cal.fingerprint, codec.config
+        n = -(-(cfg.sinks + cfg.min_tokens + cfg.window + 16) // self.block_size) * self.block_size
+        gen = torch.Generator().manual_seed(0)
+        shape = (fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
+        dtype = self.kv.dtype if self.kv is not None else torch.bfloat16
+        k = torch.randn(shape, generator=gen).to(self.device, dtype)
+        v = torch.randn(shape, generator=gen).to(self.device, dtype)
+        coder = SpanCoder(codec)
+        blobs = list(coder.encode([EncodeSpan(0, torch.arange(n))], lambda a, b: (k[:, a:b], v[:, a:b])).blobs)
+        stream = self.restorer.stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for _ in coder.restore([RestoreRun(blobs[0], 0, n)]):
+                pass
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every offload queued so far finished; False if that took longer than ``timeout`` seconds."""
