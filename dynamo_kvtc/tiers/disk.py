@@ -407,8 +407,9 @@ class DiskTier(BlobTier):
                 raise TierFullError(f"disk tier out of space writing {size} bytes: {e}") from e
             raise TierError(f"disk tier write of {blob_id} failed: {e}") from e
 
-    def get(self, blob_id: str) -> tuple[bytes, Any]:
-        """Read and verify a blob.
+    def get(self, blob_id: str) -> tuple[memoryview, Any]:
+        """Read and verify a blob: its bytes (a read-only view of the buffer NIXL read the file into: no copy) and
+        its meta.
 
         A missing, torn or corrupted file raises TierError and is forgotten (a damaged one deleted); a failed NIXL
         transfer or I/O error raises TransferError (a TierError) and keeps the committed file for the next try."""
@@ -432,7 +433,7 @@ class DiskTier(BlobTier):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:
                 raise DamagedFile(f"file size {st.st_size} differs from the committed {entry.size}")
-            data = self.io.read(fd, entry.size).numpy().tobytes()
+            data = memoryview(self.io.read(fd, entry.size).numpy()).toreadonly()
         except TransferError as e:  # a failed transfer is not a damaged file: keep it, report a miss
             raise TransferError(f"blob {blob_id}: {e}") from e
         except DamagedFile as e:
@@ -468,16 +469,16 @@ class DiskTier(BlobTier):
             return os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
 
     @staticmethod
-    def _verify(data: bytes, blob_id: str, entry: _Entry) -> tuple[bytes, Any]:
+    def _verify(data: bytes | memoryview, blob_id: str, entry: _Entry) -> tuple[memoryview, Any]:
         try:
             magic, mlen, mcrc = PREFIX.unpack_from(data, 0)
             mbytes = data[PREFIX.size : PREFIX.size + mlen]
             if magic != MAGIC or mlen > MAX_META or zlib.crc32(mbytes) != mcrc:
                 raise TierError("header checksum mismatch")
-            m = parse_record(mbytes)
+            m = parse_record(bytes(mbytes))
         except struct.error as e:
             raise TierError(f"truncated: {e}") from None
-        blob = data[PREFIX.size + mlen :]
+        blob = memoryview(data)[PREFIX.size + mlen :]
         if m["id"] != blob_id or len(blob) != m["len"] or m["crc"] != entry.crc:
             raise TierError("not the blob committed under this id")
         if zlib.crc32(blob) != entry.crc:

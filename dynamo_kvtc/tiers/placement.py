@@ -128,38 +128,49 @@ class Placement:
         self.index.remove(blob_id)
 
     # ------------------------------------------------------------------ reads
-    def read(self, blob_id: str) -> HostLease | bytes:
-        """Like :meth:`fetch`, but a host-resident blob comes back as a :class:`HostLease` (read in place, no copy;
-        the caller releases it once its device copy is done) — also right after a disk hit promoted it."""
+    def read(self, blob_id: str) -> HostLease | memoryview | bytes:
+        """Like :meth:`fetch`, but without copies: a host-resident blob comes back as a :class:`HostLease` (read in
+        place; the caller releases it once its device copy is done) — also right after a disk hit promoted it — and
+        a disk hit that could not be promoted as a view of the buffer it was read into."""
         lease = self.host.lease(blob_id)
-        if lease is None:
-            blob = self.fetch(blob_id)
-            lease = self.host.lease(blob_id)  # promoted (or, without room in memory, only the bytes)
-            if lease is None:
-                return blob
-        else:
-            self.stats["onboard_host_hits"] += 1
-            self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
-        return lease
+        if lease is not None:
+            self._count_host_hit(blob_id)
+            return lease
+        blob = self._from_disk(blob_id)
+        if blob is None:
+            return self.fetch(blob_id)  # between tiers right now: fetch waits for the move and looks again
+        lease = self.host.lease(blob_id)  # promoted (or, without room in memory, only the bytes)
+        return blob if lease is None else lease
 
     def fetch(self, blob_id: str, _retry: bool = False) -> bytes:
         """A blob's bytes from the host tier, else from disk (then promoted to the host tier). TierError if no tier
         holds it; TransferError (a TierError) when a disk read failed but the file is kept."""
         got = self.host.get(blob_id)
         if got is not None:
-            self.stats["onboard_host_hits"] += 1
-            self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
+            self._count_host_hit(blob_id)
             return got[0]
-        if self.disk is not None and blob_id in self.disk:
-            blob, meta = self.disk.get(blob_id)
-            self.stats["onboard_disk_hits"] += 1
-            try:  # promote: the next turn finds it in memory
-                self.put(BlobMeta.from_dict(meta), blob)
-            except TierError:
-                pass
-            return blob
+        blob = self._from_disk(blob_id)
+        if blob is not None:
+            return bytes(blob)
         if not _retry:
             with self._transit:  # it may be between host and disk right now: look once more after the move
                 pass
             return self.fetch(blob_id, _retry=True)
         raise TierError(f"blob {blob_id} vanished from every tier")
+
+    def _count_host_hit(self, blob_id: str) -> None:
+        self.stats["onboard_host_hits"] += 1
+        self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
+
+    def _from_disk(self, blob_id: str) -> memoryview | None:
+        """Read a blob from disk and promote it into the host tier (the next turn finds it in memory); None when the
+        disk tier does not hold it."""
+        if self.disk is None or blob_id not in self.disk:
+            return None
+        blob, meta = self.disk.get(blob_id)
+        self.stats["onboard_disk_hits"] += 1
+        try:
+            self.put(BlobMeta.from_dict(meta), blob)
+        except TierError:
+            pass
+        return blob
