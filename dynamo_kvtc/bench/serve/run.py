@@ -102,8 +102,11 @@ class ServeBench:
         return rec
 
 
-def sweep(bench: ServeBench, systems: list[str], fractions: list[float], disk_dir: str | None) -> list[RunRecord]:
-    out = []
+def sweep(
+    bench: ServeBench, systems: list[str], fractions: list[float], disk_dir: str | None, on_record=None
+) -> list[RunRecord]:
+    """Every system at every budget (``none`` once); ``on_record(records so far)`` after each run."""
+    out: list[RunRecord] = []
     for name in systems:
         for f in [None] if not SYSTEMS[name].offload else fractions:
             t0 = time.perf_counter()
@@ -117,6 +120,8 @@ def sweep(bench: ServeBench, systems: list[str], fractions: list[float], disk_di
                 flush=True,
             )
             out.append(rec)
+            if on_record is not None:
+                on_record(out)
     return out
 
 
@@ -185,7 +190,6 @@ def run_bench_serve(args) -> int:
     print(f"raw working set: {bench.ws_blocks} blocks = {bench.ws_bytes / 1e9:.3f} GB")
     if not args.no_warmup:
         bench.warm_up(args.systems)
-    records = sweep(bench, args.systems, args.budgets, args.disk_dir)
     data = {
         "benchmark": "serve",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
@@ -198,8 +202,14 @@ def run_bench_serve(args) -> int:
         "workload": wl.describe(w),
         "raw_working_set_bytes": bench.ws_bytes,
         "machine": machine(),
-        "runs": [asdict(r) for r in records],
+        "runs": [],
     }
+
+    def partial(records: list[RunRecord]) -> None:  # a run cut short keeps the runs it finished
+        data["runs"] = [asdict(r) for r in records]
+        write_json(args.json_path, data)
+
+    records = sweep(bench, args.systems, args.budgets, args.disk_dir, partial)
     if args.plot:
         why = plot(records, args.plot, f"bench serve: {args.model}, {w.name} ({NOTE})")
         data["plot"] = why or str(args.plot)

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# H200 run of the serving benchmark (issue 15): `dynamo-kvtc bench serve` for the Llama-3.1-8B shape (random weights,
+# synthetic calibration: speed only), multi-round QA in LMBenchmark's shape, a host-budget sweep, every system.
+# Run through the device tool from the repository root:
+#   command: bash integration/gpu/serve_check.sh            (carry [".whl"] for nvCOMP/NIXL: the measured path;
+#                                                             without it blobs are entropy-coded by zlib on the host)
+# With the wheels the shipped calibrations must be untracked for the call as perf_check.sh says.
+# Knobs (environment): MODEL (llama-3.1-8b | mistral-nemo-12b), WORKLOAD (multi-round-qa | conversation |
+# long-doc-qa), PARAMS (generator KEY=VALUE list), BUDGETS, SYSTEMS, QPS, EXTRA (more bench serve arguments),
+# TESTS=0 to skip the GPU test, TOTAL_S (default 470: the run stops there, what it has is kept).
+# Writes to $OUT: env.txt, pytest-serve.log, serve-<model>-<workload>.{json,png,log}, trace.jsonl.
+# Exit status: 0 all good, 1 setup failure, 2 GPU test failed, 3 benchmark failed or ran out of time.
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-out/serve}
+TOTAL_S=${TOTAL_S:-470}
+MODEL=${MODEL:-llama-3.1-8b}
+WORKLOAD=${WORKLOAD:-multi-round-qa}
+QPS=${QPS:-1.0}
+PARAMS=${PARAMS:-users=10 rounds=4 system=1000 history=8000 question=50 answer=100 qps=$QPS}
+BUDGETS=${BUDGETS:-1.25,0.5,0.25,0.125,0.05}
+SYSTEMS=${SYSTEMS:-none,raw,kvtc16,kvtc32,policy}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+el() { echo $(($(date +%s) - T0)); }
+step() { echo "== [$(el)s] $*"; }
+die() { echo "!! FATAL: $*"; exit 1; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  step "install wheels from .whl/"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || die "wheel install failed"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  step "no .whl/: nvCOMP and NIXL absent (blobs entropy-coded by zlib on the host, no disk tier)"
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+
+step "environment"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nproc; free -g | head -2
+  python3 -c "import torch, dynamo_kvtc.bench.serve.run as r; assert torch.cuda.is_available(); print('IMPORTS OK', torch.__version__, torch.cuda.get_device_name(0))"
+  python3 -c "from dynamo_kvtc.codec.entropy import nvcomp_available; print('nvcomp', nvcomp_available())"
+} 2>&1 | tee "$OUT/env.txt"
+grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above)"
+
+TEST_STATUS=0
+if [ "${TESTS:-1}" != 0 ]; then
+  step "GPU test of the engine loop (tests/test_bench_serve.py -m gpu)"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_bench_serve.py >"$OUT/pytest-serve.log" 2>&1 \
+    || TEST_STATUS=2
+  tail -3 "$OUT/pytest-serve.log"
+fi
+
+LEFT=$((TOTAL_S - $(el)))
+NAME="serve-$MODEL-$WORKLOAD"
+ARGS=()
+for p in $PARAMS; do ARGS+=(--param "$p"); done
+step "dynamo-kvtc bench serve --model $MODEL --workload $WORKLOAD ($PARAMS) budgets $BUDGETS systems $SYSTEMS (stops in ${LEFT}s)"
+BENCH_STATUS=0
+timeout "$LEFT" python3 -m dynamo_kvtc.cli.main bench serve --model "$MODEL" --device cuda --workload "$WORKLOAD" \
+  "${ARGS[@]}" --budgets "$BUDGETS" --systems "$SYSTEMS" --save-trace "$OUT/trace.jsonl" \
+  --json "$OUT/$NAME.json" --plot "$OUT/$NAME.png" $EXTRA >"$OUT/$NAME.log" 2>&1 || BENCH_STATUS=3
+grep -vE "^(WARNING|INFO)" "$OUT/$NAME.log" | tail -40
+
+step "done: test=$TEST_STATUS bench=$BENCH_STATUS; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$TEST_STATUS" -ne 0 ] && exit 2
+[ "$BENCH_STATUS" -ne 0 ] && exit 3
+exit 0
