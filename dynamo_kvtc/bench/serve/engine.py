@@ -75,7 +75,8 @@ class _Seq:
     req: Request
     m: RequestMetrics
     tokens: list[int]  # prompt + reply
-    k: torch.Tensor  # [L, tokens, H, D]
+    slot: int  # its rows of the engine's KV pool
+    k: torch.Tensor  # [L, max tokens, H, D]: a view of the pool
     v: torch.Tensor
     computed: int = 0  # tokens whose KV is in k/v
     generated: int = 0
@@ -110,18 +111,16 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x [n, heads, d] rotated at positions ``pos`` [n] (rotate-half, as the decoder does)."""
-    ang = pos.float()[:, None] * inv_freq[None, :]
-    ang = torch.cat((ang, ang), -1)[:, None, :]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+def _rot(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, d] rotated by ``cos``/``sin`` [n, 1, d] (rotate-half, as the decoder does)."""
     h = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
 
 
 class ServeEngine:
-    """Runs one trace against one system: owns the running sequences, their KV, the clock and the metrics. It uses
-    ``store`` (None: no offload) only through its public methods, and never changes the decoder's weights."""
+    """Runs one trace against one system: owns the running sequences, their KV (one pool of ``max_seqs`` slots; a
+    slot is reused only after its sequence's offload finished), the clock and the metrics. It uses ``store`` (None:
+    no offload) only through its public methods, and never changes the decoder's weights."""
 
     def __init__(self, decoder: Any, store: Any, cfg: EngineConfig, device: str | torch.device) -> None:
         self.dec, self.store, self.cfg = decoder, store, cfg
@@ -134,7 +133,10 @@ class ServeEngine:
         self.layers = [{k: conv(t) for k, t in lw.items()} for lw in decoder.layers]
         self.embed = conv(decoder.embed) if decoder.embed is not None else None
         self.head = conv(decoder.head) if decoder.head is not None else None
-        self._pending: deque = deque()  # (future, k, v): KV kept alive until its offload finished
+        self._busy: dict[int, Any] = {}  # slot -> the offload still reading it
+        self._free: list[int] = []
+        self.pool: torch.Tensor | None = None  # [2, L, slots, max tokens, H, D] bf16
+        self.max_len = 0
         self._saved: dict[int, float] = {}  # request id -> when its offload was stored (run clock)
         self._t0 = 0.0
         self._skipped = 0.0
@@ -156,6 +158,10 @@ class ServeEngine:
         waiting: deque[_Seq | Request] = deque()
         running: list[_Seq] = []
         done: dict[int, RequestMetrics] = {}
+        self.max_len = max((r.prompt_tokens + r.output_tokens for r in reqs), default=1)
+        slots = self.cfg.max_seqs
+        self.pool = torch.empty(2, self.L, slots, self.max_len, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
+        self._free, self._busy = list(range(slots)), {}
         self._t0, self._skipped, self._saved = time.perf_counter(), 0.0, {}
         while future or blocked or waiting or running:
             now = self.clock() + t_first
@@ -164,11 +170,15 @@ class ServeEngine:
             for r in [r for r in blocked if r.after < 0 or r.after in self._saved]:
                 blocked.remove(r)
                 waiting.append((r, max(r.arrival_s, self._saved.get(r.after, 0.0))))
-            while waiting and len(running) < self.cfg.max_seqs:
+            self._reclaim()
+            while waiting and self._free:
                 r, arrival = waiting.popleft()
                 running.append(self._admit(w.seed, r, arrival, now))
             if not running:
-                self._idle(future, blocked, t_first)
+                if waiting:  # every slot is still being offloaded
+                    self._drain()
+                else:
+                    self._idle(future, blocked, t_first)
                 continue
             self._step(running, t_first)
             for s in [s for s in running if s.generated >= s.req.output_tokens]:
@@ -177,6 +187,7 @@ class ServeEngine:
                 done[s.req.id] = s.m
                 self._offload(s, t_first)
         self._drain()
+        self.pool = None
         return [done[r.id] for r in reqs]
 
     def _idle(self, future: deque, blocked: list, t_first: float) -> None:
@@ -194,8 +205,8 @@ class ServeEngine:
         toks = request_tokens(seed, r)
         n = len(toks)
         m = RequestMetrics(r.id, r.session, arrival, r.prompt_tokens, r.output_tokens, start_s=now)
-        kv = torch.empty(2, self.L, n, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
-        s = _Seq(r, m, toks, kv[0], kv[1])
+        slot = self._free.pop()
+        s = _Seq(r, m, toks, slot, self.pool[0, :, slot, :n], self.pool[1, :, slot, :n])
         if self.store is not None:
             bs = self.cfg.block_size
             hashes = sequence_hashes(toks[: r.prompt_tokens], bs)
@@ -211,6 +222,7 @@ class ServeEngine:
         n = (s.computed // bs) * bs
         if self.store is None or n == 0:
             self._saved[rid] = s.m.finish_s
+            self._free.append(s.slot)
             return
         ev = None
         if self.dev.type == "cuda":
@@ -219,17 +231,22 @@ class ServeEngine:
         hashes = sequence_hashes(s.tokens[:n], bs)
         fut = self.store.submit_offload(hashes, s.tokens[:n], keys=s.k[:, :n], values=s.v[:, :n], ready_event=ev)
         fut.add_done_callback(lambda _f: self._saved.__setitem__(rid, self.clock() + t_first))
-        self._pending.append((fut, s.k, s.v))
-        while self._pending and self._pending[0][0].done():
-            self._pending.popleft()
+        self._busy[s.slot] = fut
+
+    def _reclaim(self) -> None:
+        for slot in [k for k, f in self._busy.items() if f.done()]:
+            del self._busy[slot]
+            self._free.append(slot)
 
     def _drain(self) -> None:
-        while self._pending:
-            self._pending.popleft()[0].result()
+        for f in list(self._busy.values()):
+            f.result()
+        self._reclaim()
 
     # ------------------------------------------------------------------ one step
     def _plan(self, running: list[_Seq]) -> list[tuple[_Seq, int, int]]:
-        """(sequence, first position, tokens) of this step: every decode, then prefill chunks within the budget."""
+        """(sequence, first position, tokens) of this step: every decode first, then prefill chunks within the
+        budget."""
         budget = self.cfg.token_budget
         batch = []
         for s in running:
@@ -262,27 +279,33 @@ class ServeEngine:
                     s.m.first_token_s = now
 
     def _forward(self, batch: list[tuple[_Seq, int, int]]) -> None:
+        """One step: GEMMs, RoPE and the KV writes batched over every token of the step; attention batched over the
+        decodes (one call over the pool), one call per prefill chunk."""
         dec, dev = self.dec, self.dev
+        hd, nkv, nh = self.D, self.H, self.nh
         ids = torch.tensor([t for s, a, n in batch for t in s.tokens[a : a + n]], device=dev)
+        pos_l = [p for _, a, n in batch for p in range(a, a + n)]
+        pos = torch.tensor(pos_l, device=dev)
+        flat = torch.tensor([s.slot * self.max_len + p for s, a, n in batch for p in range(a, a + n)], device=dev)
+        ang = pos.float()[:, None] * dec.inv_freq[None, :]
+        ang = torch.cat((ang, ang), -1)[:, None, :]
+        cos, sin = ang.cos().to(self.dt), ang.sin().to(self.dt)
+        B = sum(1 for s, a, n in batch if a >= s.prompt)  # the decodes (first in the batch)
+        dmask = self._decode_mask(batch[:B]) if B else None
         x = self.embed[ids] if self.embed is not None else torch.zeros(len(ids), dec.d.hidden, device=dev)
         x = x.to(self.dt)
-        pos = [torch.arange(a, a + n, device=dev) for _, a, n in batch]
-        hd, nkv, nh = self.D, self.H, self.nh
         for i, lw in enumerate(self.layers):
-            qkv = _rms(x) @ lw["qkv"]
-            q_all, k_all, v_all = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            outs, o = [], 0
-            for (s, a, n), p in zip(batch, pos):
-                if s.handle is not None and not s.failed:
-                    try:
-                        s.handle.wait_layer(i)
-                    except TierError as e:
-                        log.info("restore of request %d failed, recomputing: %s", s.req.id, e)
-                        s.failed = True
-                q = _rope(q_all[o : o + n].view(n, nh, hd), p, dec.inv_freq)
-                s.k[i, a : a + n] = _rope(k_all[o : o + n].view(n, nkv, hd), p, dec.inv_freq).to(s.k.dtype)
-                s.v[i, a : a + n] = v_all[o : o + n].view(n, nkv, hd).to(s.v.dtype)
-                outs.append(self._attend(q, s.k[i, : a + n], s.v[i, : a + n]))
+            self._wait_layer(batch, i)
+            q_all, k_all, v_all = (_rms(x) @ lw["qkv"]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q_all = _rot(q_all.reshape(-1, nh, hd), cos, sin)
+            pk, pv = self.pool[0, i].view(-1, nkv, hd), self.pool[1, i].view(-1, nkv, hd)
+            pk.index_copy_(0, flat, _rot(k_all.reshape(-1, nkv, hd), cos, sin).to(pk.dtype))
+            pv.index_copy_(0, flat, v_all.reshape(-1, nkv, hd).to(pv.dtype))
+            outs, o = [], B
+            if B:
+                outs.append(self._decode_attend(i, q_all[:B], batch[:B], dmask))
+            for s, a, n in batch[B:]:
+                outs.append(self._attend(q_all[o : o + n], s.k[i, : a + n], s.v[i, : a + n]))
                 o += n
             x = x + torch.cat(outs) @ lw["o"]
             gt, up = (_rms(x) @ lw["gu"]).chunk(2, dim=-1)
@@ -291,17 +314,53 @@ class ServeEngine:
             last = torch.tensor([o - 1 for o in torch.cumsum(torch.tensor([n for *_, n in batch]), 0).tolist()])
             _rms(x[last.to(dev)]) @ self.head
 
+    def _wait_layer(self, batch: list[tuple[_Seq, int, int]], i: int) -> None:
+        for s, _, _ in batch:
+            if s.handle is not None and not s.failed:
+                try:
+                    s.handle.wait_layer(i)
+                except TierError as e:
+                    log.info("restore of request %d failed, recomputing: %s", s.req.id, e)
+                    s.failed = True
+
+    def _decode_mask(self, decodes: list[tuple[_Seq, int, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(slots of the decodes, additive mask [slots, 1, 1, S] over every slot's first S positions, S): a decode
+        sees its own positions; a slot without a decode sees position 0 only (its output is dropped)."""
+        S = max(a + 1 for _, a, _ in decodes)
+        lens = torch.ones(self.cfg.max_seqs, dtype=torch.long)
+        for s, a, _ in decodes:
+            lens[s.slot] = a + 1
+        ar = torch.arange(S)
+        mask = torch.zeros(self.cfg.max_seqs, 1, 1, S).masked_fill(ar[None, None, None, :] >= lens[:, None, None, None],
+                                                                   float("-inf"))  # fmt: skip
+        slots = torch.tensor([s.slot for s, _, _ in decodes], device=self.dev)
+        return slots, mask.to(self.dev, self.dt), S
+
+    def _decode_attend(self, i: int, q: torch.Tensor, decodes, dmask) -> torch.Tensor:
+        """Every decode of the step in one attention call over the pool's slots, read in place (no gather): the
+        rep query heads of a KV head as rep query rows (exact GQA). Returns [decodes, nh*d]."""
+        slots, mask, S = dmask
+        n_slots, nh, hd, nkv = self.cfg.max_seqs, self.nh, self.D, self.H
+        rep = nh // nkv
+        qf = torch.zeros(n_slots, nh, hd, dtype=q.dtype, device=q.device).index_copy_(0, slots, q)
+        kk = self.pool[0, i, :, :S].transpose(1, 2)  # [slots, nkv, S, d], a view
+        vv = self.pool[1, i, :, :S].transpose(1, 2)
+        if kk.dtype != q.dtype:
+            kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            qf.view(n_slots, nkv, rep, hd), kk, vv, attn_mask=mask.expand(n_slots, nkv, rep, S)
+        )
+        return a.reshape(n_slots, nh * hd).index_select(0, slots)
+
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``q`` [n, nh, d] (the last n positions) over ``k``/``v`` [S, nkv, d]; returns
-        [n, nh*d]."""
+        """Causal attention of a prefill chunk ``q`` [n, nh, d] (the last n positions) over ``k``/``v``
+        [S, nkv, d]; returns [n, nh*d]."""
+        from torch.nn.attention.bias import causal_lower_right
+
         n, nh, hd = q.shape
         S, nkv = k.shape[0], k.shape[1]
         rep = nh // nkv
         kt, vt = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [nkv, S, d]
-        if n == 1:  # a decode: the rep query heads of a KV head as rep rows, no copies
-            a = torch.nn.functional.scaled_dot_product_attention(q.view(nkv, rep, hd), kt, vt)
-            return a.reshape(1, nh * hd)
-        from torch.nn.attention.bias import causal_lower_right
 
         ke = kt[:, None].expand(nkv, rep, S, hd).reshape(nh, S, hd)
         ve = vt[:, None].expand(nkv, rep, S, hd).reshape(nh, S, hd)
