@@ -133,6 +133,9 @@ SETTINGS: tuple[Setting, ...] = (
        "scales, fp32 accumulation; where FP8 tensor cores are absent it runs in fp16, on the CPU reference path it "
        "emulates the FP8 rounding), `auto` (fp8 on CUDA devices of compute capability >= 8.9, else fp16). Blobs "
        "are the same format either way", "process", choices=("auto", "fp16", "fp8")),
+    _s("codec_sms", "int", 0, "SMs the codec's CUDA streams may use (a green context, rounded up to the device's "
+       "granularity), so the engine's forward pass keeps the rest; 0: the whole GPU at the lowest stream priority",
+       "process", lo=0, hi=4096),
     _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
        "process"),
     _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process",

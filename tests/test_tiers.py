@@ -578,3 +578,27 @@ async def test_warm_up_runs_the_codec_once_and_stores_nothing(synth, synth_cal):
     res = await store.offload(toks, k, v)  # the store works as before after a warm-up
     assert res.stored_blocks == 192 // BS
     store.close()
+
+
+def test_codec_streams_cpu_none_and_sms_setting_checked(monkeypatch):
+    from dynamo_kvtc import settings
+    from dynamo_kvtc.errors import ConfigError
+    from dynamo_kvtc.tiers.streams import codec_stream
+
+    assert codec_stream(torch.device("cpu"), 32) is None
+    monkeypatch.setenv("DYN_KVTC_CODEC_SMS", "-4")
+    with pytest.raises(ConfigError, match="codec_sms"):
+        settings.env_value("codec_sms")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_codec_stream_in_a_green_context_runs_kernels():
+    from dynamo_kvtc.tiers.streams import codec_stream
+
+    dev = torch.device("cuda")
+    s = codec_stream(dev, 16)
+    with torch.cuda.stream(s):
+        x = torch.randn(1024, 1024, device=dev)
+        y = x @ x
+    s.synchronize()
+    assert torch.allclose(y, (x @ x), rtol=1e-3, atol=1e-3)

@@ -215,25 +215,27 @@ def overlap_check(ctx: dict, cal, model: RandomDecoder, args) -> dict[str, Any]:
     stop = threading.Event()
     done = [0]
 
-    def background():
-        with gt.cuda.stream(bg_stream):
-            while not stop.is_set():
-                job = fc.open(blobs)
-                for _ in job.layers(dest=dest, targets=[(b, 0) for b in range(B)]):
-                    pass
-                job.finish()
-                fc.encode_batch(src, spans, host_out=host)
-                done[0] += 1
+    def cycle(stream) -> None:
+        with gt.cuda.stream(stream):
+            job = fc.open(blobs)
+            for _ in job.layers(dest=dest, targets=[(b, 0) for b in range(B)]):
+                pass
+            job.finish()
+            fc.encode_batch(src, spans, host_out=host)
 
-    out: dict[str, Any] = {"background": "loop of: restore 2 x 8K tokens + compress 2 x 8K tokens (fused)"}
-    for prio_name, prio in (("equal_priority", 0), ("forward_high_priority", -1)):
-        fg = gt.cuda.Stream(dev, priority=prio)
+    def background(stream) -> None:
+        while not stop.is_set():
+            cycle(stream)
+            done[0] += 1
+
+    def stretch(fg, stream) -> dict[str, Any]:
+        res = {}
         for wname, fn in workloads.items():
             with gt.cuda.stream(fg):
                 alone = events_ms(fn, repeat=8, warmup=2)
                 stop.clear()
                 done[0] = 0
-                th = threading.Thread(target=background, daemon=True)
+                th = threading.Thread(target=background, args=(stream,), daemon=True)
                 th.start()
                 try:
                     time.sleep(0.3)
@@ -243,13 +245,53 @@ def overlap_check(ctx: dict, cal, model: RandomDecoder, args) -> dict[str, Any]:
                 finally:
                     stop.set()
                     th.join()
-            out[f"{prio_name}/{wname}"] = {
+            res[wname] = {
                 "alone_ms": med(alone),
                 "with_kvtc_ms": med(shared),
                 "stretch": med(shared) / med(alone) - 1,
                 "background_iterations_per_s": done[0] / max(dt + 0.3, 1e-9),
             }
+        return res
+
+    out: dict[str, Any] = {"background": "loop of: restore 2 x 8K tokens + compress 2 x 8K tokens (fused)"}
+    for prio_name, prio in (("equal_priority", 0), ("forward_high_priority", -1)):
+        for wname, r in stretch(gt.cuda.Stream(dev, priority=prio), bg_stream).items():
+            out[f"{prio_name}/{wname}"] = r
+    out["green_contexts"] = green_curve(dev, cycle, stretch, getattr(args, "codec_sms", None) or [])
     return out
+
+
+def green_curve(dev, cycle, stretch, sms_list) -> dict[str, Any]:
+    """The interference curve: for each SM count, the codec's cycle time alone in a green context of that size and
+    the forward pass's stretch (at high priority) while the codec loops there. Whole GPU = the lowest-priority row."""
+    from ..tiers.streams import green_stream
+
+    curve: dict[str, Any] = {}
+    if dev.type != "cuda":
+        return {"skipped": "needs CUDA"}
+    for sms in sms_list:
+        stream = green_stream(dev, sms)
+        if stream is None:
+            curve[str(sms)] = {"skipped": "green contexts unavailable (see the log)"}
+            continue
+        cycle(stream)  # warm-up in this context
+        t = []
+        for _ in range(3):
+            gt.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            cycle(stream)
+            gt.cuda.synchronize(dev)
+            t.append(time.perf_counter() - t0)
+        curve[str(sms)] = {"codec_cycle_alone_ms": med(t) * 1e3, **stretch(gt.cuda.Stream(dev, priority=-1), stream)}
+    full = []
+    for _ in range(3):
+        gt.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        cycle(gt.cuda.Stream(dev, priority=0))
+        gt.cuda.synchronize(dev)
+        full.append(time.perf_counter() - t0)
+    curve["all"] = {"codec_cycle_alone_ms": med(full) * 1e3}
+    return curve
 
 
 # ============================================================================================ CPU path

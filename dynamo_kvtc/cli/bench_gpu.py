@@ -21,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layer-groups", type=types.positive_int, default=4, help="also run NeMo with this many layer groups (1: no)"
     )
+    p.add_argument(
+        "--codec-sms",
+        type=types.positive_ints,
+        default="16,32,64",
+        help="interference curve: also run the codec in a green context of each of these SM counts",
+    )
     p.add_argument("--cpu-tokens", type=types.positive_int, default=256, help="coded tokens of the 2-core CPU decode")
     p.add_argument(
         "--budget-s", type=types.positive_float, default=420.0, help="skip optional parts once this is spent"

@@ -22,6 +22,7 @@ from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
 from .policy import OffloadFilter, RatioPolicy
+from .streams import codec_stream
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class Offloader:
         self.block_size, self.span_blocks, self.device = block_size, span_blocks, device
         self.stats, self.timings = stats, timings
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = codec_stream(device)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -23,6 +23,7 @@ from .host import HostLease
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
+from .streams import codec_stream
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class Restorer:
         self.num_layers = cal.fingerprint.num_layers
         self.stats, self.timings = stats, timings
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream = codec_stream(device)
 
     @property
     def stream(self) -> Any:
