@@ -5,14 +5,15 @@ checked on the host (the reference checks), then the section bytes are queued ho
 blobs' ``{g}.*`` sections for g = 0, 1, ...; pinned sources copy directly, others through a pinned bounce buffer) on
 a copy stream, one CUDA event per group. :meth:`RestoreJob.layers` then, on the caller's stream:
 
-1. waits for group 0's bytes, computes their CRC-32s on the device, inflates group 0's chunks (one nvCOMP batch per
-   tag) and dequantizes them into one fp16 coefficient matrix per K/V and DP plan — while later groups still copy;
-2. computes every other group's CRCs on the device, each as soon as that group's bytes landed: the job's verdict is
-   one device boolean (every section of every blob intact);
-3. per layer of group 0: projects back, adds the mean, re-applies RoPE and scatters the rows into the destination,
-   then the sinks and window rows — every write through offsets that the verdict turns to -1 (skipped) when any
-   section is corrupt, so a corrupt job leaves the destination untouched, never partially written;
-4. groups 1, 2, ... the same way (inflate, dequantize, project), so layer 0 waits only for group 0's work.
+1. waits for group 0's bytes (only those), computes their CRC-32s on the device, inflates group 0's chunks (one
+   nvCOMP batch per tag) and dequantizes them into one fp16 coefficient matrix per K/V and DP plan — while later
+   groups still copy;
+2. per layer of group 0: projects back, adds the mean, re-applies RoPE and scatters the rows into the destination,
+   then the sinks and window rows — every write through offsets that the verdict so far (a device boolean: every
+   section of groups 0..g of every blob intact) turns to -1 (skipped) otherwise;
+3. groups 1, 2, ... the same way (wait for its bytes, CRC, inflate, dequantize, project), so layer 0 waits only for
+   group 0's bytes and work. Only verified bytes are ever written: if group g of some blob is corrupt, the layers of
+   groups < g hold correct KV, groups >= g are untouched, and the job reports the failure (the caller recomputes).
 
 Nothing on that path reads a device value back: the host learns the verdict in :meth:`RestoreJob.finish`, which
 synchronises and raises CorruptBlobError naming the blob and section. ``verify="eager"`` keeps the old contract
@@ -307,10 +308,12 @@ class RestoreJob:
         return offs
 
     def _gate(self, offs: list[torch.Tensor]) -> None:
-        """Route every write through the CRC verdict (device mode: offsets become -1 unless every section is
-        intact) and build the per-plan and sinks/window offset vectors."""
+        """Route the next group's writes through the CRC verdict so far (device mode: offsets become -1 unless every
+        section checked up to now — this group's and the earlier ones' — is intact) and build the per-plan and
+        sinks/window offset vectors."""
         if self.verify == "device":
-            offs = [torch.where(self._ok, o, -1) for o in offs]
+            ok = torch.cat(self._crc_ok).all() if len(self._crc_ok) > 1 else self._crc_ok[0].all()
+            offs = [torch.where(ok, o, -1) for o in offs]
         for rg in self.rgroups:
             ns = [self.heads[bi]["sinks"] for bi in rg["blobs"]]
             rg["doff"] = torch.cat([offs[bi][a : a + n] for (bi, n), a in zip(_ncs(self, rg), ns)])
@@ -339,17 +342,13 @@ class RestoreJob:
             out_dtype = dtypes.pop()
         offs = self._offsets(dest, targets, keep)
         self._plan_rows()
+        if dest is None and self.verify == "device":
+            self._raise_if_corrupt()  # tensors handed out cannot be gated: read the verdict first
         for g in range(len(fc.tables)):
-            if g == 0:
-                self._crc_upto(1)
+            self._crc_upto(g + 1)  # group g's bytes landed and checked; later groups still copying
             raw = self._inflate(g)
             self._dequant(g, raw)
-            if g == 0:
-                for later in range(2, len(fc.tables) + 1):  # each group's CRC as soon as its bytes landed
-                    self._crc_upto(later)  # -> every section's CRC queued before the first write
-                if dest is None and self.verify == "device":
-                    self._raise_if_corrupt()
-                self._gate(offs)
+            self._gate(offs)  # the writes of group g need every section of groups 0..g intact
             yield from self._project(g, dest, out_dtype)
             del raw
         self.extra = ([], [])
