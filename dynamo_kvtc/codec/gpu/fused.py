@@ -19,14 +19,15 @@ Encode (:meth:`FusedCodec.encode_batch`), for all spans of a batch together:
 
 Restore (:meth:`FusedCodec.open` then :meth:`RestoreJob.layers`), for all blobs of a batch together:
 
-1. headers parsed and checked on the host (the reference checks), section bytes copied host->device (pinned sources
-   copy asynchronously), every section's CRC-32 computed on the device and compared before anything is decoded;
-2. compressed chunks realigned for nvCOMP and inflated in one batch call per codec tag, sync-free (decompression
-   configuration built from the sizes the header gives; fallbacks recorded in ``nvcomp_mode``);
-3. ``dequantize`` into one fp16 coefficient matrix per K/V and layer group;
-4. per layer: ``Y = D @ V[cols_l]^T`` (fp16 or FP8 GEMM, fp32 accumulation), then ``post``: + mean, RoPE
-   re-applied, cast, and scattered straight into the destination rows (engine blocks or per-layer buffers); sinks and
-   window rows follow.
+1. headers parsed and checked on the host (the reference checks), section bytes queued host->device layer group by
+   layer group on a copy stream (pinned sources copy asynchronously, in place);
+2. then per layer group, on the caller's stream and with no host synchronisation: that group's CRC-32s computed on
+   the device, its compressed chunks realigned and inflated (one nvCOMP batch per codec tag), ``dequantize`` into one
+   fp16 coefficient matrix per K/V and plan;
+3. per layer of the group: ``Y = D @ V[cols_l]^T`` (fp16 or FP8 GEMM, fp32 accumulation, :mod:`.projection`), then
+   ``post``: + mean, RoPE re-applied, cast, and scattered straight into the destination rows (engine blocks or
+   per-layer buffers); sinks and window rows follow — every write gated on the device by the CRCs checked so far,
+   the verdict reported by ``finish()`` (see :mod:`.restore`).
 
 The reference path (``KvtcCodec`` with ``fused=False``) stays the CPU path and the definition of the format.
 
@@ -54,7 +55,7 @@ from ..tags import GPU_ONLY_TAGS
 from .batch_entropy import BatchEntropy
 from .encode import EncodeRun, F16Overflow
 from .layouts import DenseKV, PagedBlocks, Span
-from .ops import TorchOps, get_ops, rope_tables
+from .ops import TorchOps, device_tensor, get_ops, rope_tables
 from .projection import make_projector, resolve_projection
 from .restore import RestoreJob
 
@@ -79,7 +80,7 @@ class _GroupTables:
         key = (kind, ratio, bucket_index)
         t = self._starts.get(key)
         if t is None:
-            t = self._starts[key] = torch.tensor(bucket.starts, dtype=torch.int64, device=self.k_mean.device)
+            t = self._starts[key] = device_tensor(bucket.starts, torch.int64, self.k_mean.device)  # no host block
         return t
 
 
@@ -168,12 +169,14 @@ class FusedCodec:
                 return EncodeRun(self, source, spans, bf16=True).run(host_out)
 
     # ============================================================================================ restore
-    def open(self, blobs: Sequence[Any]) -> RestoreJob:
-        """Parse, copy to the device and CRC-check every blob (raises DecodeError before anything is decoded).
+    def open(self, blobs: Sequence[Any], *, verify: str = "device") -> RestoreJob:
+        """Parse every header (DecodeError at once for a malformed or foreign blob) and queue the section bytes to
+        the device. ``verify="device"``: CRCs are checked on the device and gate the writes, the verdict surfaces in
+        :meth:`RestoreJob.finish`; ``"eager"``: every CRC is checked here, before anything is decoded.
 
         A blob is ``bytes``/``bytearray``/``memoryview``, or ``(tensor, offset, length)`` with a CPU uint8 tensor
         (pinned: the host->device copy is asynchronous)."""
-        return RestoreJob(self, blobs)
+        return RestoreJob(self, blobs, verify)
 
 
 def fused_status(device: str | torch.device, projection: str | None = None) -> dict[str, Any]:
