@@ -75,10 +75,11 @@ class ServeBench:
             self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens
         )
 
-    def warm_up(self, systems: list[str]) -> None:
-        """One short trace per system, untimed (codec set-up, kernel compilation, allocator)."""
-        w = wl.generate("multi-round-qa", 99, users=1, rounds=2, system=0, history=2 * self.cfg.span_tokens,
-                        question=16, answer=4, qps=100)  # fmt: skip
+    def warm_up(self, systems: list[str], sessions: int = 2) -> None:
+        """Every turn of the workload's first ``sessions`` sessions once per system, untimed, so codec set-up, kernel
+        compilation (for the workload's own span and batch shapes) and the allocator are not in the first run."""
+        first = list(dict.fromkeys(r.session for r in self.w.requests))[:sessions]
+        w = wl.Workload(self.w.name, self.w.seed, self.w.params, [r for r in self.w.requests if r.session in first])
         for name in systems:
             store = self.store(name, 1 << 30, None)
             try:
