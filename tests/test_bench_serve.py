@@ -323,3 +323,19 @@ def test_disk_tier_serves_what_the_host_budget_cannot_hold(tiny_bench, tmp_path)
     with_disk = bench.run("raw", 0.125, str(tmp_path))
     assert with_disk.store["disk_blobs"] > 0
     assert with_disk.summary["hit_rate"] > 0.6 > 0.2 > host_only.summary["hit_rate"]
+
+
+def test_qps_sweep_reports_throughput_at_the_slo(tmp_path):
+    import json
+
+    from dynamo_kvtc.cli.main import main
+
+    out = tmp_path / "serve.json"
+    params = ["users=2", "rounds=2", "system=32", "history=256", "question=16", "answer=4"]
+    argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--systems", "none,kvtc16", "--budgets", "0.5"]
+    argv += [x for p in params for x in ("--param", p)] + ["--qps", "1,4", "--slo", "30", "--no-warmup"]
+    assert main([*argv, "--token-budget", "256", "--span-tokens", "128", "--window", "16", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["system"], r["qps"]) for r in data["runs"]] == [("none", 1), ("kvtc16", 1), ("none", 4), ("kvtc16", 4)]
+    rows = {r["system"]: r for r in data["throughput_at_slo"]}
+    assert rows["kvtc16"]["qps"] == 4 and rows["kvtc16"]["requests_per_s"] > 0  # a 30 s SLO: every rate meets it

@@ -57,9 +57,9 @@ def _fractions(s: str) -> list[float]:
     try:
         out = [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated fractions expected, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"comma-separated numbers expected, got {s!r}") from None
     if not out or any(not x > 0 for x in out):
-        raise argparse.ArgumentTypeError(f"host budgets must be positive fractions, got {s!r}")
+        raise argparse.ArgumentTypeError(f"positive numbers expected, got {s!r}")
     return out
 
 
@@ -76,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-trace", help="write the generated trace here (JSONL)")
     p.add_argument("--systems", type=_systems, default=list(SYSTEMS), help="comma-separated (default: all)")
     p.add_argument("--budgets", type=_fractions, default=[1.0, 0.5, 0.25, 0.125, 0.05], help="host budgets, fractions")
+    p.add_argument(
+        "--qps",
+        type=_fractions,
+        default=None,
+        help="arrival rates to sweep (the workload regenerated at each; JSON: throughput at a p90 TTFT <= --slo)",
+    )
     p.add_argument("--model", choices=MODELS, default="llama-3.1-8b", help="decoder and KV shape (tiny: CPU smoke)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--token-budget", type=types.positive_int, default=8192, help="tokens per engine step")
@@ -83,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=types.positive_int, default=16)
     p.add_argument("--span-tokens", type=types.positive_int, default=1024)
     p.add_argument("--window", type=types.nonneg_int, default=128, help="raw tokens at the end of a saved sequence")
-    p.add_argument("--slo", type=types.positive_float, default=2.0, help="TTFT SLO of the goodput, seconds")
+    p.add_argument("--slo", type=types.positive_float, default=2.0, help="TTFT SLO (goodput; p90 in --qps), seconds")
     p.add_argument("--disk-gb", type=types.nonneg_float, default=0.0, help="a disk tier of this size (0: none)")
     p.add_argument("--disk-dir", type=types.existing_dir, default=None, help="where the disk tiers' folders go")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per system")

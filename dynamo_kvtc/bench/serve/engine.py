@@ -408,7 +408,7 @@ def summarize(ms: list[RequestMetrics], slo_s: float) -> dict[str, Any]:
 
 @dataclass
 class RunRecord:
-    """One (system, host budget) run: the summary and the per-request metrics."""
+    """One (system, host budget[, arrival rate]) run: the summary and the per-request metrics."""
 
     system: str
     budget_fraction: float | None
@@ -416,3 +416,4 @@ class RunRecord:
     summary: dict[str, Any]
     requests: list[dict[str, Any]] = field(default_factory=list)
     store: dict[str, Any] = field(default_factory=dict)
+    qps: float | None = None  # the workload's arrival rate, when a --qps sweep set it

@@ -53,13 +53,18 @@ class ServeBench:
 
     def __init__(self, model: str, workload: wl.Workload, cfg: EngineConfig, device: str, **tier_kw: Any) -> None:
         dims, self.shape = SERVE_MODELS[model]
-        self.model, self.w, self.cfg, self.device, self.tier_kw = model, workload, cfg, device, tier_kw
+        self.model, self.cfg, self.device, self.tier_kw = model, cfg, device, tier_kw
         self.cal = make_calibration(model, self.shape, (16.0, 32.0), device)
         self.decoder = RandomDecoder(dims, self.shape, torch.device(device))
         s = self.shape
         self.bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 2  # K and V, bf16
-        self.ws_blocks = wl.working_set_blocks(workload.requests, cfg.block_size)
-        self.ws_bytes = self.ws_blocks * cfg.block_size * self.bytes_per_token
+        self.use(workload)
+
+    def use(self, workload: wl.Workload) -> None:
+        """Run ``workload`` from now on (the same model and calibration)."""
+        self.w = workload
+        self.ws_blocks = wl.working_set_blocks(workload.requests, self.cfg.block_size)
+        self.ws_bytes = self.ws_blocks * self.cfg.block_size * self.bytes_per_token
 
     def store(self, system_name: str, host_bytes: int, disk_dir: str | None):
         from ...tiers import KvtcStore
@@ -120,6 +125,7 @@ def sweep(
                 f"({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
+            rec.qps = bench.w.params.get("qps")
             out.append(rec)
             if on_record is not None:
                 on_record(out)
@@ -169,13 +175,36 @@ def plot(records: list[RunRecord], path: str, title: str) -> str | None:
     return None
 
 
-def load_workload(args) -> wl.Workload:
-    """The trace of ``--trace``, or the one ``--workload``/``--param``/``--seed`` generate (saved to
-    ``--save-trace``); a bad file or parameter is a :class:`ConfigError`."""
+def at_slo(records: list[RunRecord], slo_s: float) -> list[dict[str, Any]]:
+    """Per (system, budget) of a ``--qps`` sweep: the highest arrival rate whose p90 TTFT met the SLO, and the
+    request and output-token throughput there (None: no rate met it)."""
+    out = []
+    for key in dict.fromkeys((r.system, r.budget_fraction) for r in records):
+        ok = [r for r in records if (r.system, r.budget_fraction) == key and r.summary["ttft_p90_s"] <= slo_s]
+        best = max(ok, key=lambda r: r.qps or 0.0, default=None)
+        s = best.summary if best is not None else {}
+        out.append(
+            {
+                "system": key[0],
+                "budget_fraction": key[1],
+                "qps": best.qps if best is not None else None,
+                "requests_per_s": s["requests"] / s["span_s"] if s else None,
+                "output_tok_s": s.get("output_tok_s"),
+            }
+        )
+    return out
+
+
+def load_workload(args, qps: float | None = None) -> wl.Workload:
+    """The trace of ``--trace``, or the one ``--workload``/``--param``/``--seed`` generate (``qps`` overrides the
+    generator's rate; saved to ``--save-trace``); a bad file or parameter is a :class:`ConfigError`."""
     try:
         if args.trace:
             return wl.load(args.trace)
-        w = wl.generate(args.workload, args.seed, **dict(args.param or {}))
+        params = dict(args.param or {})
+        if qps is not None:
+            params["qps"] = qps
+        w = wl.generate(args.workload, args.seed, **params)
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"workload: {e}") from None
     if args.save_trace:
@@ -184,7 +213,9 @@ def load_workload(args) -> wl.Workload:
 
 
 def run_bench_serve(args) -> int:
-    w = load_workload(args)
+    if args.qps and args.trace:
+        raise ConfigError("--qps regenerates the workload at each rate: it cannot replay a --trace")
+    w = load_workload(args, args.qps[0] if args.qps else None)
     cfg = EngineConfig(args.token_budget, args.max_seqs, args.block_size, args.span_tokens, args.slo)
     tier_kw: dict[str, Any] = {"window": args.window}
     if args.disk_gb:
@@ -213,7 +244,20 @@ def run_bench_serve(args) -> int:
         data["runs"] = [asdict(r) for r in records]
         write_json(args.json_path, data)
 
-    records = sweep(bench, args.systems, args.budgets, args.disk_dir, partial)
+    records: list[RunRecord] = []
+    for q in args.qps or [None]:
+        if q is not None:  # the same sessions at another arrival rate
+            print(f"--- qps {q:g}")
+            bench.use(load_workload(args, qps=q))
+        before = list(records)
+        records += sweep(bench, args.systems, args.budgets, args.disk_dir, lambda rs, b=before: partial([*b, *rs]))
+    if args.qps:
+        data["throughput_at_slo"] = at_slo(records, args.slo)
+        for row in data["throughput_at_slo"]:
+            print(f"at p90 TTFT <= {args.slo:g} s: {row}")
+    partial(records)
+    if args.qps:  # the plot shows the highest rate
+        records = [r for r in records if r.qps == max(args.qps)]
     if args.plot:
         why = plot(records, args.plot, f"bench serve: {args.model}, {w.name} ({NOTE})")
         data["plot"] = why or str(args.plot)
