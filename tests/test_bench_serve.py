@@ -321,7 +321,7 @@ def test_disk_tier_serves_what_the_host_budget_cannot_hold(tiny_bench, tmp_path)
     bench.cal = tiny_bench.cal
     host_only = tiny_bench.run("raw", 0.125)
     with_disk = bench.run("raw", 0.125, str(tmp_path))
-    assert with_disk.store["disk_blobs"] > 0
+    assert with_disk.store["disk_blobs"] > 0 and not any(tmp_path.iterdir())  # the run's disk folder is removed
     assert with_disk.summary["hit_rate"] > 0.6 > 0.2 > host_only.summary["hit_rate"]
 
 

@@ -8,6 +8,7 @@ meaningful. ``none`` does not depend on the budget and runs once.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -90,8 +91,7 @@ class ServeBench:
             try:
                 ServeEngine(self.decoder, store, self.cfg, self.device).run(w)
             finally:
-                if store is not None:
-                    store.close()
+                close(store)
 
     def run(self, system_name: str, fraction: float | None, disk_dir: str | None = None) -> RunRecord:
         host = host_budget(fraction or 0.0, self.ws_blocks, self.cfg.block_size, self.bytes_per_token)
@@ -100,12 +100,20 @@ class ServeBench:
             ms = ServeEngine(self.decoder, store, self.cfg, self.device).run(self.w)
             snap = store.snapshot() if store is not None else {}
         finally:
-            if store is not None:
-                store.close()
+            close(store)
         rec = RunRecord(system_name, fraction, host if store is not None else 0, summarize(ms, self.cfg.slo_s))
         rec.requests = [{**asdict(m), "ttft_s": m.ttft_s} for m in ms]
         rec.store = {k: v for k, v in snap.items() if isinstance(v, (int, float))}
         return rec
+
+
+def close(store) -> None:
+    """Close a run's store and remove the disk tier's folder it made (each run writes a fresh one)."""
+    if store is None:
+        return
+    store.close()
+    if store.cfg.disk_bytes and store.cfg.disk_dir is not None:
+        shutil.rmtree(store.cfg.disk_dir, ignore_errors=True)
 
 
 def sweep(
