@@ -458,7 +458,7 @@ def run_bench_gpu(args) -> int:
     from ..codec.gpu import default_gpu_tag
 
     dev = _select_device(args)
-    budget = Budget(args.budget_s)
+    budget = Budget(args.budget_s, tuple(getattr(args, "skip", None) or ()))
     args.tag = args.tag or default_gpu_tag()
     shapes, configs = _parse(args)
     results = _results_header(args, dev)
@@ -466,15 +466,17 @@ def run_bench_gpu(args) -> int:
     cal_last = None
     primary = "mistral-nemo-12b" if "mistral-nemo-12b" in shapes else shapes[0]
     results["primary"] = {"shape": primary, "batch": configs[0][0], "tokens": configs[0][1]}
-    for name in shapes:
-        cal_last = _run_shape(results, ctx, name, configs, args, budget, primary)
-    _optional_parts(results, ctx, cal_last, primary, configs, args, budget)
-    results["targets"] = target_rows(results)
-    results["skipped_for_time"] = budget.skipped
-    results["seconds"] = round(time.perf_counter() - budget.t0, 1)
-    print_summary(results)
-    print_targets(results["targets"])
-    write_json(args.json_path, results)
+    try:
+        for name in shapes:
+            cal_last = _run_shape(results, ctx, name, configs, args, budget, primary)
+        _optional_parts(results, ctx, cal_last, primary, configs, args, budget)
+        results["targets"] = target_rows(results)
+        print_summary(results)
+        print_targets(results["targets"])
+    finally:  # an interrupted run (Ctrl-C, a deadline's SIGINT) still leaves what it measured
+        results["skipped_for_time"] = budget.skipped
+        results["seconds"] = round(time.perf_counter() - budget.t0, 1)
+        write_json(args.json_path, results)
     if args.plot_path:
         try:
             plot(results, args.plot_path)

@@ -109,7 +109,15 @@ def print_choice(c: dict) -> None:
 
 def print_overlap(o: dict) -> None:
     for k, v in o.items():
-        if isinstance(v, dict):
+        if k == "green_contexts":
+            for sms, c in v.items():
+                if "codec_cycle_alone_ms" not in c:
+                    log_line(f"  green context {sms} SMs: {c}")
+                    continue
+                parts = [f"codec cycle alone {c['codec_cycle_alone_ms']:.1f} ms"]
+                parts += [f"{w} stretch {r['stretch']:+.1%}" for w, r in c.items() if isinstance(r, dict)]
+                log_line(f"  green context {sms} SMs: " + ", ".join(parts))
+        elif isinstance(v, dict) and "alone_ms" in v:
             log_line(
                 f"  overlap {k}: alone {v['alone_ms']:.2f} ms, with kvtc {v['with_kvtc_ms']:.2f} ms -> stretch "
                 f"{v['stretch']:+.1%} (background {v['background_iterations_per_s']:.1f} it/s)"

@@ -100,15 +100,21 @@ def med(xs: list[float]) -> float:
 
 
 class Budget:
-    def __init__(self, seconds: float) -> None:
+    """The benchmark's time budget: optional parts run while enough is left; parts named in ``skip`` never run."""
+
+    def __init__(self, seconds: float, skip: tuple[str, ...] = ()) -> None:
         self.t0 = time.perf_counter()
         self.seconds = seconds
+        self.skip = set(skip)
         self.skipped: list[str] = []
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.t0)
 
     def allow(self, what: str, need: float) -> bool:
+        if what in self.skip:
+            self.skipped.append(f"{what} (--skip)")
+            return False
         if self.left() >= need:
             return True
         self.skipped.append(f"{what} (needs ~{need:.0f} s, {max(0.0, self.left()):.0f} s left)")

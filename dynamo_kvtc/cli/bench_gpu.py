@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget-s", type=types.positive_float, default=420.0, help="skip optional parts once this is spent"
     )
+    p.add_argument(
+        "--skip",
+        type=lambda v: [x.strip() for x in v.split(",") if x.strip()],
+        default=[],
+        help="optional parts not to run, comma-separated: 'nvCOMP sync check', 'overlap check', 'codec choice', "
+        "'layer-group variant', 'cpu path'",
+    )
     p.add_argument("--plot", dest="plot_path", help="write a PNG of TTFT and compress/decompress vs the paper")
     p.add_argument("--json", dest="json_path")
 
