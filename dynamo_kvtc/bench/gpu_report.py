@@ -159,7 +159,9 @@ def print_summary(res: dict) -> None:
     if "overlap" in res:
         log_line(
             "  overlap stretch: "
-            + "; ".join(f"{k} {v['stretch']:+.0%}" for k, v in res["overlap"].items() if isinstance(v, dict))
+            + "; ".join(
+                f"{k} {v['stretch']:+.0%}" for k, v in res["overlap"].items() if isinstance(v, dict) and "stretch" in v
+            )
         )
     if "nvcomp_sync" in res:
         log_line(f"  nvCOMP decode sync-free: {res['nvcomp_sync'].get('sync_free')} ({res['nvcomp_sync'].get('mode')})")
