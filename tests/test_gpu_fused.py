@@ -494,7 +494,10 @@ async def test_store_on_cuda_uses_the_fused_path(synth, synth_cal):
         ref[layer, start : start + kk.shape[0]] = kk
 
     assert await (await cpu.onboard(cpu.hashes(toks), sink=sink_cpu)).done()
-    assert rel(out_k, ref) <= 5e-3
+    # fp16 GEMMs track the float32 reference closely; FP8 ones (DYN_KVTC_PROJECTION=fp8, emulated on the CPU side)
+    # round both operands to e4m3, so the two paths differ by about one e4m3 step on some coefficients
+    fp8 = store.codec(8).fused.projector.name.startswith("fp8")
+    assert rel(out_k, ref) <= (2e-2 if fp8 else 5e-3)
     assert abs(rel(out_k, k) - rel(ref, k)) <= 0.02 * rel(ref, k) + 1e-4
     store.close()
     cpu.close()
