@@ -180,14 +180,16 @@ class KvtcStore:
     def _warm(self, codec: KvtcCodec) -> None:
         """One small encode and restore through ``codec`` (random K/V: only the code paths matter)."""
         fp, cfg = self.cal.fingerprint, codec.config
-        n = -(-(cfg.sinks + cfg.min_tokens + cfg.window + 16) // self.block_size) * self.block_size
+        window = 16  # not the configured window (a lossless setting keeps ~everything raw): the coded path is the point
+        n = -(-(cfg.sinks + cfg.min_tokens + window + 16) // self.block_size) * self.block_size
         gen = torch.Generator().manual_seed(0)
         shape = (fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
         dtype = self.kv.dtype if self.kv is not None else torch.bfloat16
         k = torch.randn(shape, generator=gen).to(self.device, dtype)
         v = torch.randn(shape, generator=gen).to(self.device, dtype)
         coder = SpanCoder(codec)
-        blobs = list(coder.encode([EncodeSpan(0, torch.arange(n))], lambda a, b: (k[:, a:b], v[:, a:b])).blobs)
+        spans = [EncodeSpan(0, torch.arange(n), window=window)]
+        blobs = list(coder.encode(spans, lambda a, b: (k[:, a:b], v[:, a:b])).blobs)
         stream = self.restorer.stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for _ in coder.restore([RestoreRun(blobs[0], 0, n)]):
