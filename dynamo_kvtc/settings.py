@@ -129,7 +129,7 @@ SETTINGS: tuple[Setting, ...] = (
        "anywhere", "process", choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
        "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
-    _s("projection", "str", "fp16", "precision of the codec's projection GEMMs: `fp16`, `fp8` (e4m3, row-wise "
+    _s("projection", "str", "auto", "precision of the codec's projection GEMMs: `fp16`, `fp8` (e4m3, row-wise "
        "scales, fp32 accumulation; where FP8 tensor cores are absent it runs in fp16, on the CPU reference path it "
        "emulates the FP8 rounding), `auto` (fp8 on CUDA devices of compute capability >= 8.9, else fp16). Blobs "
        "are the same format either way", "process", choices=("auto", "fp16", "fp8")),

@@ -69,7 +69,7 @@ def test_projection_option_is_validated(synth_cal, monkeypatch):
         CodecConfig(projection="fp4")
     with pytest.raises(ConfigError, match="'bf16'.*auto"):
         KvtcCodec(synth_cal, ratio=8, projection="bf16")
-    assert KvtcCodec(synth_cal, ratio=8).config.projection == "fp16"  # the table's default
+    assert KvtcCodec(synth_cal, ratio=8).config.projection == "auto"  # the table's default
     monkeypatch.setenv("DYN_KVTC_PROJECTION", "FP8")
     assert KvtcCodec(synth_cal, ratio=8).config.projection == "fp8"
     assert KvtcCodec(synth_cal, ratio=8, projection="fp16").config.projection == "fp16"  # the argument wins

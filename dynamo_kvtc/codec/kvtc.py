@@ -60,7 +60,7 @@ class CodecConfig:
     window: int = 128
     min_tokens: int = 16
     tag: str = "deflate"
-    projection: str = "fp16"  # precision of the projection GEMMs: auto | fp16 | fp8 (the blob format is the same)
+    projection: str = "auto"  # precision of the projection GEMMs: auto | fp16 | fp8 (the blob format is the same)
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
