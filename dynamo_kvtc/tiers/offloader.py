@@ -33,10 +33,10 @@ class Offloader:
     Owns the offload worker (one thread) and its CUDA stream (ordered after the producer by the request's event), the
     admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
     the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's choice (store a request
-    uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding goes through :class:`SpanCoder`; placing the blobs
-    (and demoting the host's victims) through :class:`Placement`. It never raises from the worker (errors end up in the
-    :class:`OffloadResult`), never restores, and reads the engine's cache only through :class:`PagedKV`'s public
-    methods."""
+    uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding goes through
+    :class:`SpanCoder`; placing the blobs (and demoting the host's victims) through :class:`Placement`. It never raises
+    from the worker (errors end up in the :class:`OffloadResult`), never restores, and reads the engine's cache only
+    through :class:`PagedKV`'s public methods."""
 
     def __init__(
         self,
