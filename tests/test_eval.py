@@ -111,3 +111,40 @@ def test_bad_eval_arguments_exit_2(args, capsys):
         build_parser().parse_args(["eval", *args, "--out", "x"])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("dynamo-kvtc: error:")
+
+
+def test_generation_fidelity_agreement_and_summary():
+    from dynamo_kvtc.evaluation.harness import agreement, summarise
+    from dynamo_kvtc.evaluation.report import markdown
+
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and agreement([1, 2], [1, 2, 3]) == 2 and agreement([], [5]) == 0
+    recs = []
+    for sample, (van, meth) in enumerate((([1, 2, 3], [1, 2, 3]), ([4, 5, 6], [4, 7, 6]))):
+        for name, out in (("vanilla", van), ("kvtc-16x", meth)):
+            recs.append(
+                {"sample": sample, "task": "gen", "method": name, "family": name, "ratio": 16.0 if "kvtc" in name
+                 else 1.0, "ratio_with_window": 1.0, "agree_len": float(agreement(out, van)),
+                 "exact": float(out == van), "accuracy": float(out == van)}
+            )  # fmt: skip
+    rows = {r["method"]: r for r in summarise(recs)}
+    assert rows["vanilla"]["gen"] == 3 and rows["vanilla"]["gen_exact"] == 1.0
+    assert rows["kvtc-16x"]["gen"] == 2.0 and rows["kvtc-16x"]["gen_exact"] == 0.5  # (3 + 1) / 2, one of two exact
+    table = markdown(list(rows.values()), {"model": "m", "preset": "fidelity", "seconds": 1, "machine": {"cpus": 2}})
+    assert "greedy agree (tokens)" in table and "gen 2" in table
+
+
+@pytest.mark.model
+def test_generation_fidelity_on_the_real_model(smollm2):
+    from dynamo_kvtc.evaluation import harness, tasks
+    from dynamo_kvtc.evaluation.methods import Vanilla
+
+    model, tok = smollm2
+    from dynamo_kvtc import Calibration
+
+    cal = Calibration.load(find_calibration("smollm2-135m-instruct"))
+    sample = tasks.Builder(tok, 0).gen(320, 0, new=12)
+    out = harness.run(model, tok, [Vanilla(), Kvtc(cal, 16)], [sample], progress=False)
+    van, kv = out["records"]
+    assert van["exact"] == 1.0 and van["agree_len"] == len(van["output_ids"]) > 0  # vanilla agrees with itself
+    assert 0 <= kv["agree_len"] <= len(van["output_ids"])
+    assert kv["exact"] == float(kv["output_ids"] == van["output_ids"])

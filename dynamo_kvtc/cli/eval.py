@@ -24,8 +24,8 @@ def projections(s: str) -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--calibration", type=types.existing_dir, help="calibration directory (default: the shipped one)")
-    p.add_argument("--preset", choices=("quick", "short", "full"), default="quick")
-    p.add_argument("--tasks", nargs="*", choices=("ppl", "passkey", "copy", "kv", "vt"))
+    p.add_argument("--preset", choices=("quick", "short", "full", "fidelity"), default="quick")
+    p.add_argument("--tasks", nargs="*", choices=("ppl", "passkey", "copy", "kv", "vt", "gen"))
     p.add_argument(
         "--ratios", type=types.ratios, default=None, help="kvtc ratios (default: every plan in the calibration)"
     )

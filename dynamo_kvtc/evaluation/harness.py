@@ -62,6 +62,16 @@ def generate(
     return out
 
 
+def agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two greedy token sequences (how long a method's reply stays vanilla's)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _mean_se(xs: Sequence[float]) -> tuple[float, float]:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:
@@ -104,7 +114,8 @@ def run(
             }
             ref = next((x for x in reversed(records) if x["sample"] == si and x["method"] == "vanilla"), None)
             if m.lossless and ref is not None and m.name != "vanilla":  # identical cache, identical scores
-                r.update({key: ref[key] for key in ("nll", "accuracy", "kl", "top1_agreement", "output") if key in ref})
+                keys = ("nll", "accuracy", "kl", "top1_agreement", "output", "output_ids", "agree_len", "exact")
+                r.update({key: ref[key] for key in keys if key in ref})
             elif s.target is not None:
                 inputs = torch.cat((last, s.target[:-1]))
                 lp = score(model, inputs, rec.keys, rec.values, T)
@@ -120,8 +131,15 @@ def run(
                 out = generate(model, last, rec.keys, rec.values, T, s.max_new, eos)
                 text = tokenizer.decode(out)
                 r["output"] = text
-                hits = [a in text for a in s.answers]
-                r["accuracy"] = float(all(hits)) if s.task != "vt" else sum(hits) / len(hits)
+                if s.task == "gen":  # fidelity: against vanilla's greedy tokens (vanilla runs first)
+                    base = out if ref is None else ref["output_ids"]
+                    r["output_ids"] = out
+                    r["agree_len"] = float(agreement(out, base))
+                    r["exact"] = float(out == base)
+                    r["accuracy"] = r["exact"]
+                else:
+                    hits = [a in text for a in s.answers]
+                    r["accuracy"] = float(all(hits)) if s.task != "vt" else sum(hits) / len(hits)
             records.append(r)
             bar.update(1)
     bar.close()
@@ -147,7 +165,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["ratio_with_window"], _ = _mean_se([r["ratio_with_window"] for r in rs])
         for task in sorted({r["task"] for r in rs}):
             tr = [r for r in rs if r["task"] == task]
-            metric = {"ppl": "kl", "copy": "accuracy"}.get(task, "accuracy")
+            metric = {"ppl": "kl", "copy": "accuracy", "gen": "agree_len"}.get(task, "accuracy")
             row[f"{task}_n"] = len(tr)
             row[f"{task}"], row[f"{task}_se"] = _mean_se([r[metric] for r in tr])
             if task == "ppl":
@@ -158,5 +176,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ]
                 row["ppl_dnll_pct"], row["ppl_dnll_pct_se"] = _mean_se(d)
                 row["ppl_top1"], row["ppl_top1_se"] = _mean_se([r["top1_agreement"] for r in tr])
+            if task == "gen":
+                row["gen_exact"], row["gen_exact_se"] = _mean_se([r["exact"] for r in tr])
         rows.append(row)
     return rows

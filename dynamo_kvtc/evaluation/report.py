@@ -15,6 +15,8 @@ COLUMNS = [
     ("copy", "copy acc"),
     ("kv", "KV retr."),
     ("vt", "VT"),
+    ("gen", "greedy agree (tokens)"),
+    ("gen_exact", "exact first N"),
 ]
 
 
@@ -39,7 +41,7 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     counts = {
         k: next((r.get(f"{k}_n") for r in summary if r.get(f"{k}_n")), 0)
-        for k in ("ppl", "passkey", "copy", "kv", "vt")
+        for k in ("ppl", "passkey", "copy", "kv", "vt", "gen")
     }
     notes = [
         "",
@@ -48,7 +50,8 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta.get('seconds', 0):.0f} s on {meta.get('machine', {}).get('cpus')} CPUs.",
         "Samples per task: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v) + ". Values are mean ± standard "
         "error over samples (ΔNLL, KL and top-1 agreement are per-sample means over 128 scored tokens; copy accuracy "
-        "is the share of a repeated passage's tokens predicted exactly).",
+        "is the share of a repeated passage's tokens predicted exactly; greedy agree is how many of a reply's first "
+        "greedy tokens equal vanilla's, exact first N the share of replies identical to vanilla's).",
         "Ratio (paper): compressed tokens only (window excluded, kvtc's sinks included); incl. window: every token.",
     ]
     return "\n".join(lines + notes) + "\n"

@@ -86,6 +86,15 @@ class Builder:
         prompt = self._chat(before, torch.cat((hay[:cut], needle, hay[cut:])), after, " The secret passkey is")
         return Sample("passkey", prompt, answers=[key], max_new=8, meta={"length": length, "depth": depth})
 
+    def gen(self, length: int, index: int, new: int = 32) -> Sample:
+        """Generation fidelity: held-out essay text of about ``length`` tokens, then a request to summarise it; the
+        first ``new`` greedy tokens are compared with vanilla's (agreement length, exact match)."""
+        before = "Read the following text.\n\n"
+        after = "\n\nSummarize the text above in three sentences."
+        fixed = len(self._chat(before, self.ids(""), after, ""))
+        hay = self._hay(max(16, length - fixed), index * 3001 + 7)
+        return Sample("gen", self._chat(before, hay, after, ""), max_new=new, meta={"length": length})
+
     def copy(self, length: int, depth: float, index: int, span: int = 96) -> Sample:
         article = self.ids(self.wiki[index % len(self.wiki)])
         start = min(len(article) - span - 1, 20 + (index * 131) % max(1, len(article) // 2))
@@ -165,6 +174,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "passkey": [(500, d) for d in (0.2, 0.5, 0.8)],
         "copy": [(500, d) for d in (0.2, 0.5)],
     },
+    # generation fidelity: greedy continuations compared with vanilla's (its own preset: it adds no scored tokens)
+    "fidelity": {
+        "gen": [(1024, i) for i in range(8)] + [(2048, i) for i in range(4)],
+    },
     "full": {
         "ppl": [(n, 0) for n in (1024, 2048, 4096, 8000)],
         "passkey": [(n, d) for n in (1024, 2048, 4096, 7500) for d in (0.1, 0.5, 0.9)],
@@ -191,3 +204,5 @@ def build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None = None, see
                 yield b.kv(args, i)
             elif task == "vt":
                 yield b.vt(args, i)
+            elif task == "gen":
+                yield b.gen(args[0], i)
