@@ -69,9 +69,12 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
             ("copy", "copy-retrieval accuracy"),
             ("ppl", "next-token KL vs vanilla"),
             ("passkey", "passkey accuracy"),
+            ("gen", "greedy agreement with vanilla (tokens)"),
         )
         if any(k in r for r in summary)
     ]
+    if not metrics:
+        return
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
     for ax, (key, title) in zip(axes[0], metrics):
         kv = [r for r in summary if r["family"] == "kvtc" and r.get("ratio") and key in r]
