@@ -116,3 +116,20 @@ def smol_heldout(smollm2):
     model, tok = smollm2
     ids = tok(heldout_texts()[1], return_tensors="pt", add_special_tokens=False)["input_ids"][0][:2048]
     return capture_kv(model, ids)
+
+
+def rel(a, b) -> float:
+    """Relative L2 error of ``a`` against ``b`` (on the CPU, in float32)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def marks(ms):
+    """Apply a list of pytest marks to a test (a reusable mark set)."""
+
+    def wrap(fn):
+        for m in reversed(ms):
+            fn = m(fn)
+        return fn
+
+    return wrap

@@ -23,6 +23,8 @@ from dynamo_kvtc.codec.entropy import nvcomp_available
 from dynamo_kvtc.codec.rope import RotaryConfig, rotate
 from dynamo_kvtc.errors import CorruptBlobError, InputError
 
+from .conftest import marks, rel
+
 CUDA = torch.cuda.is_available()
 
 
@@ -48,23 +50,9 @@ needs_nvcomp = [
 ]
 
 
-def marks(ms):
-    def wrap(fn):
-        for m in reversed(ms):
-            fn = m(fn)
-        return fn
-
-    return wrap
-
-
 @pytest.fixture(autouse=True)
 def _strict(monkeypatch):
     monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
-
-
-def rel(a, b):
-    a, b = a.float().cpu(), b.float().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @pytest.fixture(scope="module")

@@ -28,22 +28,10 @@ from dynamo_kvtc.codec.gpu.projection import (
 from dynamo_kvtc.codec.kvtc import CodecConfig
 from dynamo_kvtc.errors import ConfigError
 
+from .conftest import marks, rel
+
 CUDA = torch.cuda.is_available()
 cuda_only = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
-
-
-def marks(ms):
-    def wrap(fn):
-        for m in reversed(ms):
-            fn = m(fn)
-        return fn
-
-    return wrap
-
-
-def rel(a, b):
-    a, b = a.float().cpu(), b.float().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def same_format(b1: bytes, b2: bytes) -> None:

@@ -17,6 +17,8 @@ from dynamo_kvtc.codec.container import parse_blob
 from dynamo_kvtc.codec.entropy import nvcomp_available
 from dynamo_kvtc.errors import CorruptBlobError
 
+from .conftest import rel
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 TAG = "ans" if (CUDA and nvcomp_available()) else ("store" if CUDA else "deflate")  # sync-free on CUDA needs nvCOMP
@@ -59,11 +61,6 @@ def _dest(parts, fill):
     for k, _, _ in parts[:-1]:
         starts.append(starts[-1] + k.shape[1])
     return DenseKV(kk, vv, seq_starts=starts), kk, vv
-
-
-def rel(a, b):
-    a, b = a.float().cpu(), b.float().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def test_grouped_round_trip_matches_the_reference(synth, grouped_cal):
