@@ -593,10 +593,12 @@ def test_codec_streams_cpu_none_and_sms_setting_checked(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_codec_stream_in_a_green_context_runs_kernels():
-    from dynamo_kvtc.tiers.streams import codec_stream
+    from dynamo_kvtc.tiers.streams import green_stream
 
     dev = torch.device("cuda")
-    s = codec_stream(dev, 16)
+    s = green_stream(dev, 16)  # not codec_stream: its fallback to a plain stream would pass this test too
+    if s is None:
+        pytest.skip("green contexts unavailable on this driver / torch build (the reason is logged)")
     with torch.cuda.stream(s):
         x = torch.randn(1024, 1024, device=dev)
         y = x @ x
