@@ -4,6 +4,7 @@ method table of a run (ablations at several ratios, FP8 projection rows) on synt
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -148,3 +149,75 @@ def test_generation_fidelity_on_the_real_model(smollm2):
     assert van["exact"] == 1.0 and van["agree_len"] == len(van["output_ids"]) > 0  # vanilla agrees with itself
     assert 0 <= kv["agree_len"] <= len(van["output_ids"])
     assert kv["exact"] == float(kv["output_ids"] == van["output_ids"])
+
+
+# ------------------------------------------------------------------ RULER multi-key / multi-value, presets (no model)
+@pytest.fixture(scope="module")
+def smol_tok():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from dynamo_kvtc.calibration.models import resolve_model
+
+    try:
+        return AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
+    except Exception as e:  # the embedded model's package is an optional install
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+
+
+@pytest.fixture(scope="module")
+def builder(smol_tok):
+    from dynamo_kvtc.evaluation.tasks import Builder
+
+    return Builder(smol_tok, 0)
+
+
+def test_multikey_needles_hide_one_asked_value_among_distractors(builder, smol_tok):
+    from dynamo_kvtc.evaluation.tasks import answer_score
+
+    for index in range(3):
+        s = builder.mkey(4096, index, keys=4)
+        assert s.task == "mkey" and abs(len(s.prompt) - 4096) <= 64
+        text = smol_tok.decode(s.prompt)
+        found = re.findall(r"One of the special magic numbers for (\w+) is: (\d{6})\.", text)
+        assert len(found) == 4 and len({k for k, _ in found}) == 4  # four needles, four distinct keys
+        asked = re.search(r"What is the special magic number for (\w+) mentioned", text).group(1)
+        value = dict(found)[asked]
+        assert s.answers == [value] and text.rstrip().endswith(f"for {asked} mentioned in the provided text is")
+        starts = [text.index(f"numbers for {k} is") for k, _ in found]
+        assert starts == sorted(starts) and starts[-1] - starts[0] > len(text) // 3  # spread through the haystack
+        distractor = next(v for k, v in found if k != asked)
+        assert answer_score("mkey", s.answers, f" {value}.") == 1.0
+        assert answer_score("mkey", s.answers, f" {distractor}.") == 0.0  # a distractor's value scores nothing
+    assert builder.mkey(4096, 0).answers != builder.mkey(4096, 1).answers
+
+
+def test_multivalue_needles_need_every_value(builder, smol_tok):
+    from dynamo_kvtc.evaluation.tasks import answer_score
+
+    s = builder.mvalue(7500, 1, values=3)
+    assert s.task == "mvalue" and abs(len(s.prompt) - 7500) <= 64 and len(set(s.answers)) == 3
+    text = smol_tok.decode(s.prompt)
+    found = re.findall(r"One of the special magic numbers for (\w+) is: (\d{6})\.", text)
+    assert [v for _, v in found] == s.answers and len({k for k, _ in found}) == 1
+    assert s.max_new >= 3 * 7  # room for three six-digit values and separators
+    assert answer_score("mvalue", s.answers, ", ".join(s.answers)) == 1.0
+    assert answer_score("mvalue", s.answers, ", ".join(s.answers[:2])) == 0.0  # exact match: all values or nothing
+    assert answer_score("vt", ["A", "B"], "A only") == 0.5  # variable tracking keeps partial credit
+
+
+def test_long_and_ruler_presets_fit_an_8k_context(smol_tok):
+    from dynamo_kvtc.cli import eval as cli_eval
+    from dynamo_kvtc.evaluation import tasks
+
+    assert set(cli_eval.PRESETS) == set(tasks.PRESETS) and set(cli_eval.TASKS) == set(tasks.TASKS)
+    assert {"mkey", "mvalue"} <= set(tasks.PRESETS["long"]) and set(tasks.PRESETS["ruler"]) == {"mkey", "mvalue"}
+    for preset in ("long", "ruler"):
+        samples = list(tasks.build(smol_tok, preset))
+        lengths = [len(s.prompt) + (0 if s.target is None else len(s.target)) + s.max_new for s in samples]
+        assert max(lengths) <= 8192  # SmolLM2's context (Gemma-3-270M has 32K)
+        needles = [s for s in samples if s.task in ("mkey", "mvalue")]
+        assert needles and min(len(s.prompt) for s in needles) >= 4000
+        assert len({tuple(s.answers) for s in needles}) == len(needles)  # every sample asks for other values
+    long = [s for s in tasks.build(smol_tok, "long")]
+    assert min(len(s.prompt) for s in long) >= 2000

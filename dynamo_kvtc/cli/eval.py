@@ -10,6 +10,9 @@ HELP = "offline accuracy: kvtc vs baselines on held-out tasks (JSON, Markdown, P
 
 
 PROJECTIONS = ("fp16", "fp8")
+# evaluation.tasks.PRESETS and TASKS (listed here: `dynamo-kvtc --help` must not import torch; a test checks they agree)
+PRESETS = ("quick", "short", "fidelity", "ruler", "long", "full")
+TASKS = ("ppl", "passkey", "copy", "kv", "vt", "gen", "mkey", "mvalue")
 
 
 def projections(s: str) -> tuple[str, ...]:
@@ -24,8 +27,8 @@ def projections(s: str) -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--calibration", type=types.existing_dir, help="calibration directory (default: the shipped one)")
-    p.add_argument("--preset", choices=("quick", "short", "full", "fidelity"), default="quick")
-    p.add_argument("--tasks", nargs="*", choices=("ppl", "passkey", "copy", "kv", "vt", "gen"))
+    p.add_argument("--preset", choices=PRESETS, default="quick")
+    p.add_argument("--tasks", nargs="*", choices=TASKS)
     p.add_argument(
         "--ratios", type=types.ratios, default=None, help="kvtc ratios (default: every plan in the calibration)"
     )

@@ -15,6 +15,8 @@ COLUMNS = [
     ("copy", "copy acc"),
     ("kv", "KV retr."),
     ("vt", "VT"),
+    ("mkey", "multi-key"),
+    ("mvalue", "multi-value"),
     ("gen", "greedy agree (tokens)"),
     ("gen_exact", "exact first N"),
 ]
@@ -41,7 +43,7 @@ def markdown(summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     counts = {
         k: next((r.get(f"{k}_n") for r in summary if r.get(f"{k}_n")), 0)
-        for k in ("ppl", "passkey", "copy", "kv", "vt", "gen")
+        for k in ("ppl", "passkey", "copy", "kv", "vt", "gen", "mkey", "mvalue")
     }
     notes = [
         "",
@@ -69,6 +71,7 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
             ("copy", "copy-retrieval accuracy"),
             ("ppl", "next-token KL vs vanilla"),
             ("passkey", "passkey accuracy"),
+            ("mkey", "RULER multi-key accuracy"),
             ("gen", "greedy agreement with vanilla (tokens)"),
         )
         if any(k in r for r in summary)

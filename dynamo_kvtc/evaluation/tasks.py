@@ -11,6 +11,11 @@
   key asked for; the answer must contain the value's first 8 characters.
 - ``vt``: RULER variable tracking: one chain of 5 variables (``VAR A = 12345``, ``VAR B = VAR A``, ...) hidden in noise;
   score = fraction of the chain's variables named in the answer.
+- ``mkey``: RULER multi-key needle-in-a-haystack: several needles "One of the special magic numbers for KEY is: N."
+  with distinct keys spread through held-out essays; the value of one key is asked for (exact match; the other keys
+  are distractors).
+- ``mvalue``: RULER multi-value needle-in-a-haystack: one key holds several values spread through the haystack; the
+  answer must contain all of them (exact match of every value; no partial credit).
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import torch
 
 from ..calibration.data import heldout_texts
 
+# needle keys of the RULER-style tasks: common words, one token-ish each, so the task tests retrieval, not spelling
+KEYWORDS = (
+    "apple banana cherry river mountain forest window garden silver castle dragon pencil rocket violin tiger harbor "
+    "lantern meadow planet saddle"
+).split()
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -134,6 +144,47 @@ class Builder:
             meta={"length": length, "keys": len(pairs), "depth": pos / len(pairs)},
         )
 
+    def _needles(self, length: int, index: int, needles: list[str], before: str, after: str, prefix: str):
+        """Prompt of about ``length`` tokens: held-out essays with ``needles`` at evenly spread depths (jittered)."""
+        rng = random.Random(3000 + index)
+        ids = [self.ids(n) for n in needles]
+        fixed = len(self._chat(before, torch.cat(ids), after, prefix))
+        hay = self._hay(max(len(needles), length - fixed), index * 4001 + 29)
+        n = len(needles)
+        cuts = sorted(int(len(hay) * (i + 0.2 + 0.6 * rng.random()) / n) for i in range(n))
+        pieces, prev = [], 0
+        for cut, nid in zip(cuts, ids):
+            pieces += [hay[prev:cut], nid]
+            prev = cut
+        pieces.append(hay[prev:])
+        return self._chat(before, torch.cat(pieces), after, prefix), [c / max(1, len(hay)) for c in cuts]
+
+    def mkey(self, length: int, index: int, keys: int = 4) -> Sample:
+        """RULER niah_multikey: ``keys`` needles with distinct keys; the value of one of them is asked for."""
+        rng = random.Random(5000 + index)
+        names = rng.sample(KEYWORDS, keys)
+        values = [str(rng.randint(100000, 999999)) for _ in names]
+        target = rng.randrange(keys)
+        needles = [f" One of the special magic numbers for {k} is: {v}. " for k, v in zip(names, values)]
+        before = "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n\n"
+        after = f"\n\nWhat is the special magic number for {names[target]} mentioned in the provided text?"
+        prefix = f" The special magic number for {names[target]} mentioned in the provided text is"
+        prompt, depths = self._needles(length, index, needles, before, after, prefix)
+        meta = {"length": length, "needles": keys, "depth": depths[target]}
+        return Sample("mkey", prompt, answers=[values[target]], max_new=10, meta=meta)
+
+    def mvalue(self, length: int, index: int, values: int = 3) -> Sample:
+        """RULER niah_multivalue: one key with ``values`` needles; every value must be in the answer."""
+        rng = random.Random(6000 + index)
+        key = rng.choice(KEYWORDS)
+        vals = [str(rng.randint(100000, 999999)) for _ in range(values)]
+        needles = [f" One of the special magic numbers for {key} is: {v}. " for v in vals]
+        before = "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n\n"
+        after = f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
+        prefix = f" The special magic numbers for {key} mentioned in the provided text are"
+        prompt, _ = self._needles(length, index, needles, before, after, prefix)
+        return Sample("mvalue", prompt, answers=vals, max_new=12 * values, meta={"length": length, "needles": values})
+
     def vt(self, length: int, index: int, hops: int = 4) -> Sample:
         rng = random.Random(2000 + index)
         names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)]
@@ -178,6 +229,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fidelity": {
         "gen": [(1024, i) for i in range(8)] + [(2048, i) for i in range(4)],
     },
+    # RULER-style multi-key / multi-value needles at 4-8K (contexts within SmolLM2's 8K and Gemma 3's 32K)
+    "ruler": {
+        "mkey": [4096] * 4 + [7500] * 4,
+        "mvalue": [4096] * 3 + [7500] * 3,
+    },
+    # 2-8K contexts: the long-context share of the full preset plus the RULER tasks (SmolLM2 8K, Gemma-3-270M 32K)
+    "long": {
+        "ppl": [(n, 0) for n in (2048, 4096, 8000)],
+        "passkey": [(n, d) for n in (2048, 4096, 7500) for d in (0.1, 0.5, 0.9)],
+        "copy": [(2048, 0.3), (4096, 0.5)],
+        "mkey": [4096, 4096, 7500, 7500],
+        "mvalue": [4096, 7500],
+    },
     "full": {
         "ppl": [(n, 0) for n in (1024, 2048, 4096, 8000)],
         "passkey": [(n, d) for n in (1024, 2048, 4096, 7500) for d in (0.1, 0.5, 0.9)],
@@ -186,6 +250,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vt": [2048, 4096],
     },
 }
+
+
+def answer_score(task: str, answers: list[str], text: str) -> float:
+    """Exact-match score of a generated answer (what the harness computes): ``vt`` the share of ``answers`` found in
+    ``text``; every other task 1.0 only when all of them are there (``mvalue``: every value of the key)."""
+    hits = [a in text for a in answers]
+    return sum(hits) / len(hits) if task == "vt" else float(all(hits))
+
+
+TASKS = ("ppl", "passkey", "copy", "kv", "vt", "gen", "mkey", "mvalue")
 
 
 def build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None = None, seed: int = 0) -> Iterator[Sample]:
@@ -206,3 +280,7 @@ def build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None = None, see
                 yield b.vt(args, i)
             elif task == "gen":
                 yield b.gen(args[0], i)
+            elif task == "mkey":
+                yield b.mkey(args, i)
+            elif task == "mvalue":
+                yield b.mvalue(args, i)
