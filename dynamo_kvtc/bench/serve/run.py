@@ -24,6 +24,7 @@ from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
 from . import workloads as wl
 from .engine import EngineConfig, RunRecord, ServeEngine, summarize
+from .rawtier import RawDmaConfig, RawDmaTier
 from .systems import SYSTEMS, host_budget, tier_config
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class ServeBench:
         sysm = SYSTEMS[system_name]
         if not sysm.offload:
             return None
+        if sysm.dma:
+            s = self.shape
+            return RawDmaTier(RawDmaConfig(host_bytes, s.layers, s.kv_heads, s.head_dim, self.cfg.block_size),
+                              self.device)  # fmt: skip
         kw = dict(self.tier_kw)
         if kw.get("disk_bytes"):
             kw["disk_dir"] = tempfile.mkdtemp(prefix=f"serve-{system_name}-", dir=disk_dir)
@@ -112,6 +117,8 @@ def close(store) -> None:
     if store is None:
         return
     store.close()
+    if isinstance(store, RawDmaTier):
+        return
     if store.cfg.disk_bytes and store.cfg.disk_dir is not None:
         shutil.rmtree(store.cfg.disk_dir, ignore_errors=True)
 

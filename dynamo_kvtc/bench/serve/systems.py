@@ -1,10 +1,13 @@
 """The systems ``bench serve`` compares, on the same requests and the same host budget.
 
 - ``none``: no offload tier; every history is recomputed.
-- ``raw``: the same :class:`~dynamo_kvtc.tiers.KvtcStore` with the codec off (``ratio_policy=raw``): blobs cut into
-  the same spans, every one stored uncompressed (what a raw offload tier — KVBM, vLLM's OffloadingConnector — holds).
-  (A raw window covering the whole sequence, as the lossless tests use, would also store raw, but as one blob per
-  offload: a 20K-token history would then fit a budget only whole, and leave it whole.)
+- ``raw``: a raw offload tier as KVBM, vLLM's OffloadingConnector and LMCache's CPU backend build it
+  (:class:`~.rawtier.RawDmaTier`): a block-granular pinned host pool, offload and restore by DMA only (one copy per
+  layer, K/V and run of slots; no codec, no CRC, no framing), LRU per block. The fair baseline: its bytes cost only
+  the link.
+- ``raw_blob``: the product's own raw mode, the same :class:`~dynamo_kvtc.tiers.KvtcStore` with the codec off
+  (``ratio_policy=raw``): blobs cut into the same spans, every one stored uncompressed with its header and section
+  CRCs. Slower than ``raw`` per byte (the encode path's framing and host copies); kept to show that cost.
 - ``kvtc16`` / ``kvtc32``: the kvtc tier at 16x / 32x (each saved sequence's last ``window`` tokens raw).
 - ``policy``: kvtc 16x under ``ratio_policy=raw_first``: stored raw while the host tier has room, compressed once it
   has not.
@@ -24,12 +27,13 @@ __all__ = ["SYSTEMS", "System", "host_budget", "tier_config"]
 
 @dataclass(frozen=True)
 class System:
-    """What one system stores: nothing (``offload`` False), raw blobs, or kvtc blobs at ``ratio`` under
-    ``ratio_policy``."""
+    """What one system stores: nothing (``offload`` False), raw blocks in a DMA pool (``dma``), raw blobs, or kvtc
+    blobs at ``ratio`` under ``ratio_policy``."""
 
     name: str
     doc: str
     offload: bool = True
+    dma: bool = False  # the raw DMA pool (RawDmaTier) instead of the KvtcStore
     ratio: float = 16.0
     ratio_policy: str = "fixed"
 
@@ -38,7 +42,9 @@ SYSTEMS = {
     s.name: s
     for s in (
         System("none", "no offload: every history is recomputed", offload=False),
-        System("raw", "the same store with the codec off (every blob raw): a raw host(+disk) tier",
+        System("raw", "raw DMA tier: block-granular pinned pool, DMA only, LRU (what KVBM/vLLM offloading do)",
+               dma=True),
+        System("raw_blob", "the kvtc store with the codec off (every blob raw, framed, CRC'd): the product's raw mode",
                ratio_policy="raw"),
         System("kvtc16", "kvtc at 16x", ratio=16.0),
         System("kvtc32", "kvtc at 32x", ratio=32.0),
