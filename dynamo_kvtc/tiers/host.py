@@ -172,9 +172,12 @@ class HostTier(BlobTier):
         return max(1, -(-nbytes // self.page))
 
     # ------------------------------------------------------------------ operations
-    def put(self, blob_id: str, data: bytes | bytearray | memoryview, meta: Any = None) -> list[tuple[str, bytes, Any]]:
+    def put(
+        self, blob_id: str, data: bytes | bytearray | memoryview, meta: Any = None, *, keep_evicted: bool = True
+    ) -> list[tuple[str, bytes, Any]]:
         """Store a blob; evict least-recently-used blobs (never a leased one) to make room and return them
-        (id, bytes, meta). All-or-nothing: TierFullError leaves the tier as it was."""
+        (id, bytes, meta; the bytes are empty unless ``keep_evicted``: a caller with nowhere to put them saves the
+        copy). All-or-nothing: TierFullError leaves the tier as it was."""
         data = memoryview(data).cast("B")
         src = np.frombuffer(data, dtype=np.uint8)  # a view: the one copy is into the arena
         need = self.pages_for(len(data))
@@ -196,7 +199,9 @@ class HostTier(BlobTier):
             if free < need:
                 raise TierFullError(f"host tier: {need} pages needed, {free} can be freed (the rest is being read)")
             try:
-                evicted = [(v, self._read(self._entries[v]), self._entries[v].meta) for v in victims]
+                evicted = [
+                    (v, self._read(self._entries[v]) if keep_evicted else b"", self._entries[v].meta) for v in victims
+                ]
             except MemoryError as e:
                 raise TierFullError("no memory to hand eviction victims on; host tier unchanged") from e
             for v in victims:

@@ -68,7 +68,7 @@ class Placement:
             self.index.add(meta)
             self._uses[meta.id] = self._uses.get(meta.id, 0) + 1
             try:
-                evicted = self.host.put(meta.id, blob, meta)
+                evicted = self.host.put(meta.id, blob, meta, keep_evicted=self.disk is not None)
             except TierFullError:
                 if self.disk is None:
                     self.index.remove(meta.id)
