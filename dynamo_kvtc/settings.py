@@ -124,6 +124,14 @@ SETTINGS: tuple[Setting, ...] = (
        "`DYN_KVTC_TRANSFER_SECRET`, else unauthenticated", "connector", default_doc="unset"),
     _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
        "kv_connector_extra_config; `transfer_secret_file` wins)", "process", default_doc="unset"),
+    _s("link_gbps", "float", 0, "hand-off: the prefill<->decode link rate in Gbit/s for the raw-vs-compressed "
+       "choice (0: learned per peer from the transfers themselves)", "process", lo=0, default_doc="0 (learn)"),
+    _s("handoff_restore_gbs", "float", 0, "hand-off: GB/s of raw KV the compressed path restores, for the "
+       "raw-vs-compressed choice (0: learned from restores; before that 80 on a GPU, 0.04 on a CPU)", "process",
+       lo=0, default_doc="0 (learn)"),
+    _s("handoff_memory", "str", "auto", "hand-off staging memory: `device` (prefill stages blobs in a NIXL-registered "
+       "VRAM arena, decode READs into VRAM), `host` (DRAM both sides), `auto` (device where the worker has a GPU)",
+       "process", choices=("auto", "host", "device")),
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
        "(readable on CPU-only nodes too). Unset, a store with a disk tier writes `deflate` so its files are readable "
        "anywhere", "process", choices=("deflate", "gdeflate", "ans")),

@@ -1,7 +1,9 @@
-"""`dynamo-kvtc bench transfer` on this machine: two real processes, NIXL UCX over loopback, compressed vs raw.
+"""`dynamo-kvtc bench transfer` on this machine: two real processes, NIXL UCX over loopback, compressed vs raw vs the
+link-aware policy, uncapped and at an emulated link rate.
 
 The same command measures the two-GPU hand-off (``--prefill-device cuda:0 --decode-device cuda:1``); here it checks
-that both paths move the right bytes."""
+that both paths move the right bytes, that the token bucket holds both paths to the emulated rate, and that the policy
+reports a choice consistent with its own estimates."""
 
 from __future__ import annotations
 
@@ -15,17 +17,31 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
     out = tmp_path / "transfer.json"
     p = subprocess.run(
         [sys.executable, "-m", "dynamo_kvtc.cli.main", "bench", "transfer", "--tokens", "1024", "--repeat", "1"]
-        + ["--rank", "256", "--json", str(out)],
+        + ["--rank", "256", "--link-gbps", "0,2", "--chunk-mb", "1", "--json", str(out)],
         env={**os.environ, "UCX_NET_DEVICES": "lo"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["raw_bytes"] == 2 * 30 * 1024 * 3 * 64 * 2  # smollm2 shape, bf16 K and V
-    assert row["raw"]["bit_exact"] is True
-    assert row["compressed_bytes"] * 3 < row["raw_bytes"]  # window of 128 raw tokens included
-    assert row["rel_err_k"] < 0.1 and row["rel_err_v"] < 0.1
-    c = row["compressed"]
-    assert c["bytes"] == row["compressed_bytes"] and 0 < c["first_layer_s"] <= c["all_layers_s"]
+    data = json.loads(out.read_text())
+    uncapped, capped = data["rows"]
+    assert (uncapped["link_gbps"], capped["link_gbps"]) == (0, 2)
+    assert "token bucket" in data["link_emulation"]
+    for row in (uncapped, capped):
+        assert row["raw_bytes"] == 2 * 30 * 1024 * 3 * 64 * 2  # smollm2 shape, bf16 K and V
+        assert row["raw"]["bit_exact"] is True and row["staging"] == "DRAM"
+        assert row["compressed_bytes"] * 3 < row["raw_bytes"]  # window of 128 raw tokens included
+        assert row["rel_err_k"] < 0.1 and row["rel_err_v"] < 0.1
+        c, pol = row["compressed"], row["policy"]
+        assert c["bytes"] == row["compressed_bytes"] and 0 < c["first_layer_s"] <= c["all_layers_s"]
+        assert 0 < c["transfer_s"] <= c["fetch_s"]
+        assert pol["choice"] == ("raw" if pol["est_raw_s"] <= pol["est_compressed_s"] else "compressed")
+        chosen = row["raw"] if pol["choice"] == "raw" else c
+        assert pol["all_layers_s"] == chosen["all_layers_s"]
+        assert pol["within_10pct"] == (pol["all_layers_s"] <= 1.1 * min(row["raw"]["all_layers_s"], c["all_layers_s"]))
+    # paced: neither path beats 2 Gb/s (both READs are held to the emulated link)
+    assert capped["raw"]["transfer_s"] >= capped["raw_bytes"] * 8 / 2e9
+    assert capped["compressed"]["transfer_s"] >= capped["compressed_bytes"] * 8 / 2e9
+    assert capped["compressed"]["read_share_of_link"] <= 1.0
+    assert 1.0 < capped["policy"]["link_gbps_learned"] <= 2.0 + 1e-6  # learned from the paced READs

@@ -1,16 +1,26 @@
-"""``dynamo-kvtc bench transfer``: prefill→decode hand-off of a prompt's KV, compressed (KVTC blobs) vs raw, over NIXL.
+"""``dynamo-kvtc bench transfer``: prefill→decode hand-off of a prompt's KV, compressed (KVTC blobs) vs raw vs the
+link-aware policy, over NIXL, at emulated link rates.
 
-Two processes, as in disaggregated serving: a *prefill* process (a child) holds the prompt's KV on its device, encoded
-into its host tier and also raw in device memory; the *decode* process (this one) pulls it with NIXL READs — the
-compressed blobs through the connector's transfer client, then decoded layer by layer into a paged cache on its
-device; or the raw K/V straight into its device memory (what vLLM's NixlConnector does, all layers in one READ).
-Reported per shape and prompt length: bytes moved, transfer time, time until layer 0 is usable and until all layers
-are, and the reconstruction error of the compressed path.
+Two processes, as in disaggregated serving: a *prefill* process (a child, :mod:`.transfer_prefill`) holds the prompt's
+KV on its device, encoded into its host tier and also raw in device memory; the *decode* process (this one) pulls it
+with NIXL READs — the compressed blobs through the connector's hand-off client (staged by the prefill side in a
+registered arena, device memory on a GPU, READ into a registered receive buffer, device memory on a GPU), then
+restored layer by layer into a paged cache on its device; or the raw K/V straight into its device memory (what vLLM's
+NixlConnector does: every layer's K and V, layer 0 usable only when the whole READ is done).
 
-On two GPUs of one host: ``--prefill-device cuda:0 --decode-device cuda:1``. On one machine without GPUs both default
-to ``cpu`` and UCX runs over loopback (what the test suite does). KV and calibrations are synthetic (random
-orthonormal basis, power-law spectrum; ``calibration/synthetic.py``): the numbers are about bytes and time, not
-accuracy.
+Link emulation (``--link-gbps 0,100,200,400``; 0 = uncapped): a token bucket in this process paces both paths' READs
+the same way (:class:`~dynamo_kvtc.tiers.nixl_io.TokenBucket`): a READ goes out in ``--chunk-mb`` chunks, each
+posted no earlier than ``start + bytes before it / rate``, done no earlier than ``start + bytes / rate``. It
+emulates a link's rate, not its latency. Per row (shape, prompt, link): bytes moved, READ time, time until layer 0 is
+usable and until all layers are, for raw and compressed; the policy's choice (:class:`~dynamo_kvtc.connector.
+handoff.linkpolicy.LinkPolicy`, learning the link from this row's READs of both paths and the restore rate from its
+compressed restores, no setting), its estimates, the measured time of the path it chose, and whether that is within
+10% of the better fixed choice; the reconstruction error of the compressed path.
+
+On two GPUs of one host: ``--prefill-device cuda:0 --decode-device cuda:1``; on one GPU both ``cuda:0`` (two
+processes sharing it). On one machine without GPUs both default to ``cpu`` and UCX runs over loopback (what the test
+suite does). KV and calibrations are synthetic (random orthonormal basis, power-law spectrum;
+``calibration/synthetic.py``): the numbers are about bytes and time, not accuracy.
 """
 
 from __future__ import annotations
@@ -32,121 +42,65 @@ from ..calibration.artifact import Calibration
 from ..calibration.synthetic import synthetic_calibration, synthetic_kv
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.client import HandoffClient
-from ..connector.handoff.server import HandoffServer
+from ..connector.handoff.linkpolicy import RAW, LinkPolicy
 from ..errors import TransferError
-from ..tiers.channel import Limits, RepServer, ReqClient
+from ..tiers.channel import ReqClient
 from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
-from ..tiers.nixl_io import PeerAgent, Quarantine, transfer
+from ..tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from ..tiers.store import KvtcStore
 from .output import machine, write_json
 from .shapes import SHAPES
+from .transfer_prefill import BS, RAW_LIMITS, prompt_tokens, raw_descs
 
-BS = 32
-
-
-RAW_LIMITS = Limits(max_message=1 << 24, max_str=1 << 16, max_bin=1 << 22, max_array=1 << 20, max_map=16)
+log = logging.getLogger(__name__)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _tokens(n: int) -> list[int]:
-    return [(i * 7919) % 32000 for i in range(n)]
-
-
-def _raw_descs(k: torch.Tensor, v: torch.Tensor) -> list[list[int]]:
-    dev = k.device.index or 0 if k.is_cuda else 0
-    out = []
-    for t in (k, v):
-        per = t[0].numel() * t.element_size()
-        out += [[t.data_ptr() + i * per, per, dev] for i in range(t.shape[0])]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- prefill side
-def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str) -> None:
-    """The prefill process: encode the prompt into the host tier, serve blobs and raw KV until stdin closes."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    cal = Calibration.load(cal_path)
-    k, v, _ = synthetic_kv(cal, tokens, device=device)
-    raw_bytes = 2 * k.numel() * k.element_size()
-    cfg = ConnectorConfig(
-        tiers=TierConfig(host_bytes=raw_bytes // 2 + (64 << 20), ratio=ratio, min_tokens=0), transfer="prefill"
-    )
-    store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS)
-    ids = _tokens(tokens)
-    t = time.perf_counter()
-    res = store.submit_offload(sequence_hashes(ids, BS), ids, keys=k, values=v, tail=True).result()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    encode_s = time.perf_counter() - t
-    if res.stored_blocks != tokens // BS:
-        raise TransferError(f"prefill side stored {res.stored_blocks} of {tokens // BS} blocks: {res.skipped}")
-    server = HandoffServer(cfg, store)
-    raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw")
-    regs = [raw_agent.agent.register_memory(k), raw_agent.agent.register_memory(v)]
-    mem = "VRAM" if dev.type == "cuda" else "DRAM"
-
-    def raw_descs(msg: dict) -> dict:  # NixlConnector-style: the peer reads K and V in place
-        with raw_agent.lock:
-            raw_agent.add_remote(msg["agent"], msg["agent_md"])
-        return {"agent": raw_agent.name, "agent_md": raw_agent.metadata(), "mem": mem, "descs": _raw_descs(k, v)}
-
-    raw = RepServer("tcp://127.0.0.1", raw_descs, RAW_LIMITS, name="kvtc-bench-raw")
-    Path(port_file).write_text(
-        json.dumps(
-            {
-                "port": server.port,
-                "raw_port": raw.port,
-                "encode_s": encode_s,
-                "stored_bytes": res.stored_bytes,
-                "raw_bytes": raw_bytes,
-            }
-        )
-    )
-    sys.stdin.read()  # the decode side closes our stdin when done
-    raw.close()
-    server.close()
-    for r in regs:
-        raw_agent.agent.deregister_memory(r)
-
-
 # ---------------------------------------------------------------------------------------------- decode side
-def _raw_pull(agent: PeerAgent, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float) -> float:
-    ch = ReqClient(f"tcp://127.0.0.1:{port}", RAW_LIMITS, timeout_s, name="raw prefill peer")
-    try:
-        reply = ch.ask({"op": "descs", "agent": agent.name, "agent_md": agent.metadata()})
-    finally:
-        ch.close()
-    a = agent.agent
-    with agent.lock:
-        agent.add_remote(reply["agent"], reply["agent_md"])
-        local_mem = "VRAM" if dst_k.is_cuda else "DRAM"
-        regs = [a.register_memory(dst_k), a.register_memory(dst_v)]
-        local = a.get_xfer_descs([tuple(d) for d in _raw_descs(dst_k, dst_v)], local_mem)
-        remote = a.get_xfer_descs([tuple(d) for d in reply["descs"]], reply["mem"])
-        t = time.perf_counter()
-        transfer(
-            a, agent.errors, "READ", local, remote, reply["agent"], timeout_s,
-            buf=dst_k, quarantine=Quarantine(), registrations=regs, poll_s=0.0,
-        )  # fmt: skip
-        return time.perf_counter() - t
+class RawPeer:
+    """The raw path's decode side: one NIXL agent and registered destination K/V, READ per layer like NixlConnector."""
+
+    def __init__(self, backend: str, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float) -> None:
+        self.agent = PeerAgent(backend, "kvtc-bench-raw-decode")
+        self.dst_k, self.dst_v, self.timeout_s = dst_k, dst_v, timeout_s
+        ch = ReqClient(f"tcp://127.0.0.1:{port}", RAW_LIMITS, timeout_s, name="raw prefill peer")
+        try:
+            self.reply = ch.ask({"op": "descs", "agent": self.agent.name, "agent_md": self.agent.metadata()})
+        finally:
+            ch.close()
+        self.agent.add_remote(self.reply["agent"], self.reply["agent_md"])
+        self.regs = [self.agent.agent.register_memory(dst_k), self.agent.agent.register_memory(dst_v)]
+        self.quarantine = Quarantine()
+
+    def pull(self, pace: TokenBucket | None) -> float:
+        """One READ of every layer's K and V; its seconds (= time until layer 0, and every layer, is usable)."""
+        local = [tuple(d) for d in raw_descs(self.dst_k, self.dst_v)]
+        remote = [tuple(d) for d in self.reply["descs"]]
+        mem = "VRAM" if self.dst_k.is_cuda else "DRAM"
+        with self.agent.lock:
+            return read_descs(
+                self.agent, local, mem, remote, self.reply["mem"], self.reply["agent"], self.timeout_s,
+                buf=self.dst_k, quarantine=self.quarantine, pace=pace,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        for r in self.regs:
+            self.agent.agent.deregister_memory(r)
 
 
 def _start_prefill(shape: str, tokens: int, args, cal_path: Path, work: Path) -> tuple[subprocess.Popen, dict]:
     """Start the prefill process and wait for what it reports (ports, encode time, bytes)."""
     port_file = work / f"prefill-{shape}-{tokens}.json"
-    env = {**os.environ}
     child = subprocess.Popen(
-        [sys.executable, "-m", "dynamo_kvtc.bench.transfer", "serve", str(cal_path), str(tokens)]
+        [sys.executable, "-m", "dynamo_kvtc.bench.transfer_prefill", str(cal_path), str(tokens)]
         + [args.prefill_device, str(args.ratio), str(port_file)],
         stdin=subprocess.PIPE,
-        env=env,
+        env={**os.environ},
         text=True,
     )
     deadline = time.monotonic() + args.timeout
@@ -170,7 +124,7 @@ def _stop(child: subprocess.Popen) -> None:
 
 def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args, dev) -> list[dict]:
     """Fetch the blobs over NIXL and restore them layer by layer, ``args.repeat`` times after one warm-up."""
-    hashes = sequence_hashes(_tokens(tokens), BS)
+    hashes = sequence_hashes(prompt_tokens(tokens), BS)
     dst = list(range(1, tokens // BS + 1))
     runs = []
     for i in range(args.repeat + 1):
@@ -180,7 +134,6 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
             t = time.perf_counter()
             got = client.fetch("127.0.0.1", pre["port"], hashes)
             fetch["s"] = time.perf_counter() - t
-            fetch["bytes"] = sum(len(r.blob) for r in got)
             return got
 
         t0 = time.perf_counter()
@@ -190,33 +143,93 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         total = time.perf_counter() - t0
+        client.link.observe_restore(pre["raw_bytes"], max(total - fetch["s"], 1e-6))
         if i:  # the first round warms up connections and kernels
             runs.append(
                 {
-                    "transfer_s": fetch["s"],
+                    "fetch_s": fetch["s"],
+                    "transfer_s": client.last["read_s"],
                     "first_layer_s": h.ready_times[0],
                     "all_layers_s": total,
-                    "bytes": fetch["bytes"],
+                    "bytes": int(client.last["bytes"]),
                 }
             )
     return runs
 
 
+def _med(runs: list[dict]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def _policy(client: HandoffClient, pre: dict, raw: dict, comp: dict) -> dict[str, Any]:
+    """The policy's choice from what it learned in this row, and how it fared against the better fixed choice."""
+    c = client.choose("127.0.0.1", pre["port"], pre["raw_bytes"], comp["bytes"])
+    got = raw["all_layers_s"] if c.choice == RAW else comp["all_layers_s"]
+    best = min(raw["all_layers_s"], comp["all_layers_s"])
+    return {
+        "choice": c.choice,
+        "est_raw_s": c.raw_s,
+        "est_compressed_s": c.compressed_s,
+        "link_gbps_learned": c.link_gbps,
+        "all_layers_s": got,
+        "better_fixed": "raw" if raw["all_layers_s"] <= comp["all_layers_s"] else "compressed",
+        "within_10pct": bool(got <= 1.1 * best),
+    }
+
+
 def _print_row(row: dict[str, Any]) -> None:
-    comp, raw_s = row["compressed"], row["raw"]["transfer_s"]
+    comp, raw, pol = row["compressed"], row["raw"], row["policy"]
+    link = f"{row['link_gbps']:g} Gb/s" if row["link_gbps"] else "uncapped"
     print(
-        f"{row['shape']:>18} {row['tokens']:>6} | raw {row['raw_bytes'] / 2**20:8.1f} MiB {1000 * raw_s:8.1f} ms"
-        f" | kvtc "
-        f"{comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x) "
-        f"transfer {1000 * comp['transfer_s']:7.1f} ms"
+        f"{row['shape']:>18} {row['tokens']:>6} {link:>11} | raw {row['raw_bytes'] / 2**20:8.1f} MiB"
+        f" {1000 * raw['all_layers_s']:8.1f} ms | kvtc {comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x)"
+        f" read {1000 * comp['transfer_s']:7.1f} ms fetch {1000 * comp['fetch_s']:7.1f} ms"
         f" layer 0 {1000 * comp['first_layer_s']:7.1f} ms all {1000 * comp['all_layers_s']:7.1f} ms"
-        f" | err K {row['rel_err_k']:.3f} V {row['rel_err_v']:.3f}",
+        f" | policy {pol['choice']:>10} {1000 * pol['all_layers_s']:7.1f} ms"
+        f" {'ok' if pol['within_10pct'] else 'SLOW'} | err K {row['rel_err_k']:.3f} V {row['rel_err_v']:.3f}",
         flush=True,
     )
 
 
-def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str, Any]:
+def _link_rows(shape: str, tokens: int, args, pre: dict, store, client, raw_peer, err: dict) -> list[dict[str, Any]]:
+    """One row per emulated link rate (0 = uncapped): raw, compressed and the policy, each path paced the same."""
+    rows = []
+    for gbps in args.link_gbps:
+        pace = TokenBucket(gbps, int(args.chunk_mb * (1 << 20))) if gbps else None
+        client.pace, client.link = pace, LinkPolicy(gpu=store.device.type == "cuda")  # learns this link afresh
+        raw_runs = [raw_peer.pull(pace) for _ in range(args.repeat + 1)]
+        for s in raw_runs:
+            client.link.observe(f"127.0.0.1:{pre['port']}", pre["raw_bytes"], s)
+        raw_s = statistics.median(raw_runs[1:])
+        raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
+        comp = _med(_compressed_runs(store, client, pre, tokens, args, store.device))
+        comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
+        row = {
+            "shape": shape,
+            "tokens": tokens,
+            "link_gbps": gbps,
+            "layers": store.cal.fingerprint.num_layers,
+            "raw_bytes": pre["raw_bytes"],
+            "compressed_bytes": comp["bytes"],
+            "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
+            "prefill_encode_s": pre["encode_s"],
+            "staging": pre.get("staging"),
+            "compressed": comp,
+            "raw": raw,
+            "policy": _policy(client, pre, raw, comp),
+            **err,
+        }
+        if gbps:
+            row["compressed"]["read_share_of_link"] = comp["read_gbps"] / gbps
+        _print_row(row)
+        rows.append(row)
+    return rows
+
+
+def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict[str, Any]]:
     dev = torch.device(args.decode_device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     cal = Calibration.load(cal_path)
     fp = cal.fingerprint
     child, pre = _start_prefill(shape, tokens, args, cal_path, work)
@@ -232,42 +245,40 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> dict[str,
             transfer_timeout_s=args.timeout,
         )
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
-        runs = _compressed_runs(store, HandoffClient(cfg), pre, tokens, args, dev)
+        client = HandoffClient(cfg, dev)
+        _compressed_runs(store, client, pre, tokens, args, dev)  # one round to measure the error
         k_ref, v_ref, _ = synthetic_kv(cal, tokens, device=str(dev))
         k_got, v_got = store.kv.gather(list(range(1, n + 1)))
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
-        dst_k, dst_v = torch.empty_like(k_ref), torch.empty_like(v_ref)
-        raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw-decode")
-        raw_runs = [_raw_pull(raw_agent, pre["raw_port"], dst_k, dst_v, args.timeout) for _ in range(args.repeat + 1)]
-        raw_ok = bool(torch.equal(dst_k, k_ref) and torch.equal(dst_v, v_ref))
-        comp = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        raw_s = statistics.median(raw_runs[1:])
-        row = {
-            "shape": shape,
-            "tokens": tokens,
-            "layers": fp.num_layers,
-            "raw_bytes": pre["raw_bytes"],
-            "compressed_bytes": comp["bytes"],
-            "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
-            "prefill_encode_s": pre["encode_s"],
-            "compressed": comp,
-            "raw": {"transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s, "bit_exact": raw_ok},
-            **err,
-        }
-        _print_row(row)
-        return row
+        raw_peer = RawPeer(cfg.nixl_backend, pre["raw_port"], torch.empty_like(k_ref), torch.empty_like(v_ref),
+                           args.timeout)  # fmt: skip
+        raw_peer.pull(None)
+        err["raw_bit_exact"] = bool(torch.equal(raw_peer.dst_k, k_ref) and torch.equal(raw_peer.dst_v, v_ref))
+        del k_ref, v_ref
+        rows = _link_rows(shape, tokens, args, pre, store, client, raw_peer, err)
+        for row in rows:
+            row["raw"]["bit_exact"] = err["raw_bit_exact"]
+        raw_peer.close()
+        client.close()
+        store.close()
+        return rows
     finally:
         _stop(child)
 
 
 def run_bench_transfer(args) -> int:
+    args.link_gbps = list(getattr(args, "link_gbps", None) or [0.0])
+    args.chunk_mb = getattr(args, "chunk_mb", 4.0)
     shapes = args.shapes.split(",") if isinstance(args.shapes, str) else list(args.shapes)
     lengths = [int(x) for x in args.tokens.split(",")] if isinstance(args.tokens, str) else list(args.tokens)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtc-transfer-") as tmp:
         work = Path(tmp)
-        print(f"prefill on {args.prefill_device}, decode on {args.decode_device}, NIXL UCX, ratio {args.ratio:g}")
+        print(
+            f"prefill on {args.prefill_device}, decode on {args.decode_device}, NIXL UCX, ratio {args.ratio:g}, links "
+            + ", ".join(f"{g:g} Gb/s" if g else "uncapped" for g in args.link_gbps)
+        )
         for shape in shapes:
             sh = SHAPES[shape]
             cal_path = work / f"cal-{shape}"
@@ -283,7 +294,7 @@ def run_bench_transfer(args) -> int:
                 name=shape,
             ).save(cal_path)
             for tokens in lengths:
-                rows.append(_one(shape, tokens, args, cal_path, work))
+                rows.extend(_one(shape, tokens, args, cal_path, work))
                 write_json(  # after every row: a run cut short keeps what it measured
                     args.json_path,
                     {
@@ -292,14 +303,11 @@ def run_bench_transfer(args) -> int:
                         "decode_device": args.decode_device,
                         "ratio": args.ratio,
                         "rank": args.rank,
+                        "link_emulation": "token bucket pacing both paths' NIXL READs in chunks of "
+                        f"{args.chunk_mb:g} MiB (rate only, no added latency); 0 = uncapped",
                         "rows": rows,
                         "machine": machine(),
                         "synthetic": True,
                     },
                 )
     return 0
-
-
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":
-    logging.basicConfig(level=logging.WARNING)
-    serve(sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), sys.argv[6])

@@ -6,7 +6,26 @@ import argparse
 
 from . import types
 
-HELP = "prefill->decode hand-off over NIXL: compressed blobs vs raw KV, two processes"
+HELP = "prefill->decode hand-off over NIXL: compressed blobs vs raw KV vs the link-aware policy, two processes"
+
+
+def link_rates(s: str) -> list[float]:
+    """Comma-separated link rates in Gbit/s, 0 (or ``uncapped``) for no cap: ``0,100,200,400``."""
+    out = []
+    for x in s.split(","):
+        x = x.strip().lower()
+        if not x:
+            continue
+        try:
+            v = 0.0 if x in ("uncapped", "none") else float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"comma-separated link rates in Gb/s expected, got {s!r}") from None
+        if not (v >= 0 and v < 1e6):
+            raise argparse.ArgumentTypeError(f"link rates must be >= 0 Gb/s (0 = uncapped), got {s!r}")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"comma-separated link rates in Gb/s expected, got {s!r}")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=types.positive_int, default=1024, help="PCA components of the synthetic calibration")
     p.add_argument("--repeat", type=types.positive_int, default=3)
     p.add_argument("--timeout", type=types.positive_float, default=120.0)
+    p.add_argument(
+        "--link-gbps",
+        type=link_rates,
+        default="0",
+        help="emulated link rates in Gb/s, comma-separated, 0 = uncapped: a token bucket paces both paths' READs",
+    )
+    p.add_argument("--chunk-mb", type=types.positive_float, default=4.0, help="READ chunk of the paced link, MiB")
     p.add_argument("--json", dest="json_path", help="write results as JSON")
 
 

@@ -1,4 +1,5 @@
-"""File I/O through NIXL (POSIX backend; GDS_MT when asked for and loadable on a GPU node).
+"""NIXL: file I/O (POSIX backend; GDS_MT when asked for and loadable on a GPU node) and READs between peer agents
+(UCX; :func:`read_descs`, optionally paced by a :class:`TokenBucket` to emulate a slower link in benchmarks).
 
 NIXL reports failures as exceptions from ``nixl._bindings`` (``nixlBackendError``, ``nixlNotFoundError``, ...) with no
 common base; they are caught as a tuple and re-raised as :class:`~dynamo_kvtc.errors.TransferError`. Every transfer
@@ -56,6 +57,11 @@ class Quarantine:
         self._held.append(buf)
         self.bytes += buf.numel()
 
+    @property
+    def count(self) -> int:
+        """Buffers held."""
+        return len(self._held)
+
 
 def transfer(
     agent: Any,
@@ -109,6 +115,106 @@ def transfer(
                 unsafe = True
         if unsafe:
             quarantine.hold(buf, f"{op} not confirmed finished")
+
+
+class TokenBucket:
+    """Paces READs to an emulated link of ``gbps`` Gbit/s (benchmarks: 100/200/400 Gb/s between two processes on one
+    host): a transfer goes out in chunks of ``chunk_bytes``, chunk i posted no earlier than ``start + bytes before
+    it / rate``, and it counts as done no earlier than ``start + all its bytes / rate``. Whichever is slower, the real
+    link or the emulated one, sets the time. Owns a clock; never touches the bytes."""
+
+    def __init__(self, gbps: float, chunk_bytes: int = 4 << 20) -> None:
+        if not gbps > 0 or chunk_bytes < 1:
+            raise ConfigError(f"a paced link needs gbps > 0 and chunk_bytes >= 1, got {gbps!r}, {chunk_bytes!r}")
+        self.gbps = gbps
+        self.rate = gbps * 1e9 / 8  # bytes/s
+        self.chunk_bytes = chunk_bytes
+        self._t0 = 0.0
+        self._sent = 0
+
+    def start(self) -> None:
+        self._t0, self._sent = time.perf_counter(), 0
+
+    def _until(self, t: float) -> None:
+        while True:
+            left = t - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.001) if left > 0.0002 else 0)
+
+    def admit(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` more may go out."""
+        self._until(self._t0 + self._sent / self.rate)
+        self._sent += nbytes
+
+    def finish(self) -> None:
+        """Wait until every admitted byte would have crossed the emulated link."""
+        self._until(self._t0 + self._sent / self.rate)
+
+
+def split_descs(local: Sequence[tuple], remote: Sequence[tuple], chunk: int) -> list[tuple[list, list]]:
+    """Matching (local, remote) descriptor lists of at most ``chunk`` bytes each, cut from two lists of ``(address,
+    length, device)`` that describe the same number of bytes in order (a descriptor may be cut in two)."""
+    if sum(d[1] for d in local) != sum(d[1] for d in remote):
+        raise TransferError("local and remote descriptors describe different byte counts")
+    out: list[tuple[list, list]] = []
+    li = ri = lo = ro = 0  # descriptor index and offset into it, local and remote
+    cur: tuple[list, list] = ([], [])
+    room = chunk
+    while li < len(local):
+        la, ln, ld = local[li]
+        ra, rn, rd = remote[ri]
+        n = min(ln - lo, rn - ro, room)
+        cur[0].append((la + lo, n, ld))
+        cur[1].append((ra + ro, n, rd))
+        lo, ro, room = lo + n, ro + n, room - n
+        if lo == ln:
+            li, lo = li + 1, 0
+        if ro == rn:
+            ri, ro = ri + 1, 0
+        if room == 0:
+            out.append(cur)
+            cur, room = ([], []), chunk
+    if cur[0]:
+        out.append(cur)
+    return out
+
+
+def read_descs(
+    agent: PeerAgent,
+    local: Sequence[tuple],
+    local_mem: str,
+    remote: Sequence[tuple],
+    remote_mem: str,
+    peer: str,
+    timeout_s: float,
+    *,
+    buf: torch.Tensor,
+    quarantine: Quarantine,
+    pace: TokenBucket | None = None,
+    poll_s: float = 0.0,
+) -> float:
+    """READ ``remote`` into ``local`` (``(address, length, device)`` lists of equal total size, cut here into pairs
+    of equal lengths as NIXL needs) from ``peer`` through :func:`transfer`; with ``pace`` in chunks paced by its token
+    bucket. Returns the seconds the READ took (posting
+    to done). Call with ``agent.lock`` held; ``buf`` (the local memory) must already be registered."""
+    a = agent.agent
+    total = sum(d[1] for d in local)
+    parts = split_descs(local, remote, pace.chunk_bytes if pace is not None else max(total, 1))  # pairwise lengths
+    t = time.perf_counter()
+    if pace is not None:
+        pace.start()
+    for lp, rp in parts:
+        if pace is not None:
+            pace.admit(sum(d[1] for d in lp))
+        try:
+            ld, rd = a.get_xfer_descs(lp, local_mem), a.get_xfer_descs(rp, remote_mem)
+        except agent.errors as e:
+            raise TransferError(f"NIXL rejected the transfer descriptors: {type(e).__name__}: {e}") from e
+        transfer(a, agent.errors, "READ", ld, rd, peer, timeout_s, buf=buf, quarantine=quarantine, poll_s=poll_s)
+    if pace is not None:
+        pace.finish()
+    return time.perf_counter() - t
 
 
 class PeerAgent:

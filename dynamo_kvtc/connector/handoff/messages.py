@@ -1,8 +1,11 @@
 """The hand-off's control messages (msgpack over the control channel) and their validation.
 
 - ``fetch`` (decode → prefill): ``hashes`` (the requested blocks' Dynamo sequence hashes, 1..``MAX_FETCH_BLOCKS``
-  unsigned 64-bit integers), ``agent`` and ``agent_md`` (the decode side's NIXL agent name and metadata).
-- fetch reply: ``lease``, ``agent``, ``agent_md`` (the prefill side's), and ``blobs``: one entry per blob run with
+  unsigned 64-bit integers), ``agent`` and ``agent_md`` (the decode side's NIXL agent name and metadata), ``mem``
+  (optional: ``VRAM`` when the decode side READs into device memory and would have the blobs staged in device memory
+  too; default ``DRAM``).
+- fetch reply: ``lease``, ``agent``, ``agent_md`` (the prefill side's), ``mem`` and ``dev`` (the NIXL memory type
+  and device id of the staged bytes; default ``DRAM``, 0), and ``blobs``: one entry per blob run with
   ``size``, ``first`` (first block inside the blob), ``count`` (blocks used), ``j`` (index of its first block among
   the requested hashes), ``meta`` (the blob's :class:`~dynamo_kvtc.tiers.blobs.BlobMeta` as a map) and ``descs``
   (``[address, length]`` pairs of the staged bytes in the prefill side's registered memory).
@@ -40,8 +43,28 @@ def peer_ok(name: Any, md: Any) -> bool:
     return isinstance(name, str) and PEER_NAME.fullmatch(name) is not None and isinstance(md, bytes) and bool(md)
 
 
-def fetch_request(hashes: list[int], agent: str, agent_md: bytes) -> dict[str, Any]:
-    return {"op": "fetch", "hashes": hashes, "agent": agent, "agent_md": agent_md}
+MEMS = ("DRAM", "VRAM")
+
+
+def fetch_request(hashes: list[int], agent: str, agent_md: bytes, mem: str = "DRAM") -> dict[str, Any]:
+    msg = {"op": "fetch", "hashes": hashes, "agent": agent, "agent_md": agent_md}
+    return {**msg, "mem": mem} if mem != "DRAM" else msg
+
+
+def fetch_mem(msg: dict[str, Any]) -> str:
+    """The memory a fetch asks its blobs to be staged in (``DRAM`` unless it asks for ``VRAM``)."""
+    mem = msg.get("mem", "DRAM")
+    if mem not in MEMS:
+        raise TransferError(f"fetch asks for memory {mem!r:.40}; one of {MEMS}")
+    return mem
+
+
+def reply_memory(reply: dict[str, Any]) -> tuple[str, int]:
+    """(NIXL memory type, device id) of a fetch reply's staged bytes; TransferError when malformed."""
+    mem, dev = reply.get("mem", "DRAM"), reply.get("dev", 0)
+    if mem not in MEMS or not _whole(dev, 0, 1023):
+        raise TransferError("malformed fetch reply: memory type or device")
+    return mem, dev
 
 
 def check_fetch(msg: dict[str, Any]) -> tuple[list[int], str, bytes]:

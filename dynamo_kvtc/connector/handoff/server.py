@@ -1,9 +1,11 @@
 """Prefill side of the hand-off: serves a worker's compressed blobs to decode workers over NIXL.
 
 A ``fetch`` names blocks by sequence hash; the server waits (up to half the transfer deadline) for the prompt's encode
-to land in the store, copies the covering blobs into a staging arena registered with NIXL, and replies with its agent
-metadata and the staged pages' addresses under a lease. The decode side READs them and sends ``release``; a lease
-that is never released expires after four deadlines.
+to land in the store, copies the covering blobs back to back into one contiguous extent of a staging arena registered
+with NIXL once (:class:`~.staging.StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
+host memory otherwise), and replies with its agent metadata, the arena's memory type and one descriptor per blob
+under a lease. The decode side READs them and sends ``release``; a lease that is never released expires after four
+deadlines.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import logging
 import time
 from typing import Any
 
-from ...errors import TierError, TierFullError
+import torch
+
+from ...errors import TierError
 from ...tiers.channel import RepServer
-from ...tiers.host import HostTier
 from ...tiers.nixl_io import PeerAgent
 from ..config import ConnectorConfig
 from .auth import channel_auth
-from .messages import LIMITS, check_fetch
+from .messages import LIMITS, check_fetch, fetch_mem
+from .staging import StagingArena, memory_device
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -28,17 +32,19 @@ _ids = itertools.count()
 class HandoffServer:
     """Serves blobs of one store to decode workers (in the prefill worker process, TP rank 0).
 
-    Owns a NIXL agent, the staging arena (registered with NIXL once) and the leases on it. It reads the store only
-    through its public lookup and export; it never writes to the store and never serves bytes it did not stage."""
+    Owns a NIXL agent, the staging arenas (each registered with NIXL once: host memory, made on the first ``DRAM``
+    fetch, and device memory on a GPU worker) and the leases on them. It reads the store only through its public
+    lookup and export; it never writes to the store and never serves bytes it did not stage."""
 
-    def __init__(self, cfg: ConnectorConfig, store: Any) -> None:
+    def __init__(self, cfg: ConnectorConfig, store: Any, device: Any = None) -> None:
         self.cfg = cfg
         self.store = store
         self.agent = PeerAgent(cfg.nixl_backend, "kvtc-prefill")
-        self.staging = HostTier(cfg.transfer_staging_mb << 20, 1 << 16, pinned=False)
-        self._reg = self.agent.agent.register_memory(self.staging.arena)
-        self._base = self.staging.arena.data_ptr()
-        self._leases: dict[str, tuple[list[str], float]] = {}
+        dev = memory_device(device if device is not None else getattr(store, "device", "cpu"))
+        self._arenas: dict[str, StagingArena] = {}
+        if dev.type == "cuda":
+            self._arenas["VRAM"] = StagingArena(self.agent, cfg.transfer_staging_mb << 20, dev)
+        self._leases: dict[str, tuple[StagingArena, float]] = {}
         self.served = 0  # fetches answered with staged blobs (releases are not counted)
         endpoint = f"tcp://{cfg.transfer_host}" + (f":{cfg.transfer_port}" if cfg.transfer_port else "")
         self._rep = RepServer(
@@ -61,6 +67,19 @@ class HandoffServer:
         """Fetches whose staged bytes are still held (not released, not expired)."""
         return len(self._leases)
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the staging arenas held by open leases."""
+        return sum(a.used for a in self._arenas.values())
+
+    def arena(self, mem: str) -> StagingArena:
+        """The arena a fetch asking for ``mem`` is staged in: device memory when asked and present, else host."""
+        if mem == "VRAM" and "VRAM" in self._arenas:
+            return self._arenas["VRAM"]
+        if "DRAM" not in self._arenas:
+            self._arenas["DRAM"] = StagingArena(self.agent, self.cfg.transfer_staging_mb << 20, torch.device("cpu"))
+        return self._arenas["DRAM"]
+
     def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg.get("op")
         if op == "fetch":
@@ -77,46 +96,39 @@ class HandoffServer:
                 raise TierError(f"only {self.store.match(hashes)} of {len(hashes)} blocks are stored here")
             time.sleep(0.005)
 
-    def _stage(self, key: str, blob: bytes) -> list[list[int]]:
-        if self.staging.put(key, blob):
-            raise TierFullError("transfer staging arena is full (raise transfer_staging_mb)")
-        return [[self._base + off, n] for off, n in self.staging.extents(key)]
-
     def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
         hashes, peer, md = check_fetch(msg)
+        arena = self.arena(fetch_mem(msg))
         self._wait_stored(hashes)
         runs = self.store.export(hashes)
         lease = f"{peer}/{next(_ids)}"
-        keys, blobs = [], []
         try:
-            for i, run in enumerate(runs):
-                key = f"{lease}/{i}"
-                descs = self._stage(key, run.blob)
-                keys.append(key)
-                blobs.append(
-                    {
-                        "size": len(run.blob),
-                        "first": run.first,
-                        "count": run.count,
-                        "j": run.at,
-                        "meta": run.meta.to_dict(),
-                        "descs": descs,
-                    }
-                )
+            descs = arena.stage(lease, [run.blob for run in runs])
             with self.agent.lock:
                 self.agent.add_remote(peer, md)
         except Exception:
-            for k in keys:
-                self.staging.pop(k)
+            arena.give(lease)
             raise
-        self._leases[lease] = (keys, time.monotonic() + 4 * self.cfg.transfer_timeout_s)
+        blobs = [
+            {
+                "size": len(run.blob),
+                "first": run.first,
+                "count": run.count,
+                "j": run.at,
+                "meta": run.meta.to_dict(),
+                "descs": [d],
+            }
+            for run, d in zip(runs, descs)
+        ]
+        self._leases[lease] = (arena, time.monotonic() + 4 * self.cfg.transfer_timeout_s)
         self.served += 1
-        return {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
+        reply = {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
+        return {**reply, "mem": arena.mem, "dev": arena.dev}
 
     def _release(self, lease: str) -> None:
-        keys, _ = self._leases.pop(lease, ([], 0))
-        for k in keys:
-            self.staging.pop(k)
+        arena, _ = self._leases.pop(lease, (None, 0))
+        if arena is not None:
+            arena.give(lease)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -127,7 +139,5 @@ class HandoffServer:
 
     def close(self) -> None:
         self._rep.close()
-        try:
-            self.agent.agent.deregister_memory(self._reg)
-        except self.agent.errors:
-            pass
+        for arena in self._arenas.values():
+            arena.close()

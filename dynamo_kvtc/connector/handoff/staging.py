@@ -1,0 +1,196 @@
+"""NIXL-registered memory of the hand-off, registered once: the prefill side's staging arena, the decode side's
+receive buffer. Host (DRAM) or device (VRAM) alike, so the CPU loopback in the test suite runs the same code as two
+GPUs.
+
+- :class:`StagingArena` (prefill): one buffer registered at start-up; each fetch takes one contiguous extent of it
+  (first fit), its blobs are copied in back to back (CUDA copies on a GPU, one numpy copy per blob on the host) and
+  described by one descriptor per blob — a handful of descriptors where the host tier's pages needed hundreds.
+- :class:`RecvBuffer` (decode): one buffer registered once and reused by every fetch (grown, re-registered, when a
+  fetch is larger). A READ that NIXL could not confirm finished leaves it with the quarantine: the next fetch gets a
+  fresh buffer, the old one (and its registration) is never touched again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import settings
+from ...errors import TierFullError, TransferError
+from ...tiers.nixl_io import PeerAgent
+
+log = logging.getLogger(__name__)
+ALIGN = 256  # every extent starts on a 256-byte boundary (CUDA copies, NIXL descriptors)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def memory_device(device: Any) -> torch.device:
+    """Where the hand-off stages and receives: ``device`` when it is a GPU and ``DYN_KVTC_HANDOFF_MEMORY`` allows it
+    (``auto``/``device``), else the host. ``device`` None means the current CUDA device where there is one."""
+    want = settings.env_value("handoff_memory")
+    if want == "host":
+        return torch.device("cpu")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev if dev.type == "cuda" else torch.device("cpu")
+
+
+def mem_kind(dev: torch.device) -> tuple[str, int]:
+    """NIXL's memory type and device id for a buffer on ``dev``."""
+    return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
+
+
+def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
+    """Copy ``blobs`` (bytes-like) back to back into ``dst`` at 256-byte aligned offsets; (offset, size) of each.
+    On a GPU the copies are queued on the current stream and waited for before returning."""
+    out, off = [], 0
+    for b in blobs:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        if off + n > dst.numel():
+            raise TierFullError(f"{off + n} bytes do not fit a {dst.numel()}-byte extent")
+        if dst.is_cuda:
+            with warnings.catch_warnings():  # a read-only bytes object: torch only reads it
+                warnings.simplefilter("ignore")
+                src = torch.frombuffer(mv, dtype=torch.uint8)
+            dst[off : off + n].copy_(src)
+        else:
+            dst[off : off + n].numpy()[:] = np.frombuffer(mv, dtype=np.uint8)
+        out.append((off, n))
+        off = _up(off + n)
+    if dst.is_cuda:
+        torch.cuda.current_stream(dst.device).synchronize()
+    return out
+
+
+class StagingArena:
+    """The prefill side's staging memory: one NIXL-registered buffer (VRAM on a GPU, else DRAM) cut into contiguous
+    extents, one per open lease.
+
+    Owns the buffer, its registration and the extent bookkeeping. It never frees the buffer while a lease holds an
+    extent of it and never hands out overlapping extents."""
+
+    def __init__(self, agent: PeerAgent, nbytes: int, device: torch.device) -> None:
+        self.agent = agent
+        self.device = device
+        self.mem, self.dev = mem_kind(device)
+        self.buf = torch.empty(_up(nbytes), dtype=torch.uint8, device=device)
+        self.base = self.buf.data_ptr()
+        with agent.lock:
+            self._reg = agent.agent.register_memory(self.buf)
+        self._free: list[tuple[int, int]] = [(0, self.buf.numel())]  # sorted (offset, length)
+        self._held: dict[str, tuple[int, int]] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.numel()
+
+    @property
+    def used(self) -> int:
+        return sum(n for _, n in self._held.values())
+
+    def take(self, key: str, nbytes: int) -> int:
+        """Reserve a contiguous extent of ``nbytes`` for ``key``; its offset. TierFullError when none is free."""
+        need = _up(max(nbytes, 1))
+        for i, (off, n) in enumerate(self._free):
+            if n >= need:
+                self._free[i : i + 1] = [(off + need, n - need)] if n > need else []
+                self._held[key] = (off, need)
+                return off
+        raise TierFullError(
+            f"transfer staging arena is full ({self.used} of {self.capacity} bytes held; raise transfer_staging_mb)"
+        )
+
+    def give(self, key: str) -> None:
+        """Free ``key``'s extent (merged with free neighbours); nothing if ``key`` holds none."""
+        got = self._held.pop(key, None)
+        if got is None:
+            return
+        off, n = got
+        i = bisect.bisect(self._free, (off, n))
+        self._free.insert(i, (off, n))
+        merged: list[tuple[int, int]] = []
+        for o, m in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + m)
+            else:
+                merged.append((o, m))
+        self._free = merged
+
+    def stage(self, key: str, blobs: Sequence[Any]) -> list[list[int]]:
+        """Copy ``blobs`` into a new extent for ``key``; one ``[address, length]`` descriptor per blob."""
+        total = sum(_up(len(memoryview(b).cast("B"))) for b in blobs)
+        off = self.take(key, total)
+        try:
+            placed = copy_in(self.buf[off : off + total], blobs)
+        except BaseException:
+            self.give(key)
+            raise
+        return [[self.base + off + o, n] for o, n in placed]
+
+    def close(self) -> None:
+        with self.agent.lock:
+            try:
+                self.agent.agent.deregister_memory(self._reg)
+            except self.agent.errors:
+                log.warning("NIXL could not deregister the hand-off staging arena")
+
+
+class RecvBuffer:
+    """The decode side's receive memory: one NIXL-registered buffer reused by every fetch, grown when a fetch needs
+    more. Call with the agent's lock held.
+
+    Owns the buffer and its registration. A buffer handed to the quarantine (a READ not confirmed finished) is
+    forgotten here — never reused, never deregistered — and the next fetch gets a fresh one."""
+
+    def __init__(self, agent: PeerAgent, device: torch.device) -> None:
+        self.agent = agent
+        self.device = device
+        self.mem, self.dev = mem_kind(device)
+        self.buf: torch.Tensor | None = None
+        self._reg: Any = None
+        self._kept: list[torch.Tensor] = []  # buffers whose deregistration failed: never freed
+        self.registrations = 0  # how often a buffer was registered (grown or replaced)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A registered buffer of at least ``nbytes`` (its first ``nbytes`` are what a READ fills)."""
+        if self.buf is None or self.buf.numel() < nbytes:
+            self._drop_registration()
+            size = 1 << max(20, (max(nbytes, 1) - 1).bit_length())  # powers of two from 1 MiB: few re-registrations
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            try:
+                self._reg = self.agent.agent.register_memory(buf)
+            except self.agent.errors as e:
+                raise TransferError(f"NIXL could not register a {size}-byte receive buffer: {e}") from e
+            self.buf = buf
+            self.registrations += 1
+        return self.buf
+
+    def forget(self) -> None:
+        """The buffer went to the quarantine: never use or deregister it again."""
+        self.buf, self._reg = None, None
+
+    def _drop_registration(self) -> None:
+        if self._reg is None:
+            return
+        try:
+            self.agent.agent.deregister_memory(self._reg)
+        except self.agent.errors:
+            log.warning("NIXL could not deregister a hand-off receive buffer; it is kept")
+            self._kept.append(self.buf)  # never freed: the backend may still know it
+        self.buf, self._reg = None, None
+
+    def close(self) -> None:
+        self._drop_registration()

@@ -1,0 +1,85 @@
+"""The link-aware raw-vs-compressed choice of the hand-off (connector/handoff/linkpolicy.py), with the sizes and rates
+measured on H200s (docs/performance.md): NeMo-12B 8K = 1280 MiB of raw KV, 90.6 MiB of KVTC blobs; Llama-3.1-8B 32K =
+4096 MiB raw, 236 MiB of blobs; raw GPU->GPU over NVLink at 270-360 GB/s."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from dynamo_kvtc.connector.handoff.linkpolicy import COMPRESSED, RAW, LinkPolicy
+from dynamo_kvtc.errors import ConfigError
+
+MiB = 1 << 20
+NEMO_8K = (1280 * MiB, int(90.6 * MiB))
+LLAMA_32K = (4096 * MiB, int(236.1 * MiB))
+H200_RESTORE_GBS = 10 * (1 << 30) / 0.124 / 1e9  # 8 x 8K NeMo restored in 124 ms
+
+
+@pytest.mark.parametrize("raw,comp", [NEMO_8K, LLAMA_32K])
+def test_nvlink_picks_raw_and_200_gbps_or_less_picks_compressed(raw, comp):
+    nvlink = LinkPolicy(270 * 8, H200_RESTORE_GBS)  # 270 GB/s, the slowest raw READ measured over NVLink
+    assert nvlink.choose("p", raw, comp).choice == RAW
+    for gbps in (100, 200):
+        c = LinkPolicy(gbps, H200_RESTORE_GBS).choose("p", raw, comp)
+        assert c.choice == COMPRESSED
+        assert c.raw_s == pytest.approx(raw / (gbps * 1e9 / 8))
+        assert c.compressed_s == pytest.approx(comp / (gbps * 1e9 / 8) + raw / (H200_RESTORE_GBS * 1e9))
+        assert c.link_source == "setting" and c.link_gbps == pytest.approx(gbps)
+
+
+def test_the_link_is_learned_from_reads_and_a_setting_overrides_it():
+    p = LinkPolicy(restore_gbs=H200_RESTORE_GBS)
+    raw, comp = NEMO_8K
+    unknown = p.choose("a:1", raw, comp)
+    assert unknown.choice == COMPRESSED and unknown.link_source == "unknown" and math.isinf(unknown.raw_s)
+    p.observe("a:1", raw, raw / 300e9)  # a raw READ over NVLink at 300 GB/s
+    learned = p.choose("a:1", raw, comp)
+    assert learned.choice == RAW and learned.link_source == "learned"
+    assert learned.link_gbps == pytest.approx(2400)
+    for _ in range(20):  # the link slows to 100 Gb/s: the EWMA follows it
+        p.observe("a:1", comp, comp / 12.5e9)
+    assert p.choose("a:1", raw, comp).choice == COMPRESSED
+    assert p.link("a:1")[0] == pytest.approx(12.5e9, rel=0.03)  # 0.7**20 of the old rate is left
+    assert p.link("b:2") == (0.0, "unknown")  # per peer
+    fixed = LinkPolicy(400, H200_RESTORE_GBS)
+    fixed.observe("a:1", raw, raw / 300e9)
+    assert fixed.link("a:1") == (50e9, "setting")
+
+
+def test_restore_rate_is_learned_and_a_slow_restore_makes_raw_win():
+    p = LinkPolicy(100)
+    raw, comp = NEMO_8K
+    assert p.choose("x", raw, comp).choice == COMPRESSED  # the GPU guess: 80 GB/s of raw KV restored
+    p.observe_restore(raw, 2.0)  # a restore as slow as a CPU's: 0.67 GB/s
+    c = p.choose("x", raw, comp)
+    assert c.choice == RAW and c.compressed_s > c.raw_s
+    assert LinkPolicy(100, gpu=False).restore_rate == pytest.approx(0.04e9)
+
+
+def test_choices_are_counted_and_logged_once_per_peer_and_change(caplog):
+    p = LinkPolicy(100, H200_RESTORE_GBS)
+    raw, comp = NEMO_8K
+    with caplog.at_level(logging.INFO, logger="dynamo_kvtc.connector.handoff.linkpolicy"):
+        for _ in range(5):
+            p.choose("a", raw, comp)
+        p.choose("b", raw, comp)
+        p.choose("a", 10 * MiB, 9 * MiB)  # a short prompt that hardly compresses: raw
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3 and "a: compressed" in lines[0] and "b: compressed" in lines[1] and "a: raw" in lines[2]
+    snap = p.snapshot()
+    assert snap["a"]["choices"] == {RAW: 1, COMPRESSED: 5} and snap["b"]["choices"][COMPRESSED] == 1
+    assert snap["a"]["last"]["choice"] == RAW and snap["a"]["link_gbps"] == pytest.approx(100)
+
+
+def test_settings_feed_the_policy_and_bad_values_are_refused():
+    p = LinkPolicy.from_env(gpu=True, env={"DYN_KVTC_LINK_GBPS": "200", "DYN_KVTC_HANDOFF_RESTORE_GBS": "50"})
+    assert p.link("z") == (25e9, "setting") and p.restore_rate == pytest.approx(50e9)
+    learn = LinkPolicy.from_env(gpu=False, env={})
+    assert learn.link("z") == (0.0, "unknown") and learn.restore_rate == pytest.approx(0.04e9)
+    with pytest.raises(ConfigError, match="LINK_GBPS"):
+        LinkPolicy.from_env(gpu=True, env={"DYN_KVTC_LINK_GBPS": "-1"})
+    with pytest.raises(ValueError):
+        LinkPolicy(0)
