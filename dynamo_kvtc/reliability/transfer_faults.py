@@ -280,6 +280,38 @@ def scenario_transfer_malformed(world: World, ledger: Ledger, peer: PeerProcess,
         close_store(store)
 
 
+# ====================================================================================================== staged memory
+LIES = ("past_arena", "short_blob", "foreign_device")
+
+
+def lying_server(cfg: Any, store: Any, lie: str, device: Any = None) -> Any:
+    """A real :class:`HandoffServer` that stages and registers honestly but describes the staged bytes wrongly in
+    its replies (``lie`` in :data:`LIES`): descriptors past the end of its registered arena (sizes still add up), a
+    blob one byte shorter than staged (first descriptor and size), or another device's memory. The decode side must
+    fail the fetch (the engine recomputes), never read wrong bytes into KV, and keep fetching from honest peers."""
+    from ..connector.handoff.server import HandoffServer
+
+    if lie not in LIES:
+        raise ValueError(f"lie must be one of {LIES}")
+
+    class LyingServer(HandoffServer):
+        def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
+            reply = super()._fetch(msg)
+            b = reply["blobs"][0]
+            if lie == "past_arena":
+                arena = self.arena(reply["mem"])
+                b["descs"] = [[arena.base + arena.capacity + 4096 * (i + 1), n] for i, (_, n) in enumerate(b["descs"])]
+            elif lie == "short_blob":
+                b["size"] -= 1
+                b["descs"][0][1] -= 1
+            else:
+                reply["dev"] = int(reply.get("dev", 0)) + 7
+                reply["mem"] = "VRAM"
+            return reply
+
+    return LyingServer(cfg, store, device)
+
+
 # ====================================================================================================== authentication
 AUTH_SECRET = "chaos-shared-secret-0123456789"
 SEALED = Limits(max_message=LIMITS.max_message + 256, max_str=1 << 16, max_bin=LIMITS.max_message)

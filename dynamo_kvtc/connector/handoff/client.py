@@ -133,6 +133,8 @@ class HandoffClient:
             except TransferError:
                 if self.quarantine.count > held:
                     self.recv.forget()  # the backend may still write into it: never reuse it
+                else:
+                    self.recv.reset()  # a stale or refused registration must not fail every later fetch
                 raise
             self.bytes_moved += total
             return self._runs(buf, runs), read_s, total

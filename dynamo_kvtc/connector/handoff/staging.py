@@ -178,6 +178,15 @@ class RecvBuffer:
             self.registrations += 1
         return self.buf
 
+    @property
+    def registration(self) -> Any:
+        """NIXL's handle of the current buffer's registration (None before the first fetch or after a reset)."""
+        return self._reg
+
+    def reset(self) -> None:
+        """Deregister and drop the buffer (a READ into it failed cleanly): the next fetch registers a fresh one."""
+        self._drop_registration()
+
     def forget(self) -> None:
         """The buffer went to the quarantine: never use or deregister it again."""
         self.buf, self._reg = None, None
