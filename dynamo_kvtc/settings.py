@@ -129,6 +129,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("handoff_restore_gbs", "float", 0, "hand-off: GB/s of raw KV the compressed path restores, for the "
        "raw-vs-compressed choice (0: learned from restores; before that 80 on a GPU, 0.04 on a CPU)", "process",
        lo=0, default_doc="0 (learn)"),
+    _s("handoff_choice", "str", "compressed", "hand-off: `compressed` (every `do_remote_prefill` request fetches "
+       "KVTC blobs) or `policy` (KvtcConnector beside NixlConnector in a MultiConnector: the prefill side adds only "
+       "its `kvtc_*` keys, the decode side fetches compressed or declines so NixlConnector READs raw KV, by the "
+       "link estimate)", "process", choices=("compressed", "policy")),
     _s("handoff_memory", "str", "auto", "hand-off staging memory: `device` (prefill stages blobs in a NIXL-registered "
        "VRAM arena, decode READs into VRAM), `host` (DRAM both sides), `auto` (device where the worker has a GPU)",
        "process", choices=("auto", "host", "device")),

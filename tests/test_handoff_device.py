@@ -86,6 +86,7 @@ def test_registered_once_fetches_restore_exactly(world, device):
             for toks in seqs:
                 assert _fetch_restore(world, dst, client, srv, toks)[1].ok
             assert client.recv.registrations == regs
+            client.flush()
             assert srv.open_leases == 0 and srv.staged_bytes == 0  # every lease released
             bw, src = client.link.link(f"127.0.0.1:{srv.port}")
             assert src == "learned" and bw > 0
@@ -103,6 +104,7 @@ def test_stale_receive_registration_is_a_recompute_then_recovers(world, device):
             client.agent.agent.deregister_memory(client.recv.registration)  # stale: NIXL no longer knows it
             _, out = _fetch_restore(world, dst, client, srv, seqs[0])
             assert out.status == "failed" and isinstance(out.error, TransferError), out.error
+            client.flush()
             assert srv.open_leases == 0
             hashes, out = _fetch_restore(world, dst, client, srv, seqs[0])
             assert out.ok, out.error  # a fresh buffer was registered
@@ -122,6 +124,7 @@ def test_replies_that_misdescribe_staged_bytes_fail_cleanly(world, lie):
         ):
             hashes, out = _fetch_restore(world, dst, client, srv, seqs[0])
             assert out.status == "failed", (lie, out.status, out.error)
+            client.flush()
             assert srv.open_leases == 0 and client.quarantined_bytes == 0
             honest = HandoffServer(ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32), srv.store)
             try:

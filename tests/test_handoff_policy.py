@@ -83,3 +83,63 @@ def test_settings_feed_the_policy_and_bad_values_are_refused():
         LinkPolicy.from_env(gpu=True, env={"DYN_KVTC_LINK_GBPS": "-1"})
     with pytest.raises(ValueError):
         LinkPolicy(0)
+
+
+# ---------------------------------------------------------------------------------------------- in the scheduler
+NEMO_KV_PER_TOKEN = 40 * 8 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16
+
+
+def _request(params, tokens=8193):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id="r1", kv_transfer_params=params, prompt_token_ids=list(range(tokens)), num_prompt_tokens=tokens
+    )
+
+
+def _remote(side, link=None, mode="policy", monkeypatch=None):
+    from dynamo_kvtc.connector.config import ConnectorConfig
+    from dynamo_kvtc.connector.handoff.policy import RemotePrefill
+
+    monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", mode)
+    cfg = ConnectorConfig(transfer=side, transfer_port=5555)
+    return RemotePrefill(cfg, "engine-a", 16, lambda: 5555, link=link, kv_bytes_per_token=NEMO_KV_PER_TOKEN)
+
+
+def _offer(**extra):
+    nixl = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1, 2, 3],
+            "remote_engine_id": "prefill-0", "remote_host": "10.0.0.2", "remote_port": 7000}  # fmt: skip
+    return {**nixl, "kvtc_host": "10.0.0.2", "kvtc_port": 5555, "kvtc_blocks": 512, **extra}
+
+
+def test_decode_side_declines_to_nixl_on_nvlink_and_fetches_compressed_on_a_slow_link(monkeypatch):
+    fast = _remote("decode", LinkPolicy(2400, H200_RESTORE_GBS), monkeypatch=monkeypatch)
+    req = _request(_offer())
+    assert fast.applies(req) is False and req.kv_transfer_params["kvtc_choice"] == RAW
+    assert req.kv_transfer_params["do_remote_prefill"] is True  # left for NixlConnector to READ raw
+    slow = _remote("decode", LinkPolicy(100, H200_RESTORE_GBS), monkeypatch=monkeypatch)
+    req = _request(_offer())
+    assert slow.applies(req) is True and req.kv_transfer_params["kvtc_choice"] == COMPRESSED
+    assert slow.matched(req, 0) == (512 * 16, True)
+    op = slow.load(req, list(range(512)), list(range(512)))
+    assert op.remote == ("10.0.0.2", 5555) and req.kv_transfer_params["do_remote_prefill"] is False
+    assert slow.link.snapshot()["10.0.0.2:5555"]["choices"] == {RAW: 0, COMPRESSED: 1}  # decided once per request
+
+
+def test_without_a_raw_offer_or_the_policy_every_offer_is_fetched_compressed(monkeypatch):
+    fast = LinkPolicy(2400, H200_RESTORE_GBS)
+    only_kvtc = _offer()
+    del only_kvtc["remote_block_ids"]
+    assert _remote("decode", fast, monkeypatch=monkeypatch).applies(_request(only_kvtc)) is True
+    assert _remote("decode", fast, mode="compressed", monkeypatch=monkeypatch).applies(_request(_offer())) is True
+    assert _remote("decode", None, monkeypatch=monkeypatch).applies(_request(_offer())) is True
+
+
+def test_prefill_side_offers_only_its_own_keys_beside_nixl(monkeypatch):
+    req = _request({"do_remote_decode": True})
+    beside = _remote("prefill", monkeypatch=monkeypatch).handoff_params(req)
+    assert beside == {"kvtc_host": "127.0.0.1", "kvtc_port": 5555, "kvtc_blocks": 512}
+    alone = _remote("prefill", mode="compressed", monkeypatch=monkeypatch).handoff_params(req)
+    assert (
+        alone["do_remote_prefill"] is True and alone["remote_engine_id"] == "engine-a" and alone["kvtc_blocks"] == 512
+    )

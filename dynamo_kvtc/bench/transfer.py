@@ -148,6 +148,7 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
             runs.append(
                 {
                     "fetch_s": fetch["s"],
+                    "ask_s": client.last["ask_s"],  # control round trip + the prefill side's staging
                     "transfer_s": client.last["read_s"],
                     "first_layer_s": h.ready_times[0],
                     "all_layers_s": total,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -68,6 +69,7 @@ class HandoffClient:
         self.quarantine = Quarantine()
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
 
     @property
     def quarantined_bytes(self) -> int:
@@ -91,11 +93,15 @@ class HandoffClient:
         ask_s = time.perf_counter() - t
         try:
             runs, read_s, total = self._read(reply, hashes)
-        finally:
-            self.release(host, port, str(reply.get("lease", "")))
+        finally:  # the READ is over (done, failed, or its buffer quarantined): the staged bytes may go
+            self._releaser.submit(self.release, host, port, str(reply.get("lease", "")))
         self.link.observe(f"{host}:{port}", total, read_s)
         self.last = {"ask_s": ask_s, "read_s": read_s, "bytes": float(total)}
         return runs
+
+    def flush(self) -> None:
+        """Wait until every release queued so far was sent (and answered or given up)."""
+        self._releaser.submit(lambda: None).result()
 
     def choose(self, host: str, port: int, raw_bytes: int, compressed_bytes: int) -> LinkChoice:
         """Raw KV or compressed blobs from ``host:port`` for a prompt of these sizes (see :class:`LinkPolicy`)."""
@@ -153,6 +159,7 @@ class HandoffClient:
         ]
 
     def close(self) -> None:
+        self._releaser.shutdown(wait=True)
         with self._lock:
             for ch in self._peers.values():
                 ch.close()

@@ -10,6 +10,13 @@ vLLM's disaggregation protocol, as Dynamo drives it:
    :class:`~dynamo_kvtc.connector.protocol.LoadOp` with ``remote=(host, port)``; the worker fetches and restores it
    through its :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`.
 3. Anything that goes wrong fails the receive: vLLM recomputes the prompt on the decode side.
+
+With ``DYN_KVTC_HANDOFF_CHOICE=policy`` the connector sits beside vLLM's NixlConnector in a MultiConnector on both
+sides. The prefill side then adds only its ``kvtc_*`` keys (NixlConnector owns ``do_remote_prefill``,
+``remote_engine_id``, ...; MultiConnector refuses clashing keys), so the decode side holds both offers; per request
+the :class:`~.linkpolicy.LinkPolicy` estimates raw (bytes / link) against compressed (bytes / link + restore) and
+:meth:`RemotePrefill.applies` either takes the request (compressed fetch) or declines it, and NixlConnector, the next
+connector asked, READs the raw KV. The choice is made once per request and kept in its params (``kvtc_choice``).
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ... import settings
 from ..config import ConnectorConfig
 from ..protocol import LoadOp
+from .linkpolicy import COMPRESSED, LinkPolicy
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +37,49 @@ class RemotePrefill:
     """Scheduler-side hand-off rules for one engine (``transfer`` = ``prefill`` or ``decode``).
 
     Owns no KV and no sockets; it reads requests' ``kv_transfer_params`` and answers for the scheduler. ``port`` tells
-    the prefill side the port its worker's hand-off server listens on (the configured one, or asked of the worker)."""
+    the prefill side the port its worker's hand-off server listens on (the configured one, or asked of the worker).
+    ``link`` and ``kv_bytes_per_token`` (16-bit K+V bytes of one token over all layers of this rank) feed the
+    raw-vs-compressed choice of ``handoff_choice=policy``; without them every offer is taken compressed."""
 
-    def __init__(self, cfg: ConnectorConfig, engine_id: str, block_size: int, port: Callable[[], int | None]) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        engine_id: str,
+        block_size: int,
+        port: Callable[[], int | None],
+        *,
+        link: LinkPolicy | None = None,
+        kv_bytes_per_token: int = 0,
+    ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = block_size
         self._port = port
+        self.choice_mode = settings.env_value("handoff_choice")
+        self.link = link
+        self.kv_bytes_per_token = kv_bytes_per_token
 
     def applies(self, request: Any) -> bool:
-        """Decode side: this request's prompt KV is to be fetched from a prefill peer."""
+        """Decode side: this request's prompt KV is to be fetched, compressed, from a prefill peer."""
         p = getattr(request, "kv_transfer_params", None) or {}
-        return self.cfg.transfer == "decode" and bool(p.get("do_remote_prefill")) and "kvtc_port" in p
+        if not (self.cfg.transfer == "decode" and bool(p.get("do_remote_prefill")) and "kvtc_port" in p):
+            return False
+        if "kvtc_choice" not in p:
+            p["kvtc_choice"] = self._choose(p)
+        return p["kvtc_choice"] == COMPRESSED
+
+    def _choose(self, p: dict[str, Any]) -> str:
+        """``compressed`` unless the policy is on, a raw offer (NixlConnector's ``remote_block_ids``) is there too,
+        the KV size is known and the link estimate says raw arrives sooner."""
+        if self.choice_mode != "policy" or self.link is None or not self.kv_bytes_per_token:
+            return COMPRESSED
+        if not p.get("remote_block_ids"):
+            return COMPRESSED  # no raw alternative: the compressed fetch or a recompute
+        tokens = int(p.get("kvtc_blocks", 0)) * self.block_size
+        raw = tokens * self.kv_bytes_per_token
+        window = min(tokens, self.cfg.tiers.window) * self.kv_bytes_per_token
+        compressed = int((raw - window) / self.cfg.tiers.ratio) + window
+        return self.link.choose(f"{p['kvtc_host']}:{p['kvtc_port']}", raw, compressed).choice
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens the peer provides beyond ``num_computed_tokens``, asynchronous) — always asynchronous."""
@@ -72,11 +112,7 @@ class RemotePrefill:
             return None
         if n <= 0:
             return None
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "kvtc_host": self.cfg.transfer_host,
-            "kvtc_port": int(port),
-            "kvtc_blocks": n,
-            "remote_engine_id": self.engine_id,
-        }
+        offer = {"kvtc_host": self.cfg.transfer_host, "kvtc_port": int(port), "kvtc_blocks": n}
+        if self.choice_mode == "policy":
+            return offer  # beside NixlConnector: it owns the standard keys (MultiConnector refuses clashes)
+        return {"do_remote_prefill": True, "do_remote_decode": False, **offer, "remote_engine_id": self.engine_id}

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# H200 check of the compressed prefill->decode hand-off (issue 17): the registered-memory path (blobs staged in a
+# NIXL-registered VRAM arena, READ GPU to GPU into a registered receive buffer, restored by the fused path) and the
+# link-aware policy, against raw KV (NixlConnector-style READs), uncapped and at emulated 100/200/400 Gb/s (a token
+# bucket paces both paths' READs the same way; see dynamo_kvtc/bench/transfer.py).
+# Run through the device tool from the repository root, carrying .whl/ (NIXL, nvCOMP, and pyzmq if the image lacks
+# it: the hand-off's control channel needs zmq):
+#   command: bash integration/gpu/handoff_check.sh
+# Two processes share one GPU (--prefill-device cuda:0 --decode-device cuda:0); on a two-GPU machine set
+# DECODE_DEVICE=cuda:1. Knobs (environment): SHAPES (mistral-nemo-12b), TOKENS (8192,32768), LINKS (0,100,200,400;
+# 0 = uncapped), RANK (10240: the components the DP keeps at 16x), REPEAT (2), TESTS=0 to skip the GPU tests,
+# TOTAL_S (420: everything stops there; the JSON keeps every finished row), WHEELS=0 to skip the wheel install, PY.
+# CPU check of the same commands (numbers meaningless):
+#   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
+#     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
+# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log}.
+# Exit status: 0 all good, 1 setup failure, 2 GPU tests failed, 3 benchmark failed or ran out of time.
+set -uo pipefail
+T0=$(date +%s)
+OUT=${OUT:-out/handoff}
+TOTAL_S=${TOTAL_S:-420}
+SHAPES=${SHAPES:-mistral-nemo-12b}
+TOKENS=${TOKENS:-8192,32768}
+LINKS=${LINKS:-0,100,200,400}
+RANK=${RANK:-10240}
+REPEAT=${REPEAT:-2}
+PREFILL_DEVICE=${PREFILL_DEVICE:-cuda:0}
+DECODE_DEVICE=${DECODE_DEVICE:-cuda:0}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+el() { echo $(($(date +%s) - T0)); }
+step() { echo "== [$(el)s] $*"; }
+die() { echo "!! FATAL: $*"; exit 1; }
+
+if [ "${WHEELS:-1}" != 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  step "install wheels from .whl/"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || die "wheel install failed"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  step "no .whl/: NIXL must already be importable"
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+step "environment"
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  nproc; free -g | head -2
+  "$PY" -c "import torch, zmq, dynamo_kvtc.bench.transfer; from dynamo_kvtc.tiers.nixl_io import import_nixl; import_nixl(); print('IMPORTS OK', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), 'zmq', zmq.__version__)"
+  "$PY" -c "from dynamo_kvtc.codec.entropy import nvcomp_available; print('nvcomp', nvcomp_available())"
+} 2>&1 | tee "$OUT/env.txt"
+grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above; no zmq: add a pyzmq cp312 wheel to .whl/)"
+
+TEST_STATUS=0
+if [ "${TESTS:-1}" != 0 ]; then
+  step "GPU tests of the hand-off (tests/test_handoff_*.py, device-memory variants)"
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_handoff_device.py tests/test_handoff_policy.py \
+    >"$OUT/pytest-handoff.log" 2>&1 || TEST_STATUS=2
+  tail -4 "$OUT/pytest-handoff.log"
+fi
+
+LEFT=$((TOTAL_S - $(el)))
+BENCH_STATUS=0
+if [ "$LEFT" -lt 30 ]; then
+  step "no time left for the benchmark"; BENCH_STATUS=3
+else
+  step "dynamo-kvtc bench transfer --shapes $SHAPES --tokens $TOKENS --link-gbps $LINKS ($PREFILL_DEVICE -> $DECODE_DEVICE, stops in ${LEFT}s)"
+  timeout "$LEFT" "$PY" -m dynamo_kvtc.cli.main bench transfer --shapes "$SHAPES" --tokens "$TOKENS" \
+    --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" --rank "$RANK" \
+    --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" >"$OUT/bench-transfer-handoff.log" 2>&1 \
+    || BENCH_STATUS=3
+  grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | tail -30
+fi
+
+step "done: tests=$TEST_STATUS bench=$BENCH_STATUS; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+[ "$TEST_STATUS" -ne 0 ] && exit 2
+[ "$BENCH_STATUS" -ne 0 ] && exit 3
+exit 0
