@@ -143,3 +143,28 @@ def test_prefill_side_offers_only_its_own_keys_beside_nixl(monkeypatch):
     assert (
         alone["do_remote_prefill"] is True and alone["remote_engine_id"] == "engine-a" and alone["kvtc_blocks"] == 512
     )
+
+
+def test_link_estimates_and_choices_are_prometheus_metrics():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from dynamo_kvtc.connector.metrics import handoff_families
+
+    p = LinkPolicy(restore_gbs=H200_RESTORE_GBS)
+    p.observe("10.0.0.2:5555", NEMO_8K[0], NEMO_8K[0] / 12.5e9)  # 100 Gb/s learned
+    p.choose("10.0.0.2:5555", *NEMO_8K)
+    p.choose("10.0.0.3:5555", *NEMO_8K)  # nothing known of this peer yet
+
+    class Collector:
+        def collect(self):
+            yield from handoff_families(p.snapshot())
+
+    reg = prometheus_client.CollectorRegistry()
+    reg.register(Collector())
+    text = prometheus_client.generate_latest(reg).decode()
+    assert 'kvtc_handoff_link_gbps{peer="10.0.0.2:5555"} 100.0' in text
+    assert 'kvtc_handoff_choices_total{choice="compressed",peer="10.0.0.2:5555"} 1.0' in text
+    assert 'kvtc_handoff_choices_total{choice="raw",peer="10.0.0.2:5555"} 0.0' in text
+    raw_s = NEMO_8K[0] / 12.5e9
+    line = next(x for x in text.splitlines() if x.startswith('kvtc_handoff_estimate_seconds{path="raw",peer="10.0.0.2'))
+    assert float(line.split()[-1]) == pytest.approx(raw_s)
+    assert 'kvtc_handoff_estimate_seconds{path="raw",peer="10.0.0.3:5555"} NaN' in text  # unknown link

@@ -112,6 +112,9 @@ class _SnapshotCollector:
         yield from self._fallbacks(s, c)
         if self.m.connector is not None:
             yield from self._lookups(s, c)
+        link = getattr(getattr(self.m.connector, "peer", None), "link", None)
+        if link is not None:  # a decode worker with the compressed hand-off
+            yield from handoff_families(link.snapshot())
 
     def _store(self, s: dict[str, Any]):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -200,3 +203,30 @@ class _SnapshotCollector:
         for t in SOURCES:
             tier.add_metric([t], s.get(f"onboard_{t}_blocks", 0) * bs / looked if looked else 0.0)
         yield tier
+
+
+def handoff_families(snap: dict[str, Any]):
+    """The hand-off's link estimates and raw-vs-compressed choices per prefill peer (``LinkPolicy.snapshot()``)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    bw = GaugeMetricFamily(
+        "kvtc_handoff_link_gbps", "Link rate to a prefill peer, Gbit/s (set or learned)", labels=["peer"]
+    )
+    est = GaugeMetricFamily(
+        "kvtc_handoff_estimate_seconds",
+        "Estimated hand-off time of the last prompt from a peer, raw KV vs compressed (transfer + restore)",
+        labels=["peer", "path"],
+    )
+    ch = CounterMetricFamily(
+        "kvtc_handoff_choices", "Raw-vs-compressed choices of the link policy per peer", labels=["peer", "choice"]
+    )
+    for peer, p in snap.items():
+        bw.add_metric([peer], p["link_gbps"])
+        last = p["last"]
+        if last is not None:
+            for path, key in (("raw", "raw_s"), ("compressed", "compressed_s")):
+                v = last[key]
+                est.add_metric([peer, path], v if v != float("inf") else float("nan"))
+        for choice, n in p["choices"].items():
+            ch.add_metric([peer, choice], n)
+    yield from (bw, est, ch)

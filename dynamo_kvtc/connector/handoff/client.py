@@ -95,7 +95,11 @@ class HandoffClient:
             runs, read_s, total = self._read(reply, hashes)
         finally:  # the READ is over (done, failed, or its buffer quarantined): the staged bytes may go
             self._releaser.submit(self.release, host, port, str(reply.get("lease", "")))
-        self.link.observe(f"{host}:{port}", total, read_s)
+        peer = f"{host}:{port}"
+        self.link.observe(peer, total, read_s)
+        raw = sum(r.meta.raw_bytes for r in runs if r.meta is not None)
+        if raw:  # what the policy, knowing this READ, says about such a prompt from this peer (metrics, one log line)
+            self.link.choose(peer, raw, total)
         self.last = {"ask_s": ask_s, "read_s": read_s, "bytes": float(total)}
         return runs
 
