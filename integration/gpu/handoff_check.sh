@@ -13,7 +13,8 @@
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
-# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log}.
+# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log} (and -host.{json,log}: the host
+# staging path at 8K, only when the device-memory run failed).
 # Exit status: 0 all good, 1 setup failure, 2 GPU tests failed, 3 benchmark failed or ran out of time.
 set -uo pipefail
 T0=$(date +%s)
@@ -71,6 +72,15 @@ else
     --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" >"$OUT/bench-transfer-handoff.log" 2>&1 \
     || BENCH_STATUS=3
   grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | tail -30
+  LEFT=$((TOTAL_S - $(el)))
+  if [ "$BENCH_STATUS" -ne 0 ] && [ "$LEFT" -gt 60 ]; then  # the device-memory path failed: measure the host path
+    step "device-memory run failed; host staging (DYN_KVTC_HANDOFF_MEMORY=host) at 8K for comparison (${LEFT}s left)"
+    DYN_KVTC_HANDOFF_MEMORY=host timeout "$LEFT" "$PY" -m dynamo_kvtc.cli.main bench transfer --shapes "$SHAPES" \
+      --tokens 8192 --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" \
+      --rank "$RANK" --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff-host.json" \
+      >"$OUT/bench-transfer-handoff-host.log" 2>&1
+    grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff-host.log" | tail -12
+  fi
 fi
 
 step "done: tests=$TEST_STATUS bench=$BENCH_STATUS; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

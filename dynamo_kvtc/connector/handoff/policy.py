@@ -56,6 +56,8 @@ class RemotePrefill:
         self.block_size = block_size
         self._port = port
         self.choice_mode = settings.env_value("handoff_choice")
+        if link is None and self.choice_mode == "policy":
+            link = LinkPolicy.from_env(gpu=True)  # the decode side restores on its GPU
         self.link = link
         self.kv_bytes_per_token = kv_bytes_per_token
 
