@@ -268,6 +268,29 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
         _stop(child)
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as the table of docs/performance.md (times in ms; the policy's time is the path it chose)."""
+    head = (
+        "| shape | prompt | link | raw KV | raw READ = all layers | KVTC bytes | KVTC READ (share of link) | fetch | "
+        "layer 0 | all layers | all / raw | policy | policy vs better |\n" + "|---" * 13 + "|\n"
+    )
+    out = []
+    for r in rows:
+        c, raw, pol = r["compressed"], r["raw"], r["policy"]
+        share = f" ({100 * c['read_share_of_link']:.0f}%)" if "read_share_of_link" in c else ""
+        best = min(raw["all_layers_s"], c["all_layers_s"])
+        link = f"{r['link_gbps']:g} Gb/s" if r["link_gbps"] else "uncapped"
+        out.append(
+            f"| {r['shape']} | {r['tokens'] // 1024}K | {link} "
+            f"| {r['raw_bytes'] / 2**20:.0f} MiB | {1e3 * raw['all_layers_s']:.1f} | {c['bytes'] / 2**20:.1f} MiB "
+            f"({r['bytes_ratio']:.1f}x) | {1e3 * c['transfer_s']:.1f}{share} | {1e3 * c['fetch_s']:.1f} "
+            f"| {1e3 * c['first_layer_s']:.1f} | {1e3 * c['all_layers_s']:.1f} "
+            f"| {c['all_layers_s'] / raw['all_layers_s']:.2f} | {pol['choice']} {1e3 * pol['all_layers_s']:.1f} "
+            f"| {pol['all_layers_s'] / best:.2f}{'' if pol['within_10pct'] else ' (>10%)'} |"
+        )
+    return head + "\n".join(out) + "\n"
+
+
 def run_bench_transfer(args) -> int:
     args.link_gbps = list(getattr(args, "link_gbps", None) or [0.0])
     args.chunk_mb = getattr(args, "chunk_mb", 4.0)
@@ -311,4 +334,5 @@ def run_bench_transfer(args) -> int:
                         "synthetic": True,
                     },
                 )
+    print(markdown_table(rows))
     return 0

@@ -13,7 +13,7 @@
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
-# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log} (and -host.{json,log}: the host
+# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log}, table.md (and -host.{json,log}: the host
 # staging path at 8K, only when the device-memory run failed).
 # Exit status: 0 all good, 1 setup failure, 2 GPU tests failed, 3 benchmark failed or ran out of time.
 set -uo pipefail
@@ -71,7 +71,8 @@ else
     --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" --rank "$RANK" \
     --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" >"$OUT/bench-transfer-handoff.log" 2>&1 \
     || BENCH_STATUS=3
-  grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | tail -30
+  grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | grep -v "^|" | tail -20
+  grep "^|" "$OUT/bench-transfer-handoff.log" | tee "$OUT/table.md"
   LEFT=$((TOTAL_S - $(el)))
   if [ "$BENCH_STATUS" -ne 0 ] && [ "$LEFT" -gt 60 ]; then  # the device-memory path failed: measure the host path
     step "device-memory run failed; host staging (DYN_KVTC_HANDOFF_MEMORY=host) at 8K for comparison (${LEFT}s left)"
