@@ -209,3 +209,4 @@ def test_token_bucket_holds_a_transfer_to_its_rate():
         tb.admit(100_000)
     tb.finish()
     assert time.perf_counter() - t >= 0.05  # 500 KB at 10 MB/s
+    assert tb.chunk_for(1_000_000) == 100_000 and tb.chunk_for(16_000_000) == 1_000_000  # at most 16 posts per READ

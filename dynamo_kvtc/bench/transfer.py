@@ -9,7 +9,8 @@ restored layer by layer into a paged cache on its device; or the raw K/V straigh
 NixlConnector does: every layer's K and V, layer 0 usable only when the whole READ is done).
 
 Link emulation (``--link-gbps 0,100,200,400``; 0 = uncapped): a token bucket in this process paces both paths' READs
-the same way (:class:`~dynamo_kvtc.tiers.nixl_io.TokenBucket`): a READ goes out in ``--chunk-mb`` chunks, each
+the same way (:class:`~dynamo_kvtc.tiers.nixl_io.TokenBucket`): a READ goes out in chunks of ``--chunk-mb`` (larger
+where that would make more than 16), each
 posted no earlier than ``start + bytes before it / rate``, done no earlier than ``start + bytes / rate``. It
 emulates a link's rate, not its latency. Per row (shape, prompt, link): bytes moved, READ time, time until layer 0 is
 usable and until all layers are, for raw and compressed; the policy's choice (:class:`~dynamo_kvtc.connector.
@@ -327,8 +328,8 @@ def run_bench_transfer(args) -> int:
                         "decode_device": args.decode_device,
                         "ratio": args.ratio,
                         "rank": args.rank,
-                        "link_emulation": "token bucket pacing both paths' NIXL READs in chunks of "
-                        f"{args.chunk_mb:g} MiB (rate only, no added latency); 0 = uncapped",
+                        "link_emulation": "token bucket pacing both paths' NIXL READs in chunks of at least "
+                        f"{args.chunk_mb:g} MiB, at most 16 per READ (rate only, no added latency); 0 = uncapped",
                         "rows": rows,
                         "machine": machine(),
                         "synthetic": True,

@@ -45,7 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="0",
         help="emulated link rates in Gb/s, comma-separated, 0 = uncapped: a token bucket paces both paths' READs",
     )
-    p.add_argument("--chunk-mb", type=types.positive_float, default=4.0, help="READ chunk of the paced link, MiB")
+    p.add_argument(
+        "--chunk-mb",
+        type=types.positive_float,
+        default=4.0,
+        help="smallest READ chunk of a paced link (MiB; <= 16 per READ)",
+    )
     p.add_argument("--json", dest="json_path", help="write results as JSON")
 
 

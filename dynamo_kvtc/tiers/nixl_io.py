@@ -119,16 +119,22 @@ def transfer(
 
 class TokenBucket:
     """Paces READs to an emulated link of ``gbps`` Gbit/s (benchmarks: 100/200/400 Gb/s between two processes on one
-    host): a transfer goes out in chunks of ``chunk_bytes``, chunk i posted no earlier than ``start + bytes before
+    host): a transfer goes out in chunks (:meth:`chunk_for`), chunk i posted no earlier than ``start + bytes before
     it / rate``, and it counts as done no earlier than ``start + all its bytes / rate``. Whichever is slower, the real
     link or the emulated one, sets the time. Owns a clock; never touches the bytes."""
 
-    def __init__(self, gbps: float, chunk_bytes: int = 4 << 20) -> None:
-        if not gbps > 0 or chunk_bytes < 1:
-            raise ConfigError(f"a paced link needs gbps > 0 and chunk_bytes >= 1, got {gbps!r}, {chunk_bytes!r}")
+    def __init__(self, gbps: float, chunk_bytes: int = 4 << 20, max_chunks: int = 16) -> None:
+        if not gbps > 0 or chunk_bytes < 1 or max_chunks < 1:
+            raise ConfigError(f"a paced link needs gbps > 0 and chunks >= 1, got {gbps!r}, {chunk_bytes!r}")
         self.gbps = gbps
         self.rate = gbps * 1e9 / 8  # bytes/s
         self.chunk_bytes = chunk_bytes
+        self.max_chunks = max_chunks
+
+    def chunk_for(self, total: int) -> int:
+        """The chunk of a ``total``-byte READ: ``chunk_bytes``, larger where that would make more than ``max_chunks``
+        (each chunk is a NIXL post: its fixed cost must stay below the time the emulated link gives it)."""
+        return max(self.chunk_bytes, -(-total // self.max_chunks))
         self._t0 = 0.0
         self._sent = 0
 
@@ -200,7 +206,7 @@ def read_descs(
     to done). Call with ``agent.lock`` held; ``buf`` (the local memory) must already be registered."""
     a = agent.agent
     total = sum(d[1] for d in local)
-    parts = split_descs(local, remote, pace.chunk_bytes if pace is not None else max(total, 1))  # pairwise lengths
+    parts = split_descs(local, remote, pace.chunk_for(total) if pace is not None else max(total, 1))  # paired
     t = time.perf_counter()
     if pace is not None:
         pace.start()
