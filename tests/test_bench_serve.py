@@ -143,7 +143,7 @@ def test_raw_dma_tier_restores_exactly_evicts_tails_first_and_coalesces_copies()
     assert tier.match(ha) == 6 and tier.snapshot()["offload_copies"] == 2 * L  # one run: one copy per layer and K/V
     k, v = restore(ha, 6 * bs)
     assert torch.equal(k, ka) and torch.equal(v, va)
-    assert tier.snapshot()["restore_copies"] == L
+    assert tier.snapshot()["restore_copies"] == 2 * L
     hb, kb, vb = seq(2, 6)  # 6 more blocks in 10 slots: sequence a loses its last two blocks, not its first
     assert tier.submit_offload(hb, [0] * 6 * bs, keys=kb, values=vb).result() == 6
     assert tier.match(ha) == 4 and tier.match(hb) == 6 and tier.snapshot()["evicted_blocks"] == 2

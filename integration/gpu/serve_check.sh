@@ -7,7 +7,8 @@
 # With the wheels the shipped calibrations must be untracked for the call as perf_check.sh says.
 # Knobs (environment): MODEL (llama-3.1-8b | mistral-nemo-12b), WORKLOAD (multi-round-qa | conversation |
 # long-doc-qa), PARAMS (generator KEY=VALUE list), BUDGETS, SYSTEMS, QPS, EXTRA (more bench serve arguments),
-# TESTS=0 to skip the GPU test, TOTAL_S (default 470: the run stops there; the JSON keeps every finished run).
+# TESTS=0 to skip the GPU test, TOTAL_S (default 470: the run stops there; the JSON keeps every finished run),
+# PLAN (several runs in one call, see below).
 # The short check of 2026-12-01 (docs/serving.md) took 14-18 s per run for 24 requests of ~5K tokens; the default
 # here (24 requests of ~9.4K tokens) should take ~25 s per run. Split a longer sweep over calls with SYSTEMS=...
 # Writes to $OUT: env.txt, pytest-serve.log, serve-<model>-<workload>.{json,png,log}, trace.jsonl.
@@ -21,7 +22,7 @@ WORKLOAD=${WORKLOAD:-multi-round-qa}
 QPS=${QPS:-1.0}
 PARAMS=${PARAMS:-users=8 rounds=3 system=1000 history=8000 question=50 answer=64 qps=$QPS}
 BUDGETS=${BUDGETS:-1.25,0.25,0.125,0.05}
-SYSTEMS=${SYSTEMS:-none,raw,kvtc16,policy}  # 13 runs of ~25 s on the H200; add kvtc32 in a second call
+SYSTEMS=${SYSTEMS:-none,raw,kvtc16,policy}  # 13 runs of ~25 s on the H200; add kvtc32, raw_blob in a second call
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 el() { echo $(($(date +%s) - T0)); }
@@ -56,16 +57,30 @@ if [ "${TESTS:-1}" != 0 ]; then
   tail -3 "$OUT/pytest-serve.log"
 fi
 
-LEFT=$((TOTAL_S - $(el)))
-NAME="serve-$MODEL-$WORKLOAD"
-ARGS=()
-for p in $PARAMS; do ARGS+=(--param "$p"); done
-step "dynamo-kvtc bench serve --model $MODEL --workload $WORKLOAD ($PARAMS) budgets $BUDGETS systems $SYSTEMS (stops in ${LEFT}s)"
+# PLAN: runs separated by ';', each "MODEL WORKLOAD BUDGETS SYSTEMS [QPS-list|-] [KEY=VALUE,...]" (default: the one
+# run the knobs above describe; PARAMS apply to a run of WORKLOAD without its own parameters). Each run gets its own serve-<model>-<workload>[-qps].{json,png,log}; a run that is cut short by
+# TOTAL_S keeps the runs it finished in its JSON.
+PLAN=${PLAN:-"$MODEL $WORKLOAD $BUDGETS $SYSTEMS"}
 BENCH_STATUS=0
-timeout "$LEFT" python3 -m dynamo_kvtc.cli.main bench serve --model "$MODEL" --device cuda --workload "$WORKLOAD" \
-  "${ARGS[@]}" --budgets "$BUDGETS" --systems "$SYSTEMS" --save-trace "$OUT/trace.jsonl" \
-  --json "$OUT/$NAME.json" --plot "$OUT/$NAME.png" $EXTRA >"$OUT/$NAME.log" 2>&1 || BENCH_STATUS=3
-grep -vE "^(WARNING|INFO)" "$OUT/$NAME.log" | tail -40
+IFS=';' read -ra RUNS <<<"$PLAN"
+for run in "${RUNS[@]}"; do
+  read -r M W B S Q P <<<"$run"
+  [ "$Q" = "-" ] && Q=""
+  [ -z "$M" ] && continue
+  LEFT=$((TOTAL_S - $(el)))
+  [ "$LEFT" -lt 20 ] && { step "no time left for: $run"; BENCH_STATUS=3; break; }
+  NAME="serve-$M-$W${Q:+-qps}"
+  QARGS=()
+  [ -n "$Q" ] && QARGS=(--qps "$Q")
+  ARGS=()
+  if [ -n "$P" ]; then for p in ${P//,/ }; do ARGS+=(--param "$p"); done
+  elif [ "$W" = "$WORKLOAD" ]; then for p in $PARAMS; do ARGS+=(--param "$p"); done; fi
+  step "dynamo-kvtc bench serve --model $M --workload $W budgets $B systems $S ${Q:+qps $Q} (stops in ${LEFT}s)"
+  timeout "$LEFT" python3 -m dynamo_kvtc.cli.main bench serve --model "$M" --device cuda --workload "$W" \
+    "${ARGS[@]}" "${QARGS[@]}" --budgets "$B" --systems "$S" --save-trace "$OUT/trace-$W.jsonl" \
+    --json "$OUT/$NAME.json" --plot "$OUT/$NAME.png" $EXTRA >"$OUT/$NAME.log" 2>&1 || BENCH_STATUS=3
+  grep -vE "^(WARNING|INFO)" "$OUT/$NAME.log" | tail -25
+done
 
 step "done: test=$TEST_STATUS bench=$BENCH_STATUS; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 [ "$TEST_STATUS" -ne 0 ] && exit 2

@@ -135,10 +135,11 @@ class RawDmaTier:
                 T = len(slots) * bs
                 for layer in range(L):
                     kv = torch.empty(2, T, self.cfg.kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype, device=self.dev)
-                    for s0, i0, n in runs:
-                        kv[:, i0 * bs : (i0 + n) * bs].copy_(
-                            self.pool[layer, :, s0 : s0 + n].flatten(1, 2), non_blocking=True
-                        )
+                    for s0, i0, n in runs:  # K and V apart: each copy contiguous on both sides (a strided host
+                        for j in (0, 1):  # source would be staged through pageable memory, synchronously)
+                            kv[j, i0 * bs : (i0 + n) * bs].copy_(
+                                self.pool[layer, j, s0 : s0 + n].flatten(0, 1), non_blocking=True
+                            )
                     sink(layer, start_token, kv[0], kv[1])
                     handle.mark_layer_ready(layer)
                 if self._on_stream is not None:
@@ -147,7 +148,7 @@ class RawDmaTier:
                     self._last_read = ev
             handle.raw_bytes = handle.bytes_read = len(slots) * self.cfg.block_bytes
         self.stats["restores"] += 1
-        self.stats["restore_copies"] += L * len(runs)
+        self.stats["restore_copies"] += 2 * L * len(runs)
         self.stats["restore_bytes"] += handle.raw_bytes
         handle.finish()
         return handle
