@@ -114,3 +114,75 @@ def test_regroup_equals_a_separate_run_on_the_same_samples(synth):
     assert whole.layer_groups == 1 and whole.provenance["tokens"] == 6 * 300 - 4
     with pytest.raises(Exception, match="spans several"):
         joint.regroup(2).regroup(3)  # a group of 3 would straddle the two groups of 2
+
+
+# ------------------------------------------------------------------ long-context calibration: length mixes
+def test_length_mix_schedule_keeps_each_lengths_token_share():
+    from dynamo_kvtc.calibration.data import LengthMix
+
+    mix = LengthMix.parse("1024:1,2048:1,4096:2,8192:4")
+    assert mix.lengths == (1024, 2048, 4096, 8192) and mix.weights == (0.125, 0.125, 0.25, 0.5)
+    assert LengthMix.parse(mix.spec()) == mix and LengthMix.parse("512,256").weights == (0.5, 0.5)
+    sched = mix.schedule()
+    first = [next(sched) for _ in range(200)]
+    assert first[0] == 8192  # the longest window first: a small budget still sees long contexts
+    tokens = {n: sum(x for x in first if x == n) for n in mix.lengths}
+    total = sum(tokens.values())
+    for n, w in zip(mix.lengths, mix.weights):
+        assert abs(tokens[n] / total - w) < 0.01
+    for bad in ("32", "1024:0", "1024,1024", "x:1", ""):
+        with pytest.raises(Exception, match="length|weight|repeat"):
+            LengthMix.parse(bad)
+
+
+def test_mixed_windows_cut_the_concatenated_documents_in_order():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from dynamo_kvtc.calibration.data import LengthMix, calibration_texts, mixed_windows
+    from dynamo_kvtc.calibration.models import resolve_model
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
+    except Exception as e:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+    texts = calibration_texts()[:12]
+    mix = LengthMix.parse("256:1,1024:3")
+    wins = list(mixed_windows(tok, texts, mix))
+    sched = mix.schedule()
+    assert [len(w) for w in wins[:-1]] == [next(sched) for _ in wins[:-1]] and 64 <= len(wins[-1])
+    sep = tok("\n\n", return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    stream = torch.cat([torch.cat((tok(t, return_tensors="pt", add_special_tokens=False)["input_ids"][0], sep))
+                        for t in texts])  # fmt: skip
+    assert torch.equal(torch.cat(wins), stream[: sum(len(w) for w in wins)])  # consecutive slices, nothing skipped
+    edge = len(tok(texts[0], add_special_tokens=False)["input_ids"]) + len(sep)  # where the second document starts
+    starts = torch.tensor([0] + [len(w) for w in wins]).cumsum(0)
+    assert any(a < edge < b for a, b in zip(starts[:-1], starts[1:]))  # a window spans the documents' boundary
+    assert [len(w) for w in mixed_windows(tok, texts, mix)] == [len(w) for w in wins]  # deterministic (resume)
+
+
+@pytest.mark.parametrize("spec", ["1024:-1", "32,1024", "1024,1024", "a:b", ","])
+def test_bad_length_mix_exits_2(spec, capsys):
+    from dynamo_kvtc.cli.main import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["calibrate", "--length-mix", spec, "--out", "x"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("dynamo-kvtc: error:")
+
+
+@pytest.mark.model
+def test_cli_length_mix_is_recorded_and_part_of_the_resume_key(tmp_path, smollm2):
+    cli = [sys.executable, "-m", "dynamo_kvtc.cli.main", "calibrate", "--tokens", "700", "--ratios", "16",
+           "--rank", "64", "--dp-tokens", "256", "--checkpoint-every", "200", "--out", str(tmp_path / "a")]  # fmt: skip
+    stop = subprocess.run(
+        cli + ["--length-mix", "128:1,256:1", "--stop-after-tokens", "200"], capture_output=True, text=True
+    )
+    assert stop.returncode == 3, stop.stderr[-2000:]
+    other = subprocess.run(cli + ["--length-mix", "128:1,512:1"], capture_output=True, text=True)
+    assert other.returncode != 0 and "different arguments" in other.stderr  # another mix never resumes this one
+    done = subprocess.run(cli + ["--length-mix", "128:1,256:1"], capture_output=True, text=True)
+    assert done.returncode == 0 and "resuming" in done.stdout, done.stderr[-2000:]
+    prov = Calibration.load(tmp_path / "a").provenance
+    assert prov["length_mix"] == {"lengths": [128, 256], "token_shares": [0.5, 0.5]} and prov["seq_len"] == 256
+    assert "concatenated" in prov["windowing"] and prov["tokens"] == 700
+    assert prov["window_lengths"]["256"] >= 2 and prov["window_lengths"]["128"] >= 2  # both lengths in use

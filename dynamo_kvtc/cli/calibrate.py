@@ -9,6 +9,24 @@ from . import types
 HELP = "calibrate a model: cross-layer PCA + DP plans"
 
 
+def length_mix(s: str) -> str:
+    """``LENGTH[:WEIGHT],...`` window lengths (>= 64) and token shares (default equal), checked here and parsed by
+    :class:`dynamo_kvtc.calibration.data.LengthMix` (not imported: it needs torch)."""
+    seen = []
+    for part in (x.strip() for x in s.split(",") if x.strip()):
+        n, _, w = part.partition(":")
+        try:
+            length, weight = int(n), float(w) if w else 1.0
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"length mix entries are LENGTH or LENGTH:WEIGHT, got {part!r}") from None
+        if length < 64 or not weight > 0 or length in seen:
+            raise argparse.ArgumentTypeError(f"lengths must be distinct and >= 64, weights positive, got {part!r}")
+        seen.append(length)
+    if not seen:
+        raise argparse.ArgumentTypeError(f"empty length mix {s!r}")
+    return s
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, HF directory or GGUF file")
     p.add_argument(
@@ -29,7 +47,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rank", type=types.positive_int, default=None, help="cap on retained PCA components")
     p.add_argument("--dp-tokens", type=types.positive_int, default=16384)
-    p.add_argument("--seq-len", type=types.positive_int, default=2048)
+    p.add_argument(
+        "--seq-len", type=types.positive_int, default=2048, help="window length: each document cut into windows"
+    )
+    p.add_argument(
+        "--length-mix",
+        type=length_mix,
+        default=None,
+        metavar="LEN[:W],...",
+        help="long-context calibration: windows of these lengths with token shares W (default equal), cut from the "
+        "documents concatenated in order, e.g. 1024:1,2048:1,4096:2,8192:4 (replaces --seq-len)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tp-rank", type=types.nonneg_int, default=0)
