@@ -221,3 +221,13 @@ def test_long_and_ruler_presets_fit_an_8k_context(smol_tok):
         assert len({tuple(s.answers) for s in needles}) == len(needles)  # every sample asks for other values
     long = [s for s in tasks.build(smol_tok, "long")]
     assert min(len(s.prompt) for s in long) >= 2000
+
+
+def test_a_length_filtered_run_gets_the_very_samples_of_the_whole_preset(smol_tok):
+    from dynamo_kvtc.evaluation import tasks
+
+    whole = [s for s in tasks.build(smol_tok, "full", ("ppl", "passkey")) if s.meta["length"] in (7500, 8000)]
+    part = list(tasks.build(smol_tok, "full", ("ppl", "passkey"), 0, (7500, 8000)))
+    assert len(part) == len(whole) == 4  # ppl at 8000, passkey at 7500 x 3 depths
+    for a, b in zip(whole, part):
+        assert a.task == b.task and a.answers == b.answers and torch.equal(a.prompt, b.prompt)

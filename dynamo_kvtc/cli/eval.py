@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESETS, default="quick")
     p.add_argument("--tasks", nargs="*", choices=TASKS)
     p.add_argument(
+        "--lengths",
+        type=types.positive_ints,
+        default=None,
+        help="only the preset's samples of these context lengths (comma-separated, e.g. 4096,7500,8000)",
+    )
+    p.add_argument(
         "--ratios", type=types.ratios, default=None, help="kvtc ratios (default: every plan in the calibration)"
     )
     p.add_argument(

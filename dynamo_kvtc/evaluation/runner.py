@@ -95,13 +95,17 @@ def run_eval(args) -> int:
         ablation_ratios=args.ablation_ratios,
         baselines=args.baselines,
     )
-    samples = list(tasks.build(tok, args.preset, tuple(args.tasks) if args.tasks else None, seed=args.seed))
+    lengths = tuple(args.lengths) if getattr(args, "lengths", None) else None
+    samples = list(tasks.build(tok, args.preset, tuple(args.tasks) if args.tasks else None, args.seed, lengths))
+    if not samples:
+        raise ConfigError(f"preset {args.preset!r} has no samples of tasks {args.tasks} and lengths {lengths}")
     result = harness.run(model, tok, ms, samples)
     meta = {
         "model": args.model,
         "calibration": str(path),
         "calibration_id": cal.id,
         "preset": args.preset,
+        "lengths": list(lengths) if lengths else None,
         "seconds": result["seconds"],
         "machine": machine(),
         "methods": [m.name for m in ms],

@@ -170,7 +170,7 @@ class Builder:
         after = f"\n\nWhat is the special magic number for {names[target]} mentioned in the provided text?"
         prefix = f" The special magic number for {names[target]} mentioned in the provided text is"
         prompt, depths = self._needles(length, index, needles, before, after, prefix)
-        meta = {"length": length, "needles": keys, "depth": depths[target]}
+        meta = {"length": length, "needles": keys, "depth": depths[target], "values": [values[target]]}
         return Sample("mkey", prompt, answers=[values[target]], max_new=10, meta=meta)
 
     def mvalue(self, length: int, index: int, values: int = 3) -> Sample:
@@ -183,7 +183,13 @@ class Builder:
         after = f"\n\nWhat are all the special magic numbers for {key} mentioned in the provided text?"
         prefix = f" The special magic numbers for {key} mentioned in the provided text are"
         prompt, _ = self._needles(length, index, needles, before, after, prefix)
-        return Sample("mvalue", prompt, answers=vals, max_new=12 * values, meta={"length": length, "needles": values})
+        return Sample(
+            "mvalue",
+            prompt,
+            answers=vals,
+            max_new=12 * values,
+            meta={"length": length, "needles": values, "values": vals},
+        )
 
     def vt(self, length: int, index: int, hops: int = 4) -> Sample:
         rng = random.Random(2000 + index)
@@ -262,7 +268,21 @@ def answer_score(task: str, answers: list[str], text: str) -> float:
 TASKS = ("ppl", "passkey", "copy", "kv", "vt", "gen", "mkey", "mvalue")
 
 
-def build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None = None, seed: int = 0) -> Iterator[Sample]:
+def build(
+    tokenizer: Any,
+    preset: str,
+    tasks: tuple[str, ...] | None = None,
+    seed: int = 0,
+    lengths: tuple[int, ...] | None = None,
+) -> Iterator[Sample]:
+    """The preset's samples (only ``tasks``, and only contexts of ``lengths`` tokens if given): a filtered run gets
+    the very samples of the whole preset, so its rows compare with the whole run's per sample."""
+    for s in _build(tokenizer, preset, tasks, seed):
+        if lengths is None or s.meta.get("length") in lengths:
+            yield s
+
+
+def _build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None, seed: int) -> Iterator[Sample]:
     b = Builder(tokenizer, seed)
     spec = PRESETS[preset]
     want = tasks or tuple(spec)
