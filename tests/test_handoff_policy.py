@@ -168,3 +168,13 @@ def test_link_estimates_and_choices_are_prometheus_metrics():
     line = next(x for x in text.splitlines() if x.startswith('kvtc_handoff_estimate_seconds{path="raw",peer="10.0.0.2'))
     assert float(line.split()[-1]) == pytest.approx(raw_s)
     assert 'kvtc_handoff_estimate_seconds{path="raw",peer="10.0.0.3:5555"} NaN' in text  # unknown link
+
+
+def test_a_fetchs_work_besides_the_read_counts_against_compressed():
+    raw, comp = NEMO_8K
+    p = LinkPolicy(400, H200_RESTORE_GBS)
+    assert p.choose("x", raw, comp).choice == COMPRESSED  # 27 ms raw vs 2 + 16 ms
+    p.observe_staging(comp, 0.030)  # 30 ms of staging and copies per 90 MiB fetch
+    c = p.choose("x", raw, comp)
+    assert c.compressed_s == pytest.approx(comp / 50e9 + 0.030 + raw / (H200_RESTORE_GBS * 1e9))
+    assert c.choice == RAW

@@ -97,6 +97,7 @@ class HandoffClient:
             self._releaser.submit(self.release, host, port, str(reply.get("lease", "")))
         peer = f"{host}:{port}"
         self.link.observe(peer, total, read_s)
+        self.link.observe_staging(total, time.perf_counter() - t - read_s)
         raw = sum(r.meta.raw_bytes for r in runs if r.meta is not None)
         if raw:  # what the policy, knowing this READ, says about such a prompt from this peer (metrics, one log line)
             self.link.choose(peer, raw, total)

@@ -3,13 +3,17 @@
 For a prompt of ``raw`` bytes of 16-bit KV that KVTC stores in ``compressed`` bytes, over a link of ``bw`` bytes/s:
 
 - raw time        = raw / bw                                  (vLLM's NixlConnector: one READ, all layers at once)
-- compressed time = compressed / bw + raw / restore_rate      (our fetch, then the fused restore of every layer)
+- compressed time = compressed / bw + compressed / staging_rate + raw / restore_rate
+                                                              (the READ, the fetch's other work — control round trip,
+                                                              the prefill side's staging copy, the copy out of the
+                                                              receive buffer — then the restore of every layer)
 
 and the cheaper one wins. ``bw`` is, in order: ``DYN_KVTC_LINK_GBPS`` (Gbit/s, the whole deployment's link), else an
 EWMA of the bytes/s of this peer's completed READs (learned from the transfers themselves, raw or compressed), else
 unknown — then the choice is compressed (the safe side across nodes: it moves 14-17x fewer bytes). ``restore_rate``
 (bytes of raw KV restored per second) is ``DYN_KVTC_HANDOFF_RESTORE_GBS`` (GB/s), else an EWMA of observed restores,
 else a guess for the device (80 GB/s on a GPU — one H200 restores 10 GiB in 124 ms; 40 MB/s on a CPU).
+``staging_rate`` (compressed bytes per second of a fetch's non-READ work) is learned from fetches (0 until then).
 
 On one NVLink host (270-360 GB/s) raw wins by far; at 100-400 Gb/s between nodes the compressed hand-off wins for
 long prompts. The first choice for a peer, and every change of it, is logged once.
@@ -74,6 +78,7 @@ class LinkPolicy:
         self.link_bps = link_gbps * 1e9 / 8 if link_gbps else None  # bytes/s
         self._restore_fixed = restore_gbs * 1e9 if restore_gbs else None
         self._restore = 0.0
+        self._staging = 0.0  # bytes/s of a fetch's work besides the READ; 0: not observed yet
         self._restore_guess = (GPU_RESTORE_GBS if gpu else CPU_RESTORE_GBS) * 1e9
         self.alpha = alpha
         self._peers: dict[str, _Peer] = {}
@@ -105,6 +110,14 @@ class LinkPolicy:
         with self._lock:
             self._restore = rate if self._restore == 0 else (1 - self.alpha) * self._restore + self.alpha * rate
 
+    def observe_staging(self, nbytes: int, seconds: float) -> None:
+        """A fetch of ``nbytes`` compressed bytes spent ``seconds`` besides its READ (control, staging, copies)."""
+        if nbytes <= 0 or not seconds > 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            self._staging = rate if self._staging == 0 else (1 - self.alpha) * self._staging + self.alpha * rate
+
     # ------------------------------------------------------------------ estimates
     def link(self, peer: str) -> tuple[float, str]:
         """(bytes/s, where it comes from) of the link to ``peer``; (0, "unknown") before anything is known."""
@@ -124,7 +137,7 @@ class LinkPolicy:
     def estimate(self, peer: str, raw_bytes: int, compressed_bytes: int) -> LinkChoice:
         """The two estimated times and the choice, without recording it."""
         bw, src = self.link(peer)
-        restore = raw_bytes / self.restore_rate
+        restore = raw_bytes / self.restore_rate + (compressed_bytes / self._staging if self._staging else 0.0)
         if bw > 0:
             raw_s, comp_s = raw_bytes / bw, compressed_bytes / bw + restore
             choice = RAW if raw_s <= comp_s else COMPRESSED
