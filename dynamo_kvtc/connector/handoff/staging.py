@@ -61,7 +61,9 @@ def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
         n = len(mv)
         if off + n > dst.numel():
             raise TierFullError(f"{off + n} bytes do not fit a {dst.numel()}-byte extent")
-        if dst.is_cuda:
+        if n == 0:
+            pass
+        elif dst.is_cuda:
             with warnings.catch_warnings():  # a read-only bytes object: torch only reads it
                 warnings.simplefilter("ignore")
                 src = torch.frombuffer(mv, dtype=torch.uint8)
