@@ -9,7 +9,7 @@ decoded heads; ``blob``: the bytes, uint8) and ``rank<r>.json`` (timings, blob s
 Used by tests/test_tp_shard.py and integration/tp/shard_accuracy.py; nothing here needs a GPU.
 
     python integration/tp/sharded_roundtrip.py --tp 3 --calibration calibrations/smollm2-135m-instruct \
-        --kv kv.safetensors --out /tmp/tp3 [--ratio 16] [--window 0]
+        --kv kv.safetensors --out /tmp/tp3 [--ratio 16] [--window 0] [--reduce-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -25,14 +25,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(tp: int, calibration: str, kv: str, out: str, ratio: float = 16, window: int = 0, timeout: float = 600):
+def launch(
+    tp: int,
+    calibration: str,
+    kv: str,
+    out: str,
+    ratio: float = 16,
+    window: int = 0,
+    reduce_dtype: str = "float32",
+    timeout: float = 600,
+) -> list[dict]:
     """Run ``tp`` rank processes to completion; raises if any fails. Returns the per-rank JSON records."""
     Path(out).mkdir(parents=True, exist_ok=True)
     store = Path(out) / "store"
     store.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     base = [sys.executable, __file__, "--tp", str(tp), "--calibration", calibration, "--kv", kv, "--out", out]
-    base += ["--ratio", str(ratio), "--window", str(window)]
+    base += ["--ratio", str(ratio), "--window", str(window), "--reduce-dtype", reduce_dtype]
     procs = [subprocess.Popen([*base, "--rank", str(r)], env=env) for r in range(tp)]
     deadline = time.time() + timeout
     codes = []
@@ -63,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
     try:
         cal = Calibration.load(args.calibration)
         kv = load_file(args.kv)
-        codec = sharded_codec(cal, args.rank, args.tp, ratio=args.ratio, window=args.window)
+        rd = getattr(torch, args.reduce_dtype)
+        codec = sharded_codec(cal, args.rank, args.tp, ratio=args.ratio, window=args.window, reduce_dtype=rd)
         k, v = kv["k"][:, :, codec.heads].contiguous(), kv["v"][:, :, codec.heads].contiguous()
         dist.barrier()
         t0 = time.perf_counter()
@@ -82,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
             "decode_s": t2 - t1,
             "blob_bytes": len(blob),
             "coded_tokens": nc,
-            "allreduce_bytes": nc * allreduce_bytes_per_token(cal, args.ratio),
+            "allreduce_bytes": nc * allreduce_bytes_per_token(cal, args.ratio, rd),
         }
         (Path(args.out) / f"rank{args.rank}.json").write_text(json.dumps(rec))
         dist.barrier()
@@ -98,10 +108,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ratio", type=float, default=16.0)
     ap.add_argument("--window", type=int, default=0)
+    ap.add_argument("--reduce-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--rank", type=int, help="(internal) run as this rank")
     args = ap.parse_args()
     if args.rank is None:
-        print(json.dumps(launch(args.tp, args.calibration, args.kv, args.out, args.ratio, args.window), indent=1))
+        print(
+            json.dumps(
+                launch(args.tp, args.calibration, args.kv, args.out, args.ratio, args.window, args.reduce_dtype),
+                indent=1,
+            )
+        )
     else:
         worker(args)
 
