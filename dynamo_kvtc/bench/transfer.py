@@ -319,7 +319,12 @@ def run_bench_transfer(args) -> int:
                 name=shape,
             ).save(cal_path)
             for tokens in lengths:
-                rows.extend(_one(shape, tokens, args, cal_path, work))
+                try:
+                    rows.extend(_one(shape, tokens, args, cal_path, work))
+                except (TransferError, RuntimeError, OSError) as e:  # the next prompt length may still work
+                    log.exception("bench transfer %s %d failed", shape, tokens)
+                    print(f"{shape:>18} {tokens:>6} | FAILED: {type(e).__name__}: {e}", flush=True)
+                    rows.append({"shape": shape, "tokens": tokens, "error": f"{type(e).__name__}: {e}"})
                 write_json(  # after every row: a run cut short keeps what it measured
                     args.json_path,
                     {
@@ -335,5 +340,5 @@ def run_bench_transfer(args) -> int:
                         "synthetic": True,
                     },
                 )
-    print(markdown_table(rows))
-    return 0
+    print(markdown_table([r for r in rows if "error" not in r]))
+    return 1 if any("error" in r for r in rows) else 0
