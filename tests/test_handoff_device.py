@@ -210,3 +210,16 @@ def test_token_bucket_holds_a_transfer_to_its_rate():
     tb.finish()
     assert time.perf_counter() - t >= 0.05  # 500 KB at 10 MB/s
     assert tb.chunk_for(1_000_000) == 100_000 and tb.chunk_for(16_000_000) == 1_000_000  # at most 16 posts per READ
+
+
+def test_memory_fields_of_fetches_and_replies_are_checked():
+    from dynamo_kvtc.connector.handoff.messages import fetch_mem, fetch_request, reply_memory
+
+    assert fetch_mem(fetch_request([1], "a", b"m")) == "DRAM" and "mem" not in fetch_request([1], "a", b"m")
+    assert fetch_mem(fetch_request([1], "a", b"m", "VRAM")) == "VRAM"
+    assert reply_memory({}) == ("DRAM", 0) and reply_memory({"mem": "VRAM", "dev": 3}) == ("VRAM", 3)
+    for bad in ({"mem": "HBM"}, {"mem": "VRAM", "dev": -1}, {"dev": True}, {"dev": 1 << 20}, {"mem": ["VRAM"]}):
+        with pytest.raises(TransferError):
+            reply_memory(bad)
+    with pytest.raises(TransferError):
+        fetch_mem({"mem": "FILE"})
