@@ -115,11 +115,12 @@ def _offer(**extra):
 def test_decode_side_declines_to_nixl_on_nvlink_and_fetches_compressed_on_a_slow_link(monkeypatch):
     fast = _remote("decode", LinkPolicy(2400, H200_RESTORE_GBS), monkeypatch=monkeypatch)
     req = _request(_offer())
-    assert fast.applies(req) is False and req.kv_transfer_params["kvtc_choice"] == RAW
+    assert fast.applies(req) is False and req.kv_transfer_params["kvtc_choice"] == RAW and fast.declined(req)
     assert req.kv_transfer_params["do_remote_prefill"] is True  # left for NixlConnector to READ raw
     slow = _remote("decode", LinkPolicy(100, H200_RESTORE_GBS), monkeypatch=monkeypatch)
     req = _request(_offer())
     assert slow.applies(req) is True and req.kv_transfer_params["kvtc_choice"] == COMPRESSED
+    assert not slow.declined(req)
     assert slow.matched(req, 0) == (512 * 16, True)
     op = slow.load(req, list(range(512)), list(range(512)))
     assert op.remote == ("10.0.0.2", 5555) and req.kv_transfer_params["do_remote_prefill"] is False

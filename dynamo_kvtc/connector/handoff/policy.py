@@ -28,7 +28,7 @@ from typing import Any
 from ... import settings
 from ..config import ConnectorConfig
 from ..protocol import LoadOp
-from .linkpolicy import COMPRESSED, LinkPolicy
+from .linkpolicy import COMPRESSED, RAW, LinkPolicy
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,12 @@ class RemotePrefill:
         if "kvtc_choice" not in p:
             p["kvtc_choice"] = self._choose(p)
         return p["kvtc_choice"] == COMPRESSED
+
+    def declined(self, request: Any) -> bool:
+        """Decode side: an offer :meth:`applies` left to NixlConnector (raw); the scheduler should then claim no
+        tokens for the request at all, so NixlConnector is the connector MultiConnector assigns it to."""
+        p = getattr(request, "kv_transfer_params", None) or {}
+        return self.cfg.transfer == "decode" and p.get("kvtc_choice") == RAW
 
     def _choose(self, p: dict[str, Any]) -> str:
         """``compressed`` unless the policy is on, a raw offer (NixlConnector's ``remote_block_ids``) is there too,
