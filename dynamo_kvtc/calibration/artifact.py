@@ -42,6 +42,7 @@ class Calibration:
     rope_removed: bool = True
     provenance: dict[str, Any] = field(default_factory=dict)
     id: str = ""
+    layer_order: tuple[int, ...] | None = None  # the groups' layer ranges are over this permutation (None: identity)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -97,10 +98,17 @@ class Calibration:
             kw = max(p.rank for p in kp.values())
             vw = max(p.rank for p in vp.values())
             groups.append(
-                BasisGroup(g.layers, g.k_mean, g.k_basis[:, :kw].clone(), g.v_mean, g.v_basis[:, :vw].clone(), kp, vp)
+                BasisGroup(
+                    g.layers, g.k_mean, g.k_basis[:, :kw].clone(), g.v_mean, g.v_basis[:, :vw].clone(), kp, vp, g.tokens
+                )
             )
         prov = {**self.provenance, "subset_of": {"id": self.id, "ratios": self.ratios}}
-        return Calibration(self.fingerprint, groups, self.rope_removed, prov)
+        return Calibration(self.fingerprint, groups, self.rope_removed, prov, layer_order=self.layer_order)
+
+    @property
+    def token_sets(self) -> bool:
+        """Whether some group encodes only a span's last tokens, or groups range over a permuted layer order."""
+        return self.layer_order is not None or any(g.tokens for g in self.groups)
 
     def check_model(self, fingerprint: ModelFingerprint) -> None:
         """Refuse (CalibrationMismatchError) if this calibration was made for another model or shard."""
@@ -111,6 +119,12 @@ class Calibration:
         fp = self.fingerprint
         if not self.groups:
             raise CalibrationError("calibration has no layer groups")
+        if self.layer_order is not None:
+            self.layer_order = tuple(int(x) for x in self.layer_order)
+            if sorted(self.layer_order) != list(range(fp.num_layers)):
+                raise CalibrationError(f"layer_order {self.layer_order} is not a permutation of {fp.num_layers} layers")
+        if any(g.tokens < 0 for g in self.groups):
+            raise CalibrationError("a layer group's token set must be >= 0 tokens (0: all)")
         prev = 0
         ratios = None
         hd = fp.num_kv_heads * fp.head_dim
@@ -144,7 +158,7 @@ class Calibration:
             raise CalibrationError(f"layer groups cover {prev} layers, model has {fp.num_layers}")
 
     def _meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "fingerprint": self.fingerprint.to_dict(),
@@ -154,10 +168,14 @@ class Calibration:
                     "layers": list(g.layers),
                     "k_plans": [g.k_plans[r].to_dict() for r in sorted(g.k_plans)],
                     "v_plans": [g.v_plans[r].to_dict() for r in sorted(g.v_plans)],
+                    **({"tokens": g.tokens} if g.tokens else {}),  # keys only where used: older ids unchanged
                 }
                 for g in self.groups
             ],
         }
+        if self.layer_order is not None:
+            meta["layer_order"] = list(self.layer_order)
+        return meta
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -229,9 +247,18 @@ class Calibration:
                         tensors[f"g{i}.v_basis"],
                         kp,
                         vp,
+                        int(gm.get("tokens", 0)),
                     )
                 )
-            cal = cls(fp, groups, bool(meta["rope_removed"]), dict(meta.get("provenance") or {}), id="")
+            order = meta.get("layer_order")
+            cal = cls(
+                fp,
+                groups,
+                bool(meta["rope_removed"]),
+                dict(meta.get("provenance") or {}),
+                id="",
+                layer_order=None if order is None else tuple(order),
+            )
         except KeyError as e:
             raise CalibrationError(f"{path}: missing field or tensor {e}") from e
         except (TypeError, ValueError) as e:

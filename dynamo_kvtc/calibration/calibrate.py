@@ -4,6 +4,15 @@ One row per token = the concatenation over the layers of a layer group x KV head
 head, then dim); separate bases for K and V; rows mean-centred; keys with RoPE removed at their absolute positions;
 attention-sink positions excluded. PCA is fitted on all calibration tokens; the DP runs on a seeded uniform sample of
 ``dp_tokens`` of them (the paper uses the first 32K tokens).
+
+Per-layer token sets (``token_sets``, on by default): where the model has sliding-window layers
+(``ModelFingerprint.windows``), layers are grouped by attention type (the calibration's ``layer_order`` puts each
+type's layers together; ``layer_groups`` then splits each type into up to that many groups) and a sliding type's
+groups record their token set (a span's last ``window`` tokens), which the codec then encodes alone. A sliding
+layer's KV of every calibration token is a vector that layer keeps while the token is recent (the capture runs the
+model's own sliding attention), so by default every token's row is a sample of what it keeps; ``kept_rows_only``
+restricts a sliding group to each sample's last ``window`` tokens instead (the cache's state at the sample's end;
+4x fewer rows at 2048-token windows and W = 511).
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class CalibrationConfig:
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    token_sets: bool = True  # group sliding-window layers by attention type, with per-group token sets
+    kept_rows_only: bool = False  # fit a sliding group only on each sample's last `window` tokens
     device: str = "cpu"
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -94,6 +105,31 @@ def _layer_slices(num_layers: int, groups: int) -> list[tuple[int, int]]:
         raise ConfigError(f"layer_groups={groups} exceeds the model's {num_layers} layers")
     bounds = np.linspace(0, num_layers, groups + 1).round().astype(int)
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def group_plan(
+    fp: ModelFingerprint, layer_groups: int, token_sets: bool = True
+) -> tuple[tuple[int, ...] | None, list[tuple[int, int]], list[int]]:
+    """``(layer_order, slices, tokens)`` of a calibration: the layer permutation (None: identity), the groups as
+    ranges over it and each group's token set (0: all tokens). Without sliding-window layers (or ``token_sets``
+    off): ``layer_groups`` consecutive groups. Otherwise one run of layers per attention type (types in the order of
+    their first layer), each split into up to ``layer_groups`` consecutive groups."""
+    L = fp.num_layers
+    if not (token_sets and fp.windows):
+        return None, _layer_slices(L, layer_groups), [0] * layer_groups
+    types: dict[int, list[int]] = {}
+    for layer, w in enumerate(fp.windows):
+        types.setdefault(w, []).append(layer)
+    order: list[int] = []
+    slices: list[tuple[int, int]] = []
+    tokens: list[int] = []
+    for w, members in types.items():
+        off = len(order)
+        order += members
+        for a, b in _layer_slices(len(members), min(layer_groups, len(members))):
+            slices.append((off + a, off + b))
+            tokens.append(w)
+    return tuple(order), slices, tokens
 
 
 def calibrate(
@@ -168,7 +204,7 @@ class Calibrator:
         self.total_heads = full_fp.total_kv_heads or full_fp.num_kv_heads
         self.heads = shard_heads(self.total_heads, cfg.tp_rank, cfg.tp_size)
         H = self.heads.stop - self.heads.start
-        keep = ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name")
+        keep = ("architecture", "num_layers", "head_dim", "dtype", "rotary", "tokenizer", "model_name", "windows")
         self.fp = ModelFingerprint(
             **{k: getattr(full_fp, k) for k in keep},
             num_kv_heads=H,
@@ -176,7 +212,7 @@ class Calibrator:
             tp_size=cfg.tp_size,
             total_kv_heads=self.total_heads,
         )
-        self.slices = _layer_slices(self.fp.num_layers, cfg.layer_groups)
+        self.order, self.slices, self.group_tokens = group_plan(self.fp, cfg.layer_groups, cfg.token_sets)
         self.dev = torch.device(cfg.device)
         D = self.fp.head_dim
         self.mom = {
@@ -185,6 +221,7 @@ class Calibrator:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.res_u: list[torch.Tensor] = []
         self.res_rows: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
+        self.res_rows["dist"] = []  # each reservoir row's distance from its sample's last token (token sets)
         self.tokens = 0
         self.sequences = 0
         self.seconds = 0.0  # wall time spent producing and consuming samples (capture), across resumptions
@@ -233,14 +270,20 @@ class Calibrator:
                 if rc not in cache:
                     cache[rc] = rc.cos_sin(p, device=dev)
                 k[layer] = rotate(k[layer], *cache[rc], rc, inverse=True)
+        if self.order is not None:
+            k, v = k[list(self.order)], v[list(self.order)]
         rows = {"k": k.permute(1, 0, 2, 3).reshape(n, -1), "v": v.permute(1, 0, 2, 3).reshape(n, -1)}
+        dist = (keys.shape[1] - 1) - torch.nonzero(keep).flatten()  # tokens after each row's token in its sample
         for g, (a, b) in enumerate(self.slices):
             cols = slice(a * H * D, b * H * D)
+            sel = (dist < self.group_tokens[g]).to(dev) if self.group_tokens[g] and cfg.kept_rows_only else None
             for kind in "kv":
-                self.mom[(g, kind)].add(rows[kind][:, cols])
+                x = rows[kind][:, cols]
+                self.mom[(g, kind)].add(x if sel is None else x[sel])
         self.res_u.append(torch.rand(n, generator=self.gen))
         for kind in "kv":
             self.res_rows[kind].append(rows[kind].cpu())
+        self.res_rows["dist"].append(dist)
         if sum(x.numel() for x in self.res_u) > 2 * cfg.dp_tokens:
             _compact(self.res_u, self.res_rows, cfg.dp_tokens)
         self.tokens += n
@@ -294,7 +337,7 @@ class Calibrator:
         }
         if self.res_u:
             out["reservoir.u"] = self.res_u[0]
-            for kind in "kv":
+            for kind in self.res_rows:
                 out[f"reservoir.{kind}"] = self.res_rows[kind][0]
         for (g, kind), m in self.mom.items():
             if m.n:
@@ -310,6 +353,8 @@ class Calibrator:
             self.res_u[:] = [d["reservoir.u"]]
             for kind in "kv":
                 self.res_rows[kind][:] = [d[f"reservoir.{kind}"]]
+            # a checkpoint from before token sets has no distances: 0 counts each row into every group
+            self.res_rows["dist"][:] = [d.get("reservoir.dist", torch.zeros(len(d["reservoir.u"]), dtype=torch.int64))]
         for (g, kind), m in self.mom.items():
             prefix = f"moments.{g}.{kind}."
             if prefix + "n" in d:
@@ -343,7 +388,12 @@ class Calibrator:
                 pca = fit_pca(mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
                 basis16 = pca.basis.to(torch.float16)
                 t1 = time.time()
-                sample = res_rows[kind][0][:, cols].to(dev)
+                sample = res_rows[kind][0][:, cols]
+                if self.group_tokens[g] and cfg.kept_rows_only:  # the DP sample: rows kept at the samples' ends
+                    sample = sample[res_rows["dist"][0] < self.group_tokens[g]]
+                if sample.shape[0] < 16:
+                    raise CalibrationError(f"group {g}: only {sample.shape[0]} DP sample rows in its token set")
+                sample = sample.to(dev)
                 coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
                 bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
 
@@ -377,7 +427,14 @@ class Calibrator:
                 log.info("group %d %s: width %d of %d", g, kind, width, p)
             groups.append(
                 BasisGroup(
-                    (a, b), parts["k"][0], parts["k"][1], parts["v"][0], parts["v"][1], parts["k"][2], parts["v"][2]
+                    (a, b),
+                    parts["k"][0],
+                    parts["k"][1],
+                    parts["v"][0],
+                    parts["v"][1],
+                    parts["k"][2],
+                    parts["v"][2],
+                    self.group_tokens[g],
                 )
             )
         prov = {
@@ -388,6 +445,7 @@ class Calibrator:
             "seed": cfg.seed,
             "sinks_excluded": cfg.sinks,
             "rank_cap": cfg.rank,
+            **_token_set_provenance(self.order, self.group_tokens),
             "pca": {
                 "method": "exact" if any((cfg.rank or m.p) + 64 >= m.p for m in mom.values()) else cfg.pca_method,
                 "niter": cfg.niter,
@@ -408,7 +466,11 @@ class Calibrator:
             "stats": stats,
             **cfg.extra,
         }
-        return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov)
+        return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov, layer_order=self.order)
+
+
+def _token_set_provenance(order: tuple[int, ...] | None, tokens: list[int]) -> dict[str, Any]:
+    return {"token_sets": {"layer_order": list(order), "group_tokens": tokens}} if order else {}
 
 
 def _compact(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]], keep: int) -> None:

@@ -68,7 +68,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def card(path: str | os.PathLike) -> dict[str, Any]:
-    """Summary (id, model, features, layer groups, ratios, per-ratio rank and bits) and provenance without stats."""
+    """Summary (id, model, features, layer groups, ratios, per-ratio rank and bits, per-layer token sets where the
+    calibration has them) and provenance without stats."""
     meta = read_meta(path)
     try:
         fp, groups = meta["fingerprint"], meta["groups"]
@@ -82,6 +83,12 @@ def card(path: str | os.PathLike) -> dict[str, Any]:
             "rope_removed": bool(meta["rope_removed"]),
             "tp": f"{fp['tp_rank']}/{fp['tp_size']}",
         }
+        if "layer_order" in meta:  # per-layer token sets: which layers each group holds, and how many last tokens
+            order = meta["layer_order"]
+            out["token_sets"] = [
+                {"layers": order[g["layers"][0] : g["layers"][1]], "tokens": g.get("tokens", 0) or "all"}
+                for g in groups
+            ]
         for r in ratios:
             plan: dict[str, Any] = {}
             for kind in ("k", "v"):

@@ -151,6 +151,7 @@ def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = to
         tok_name = f"{type(tokenizer).__name__}:{len(tokenizer)}"
     name = Path(str(getattr(model, "name_or_path", "") or getattr(c, "_name_or_path", ""))).name
     return ModelFingerprint(
+        windows=layer_windows(c),
         architecture=arch,
         num_layers=layers,
         num_kv_heads=heads,
@@ -161,6 +162,19 @@ def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = to
         model_name=name,
         total_kv_heads=heads,
     )
+
+
+def layer_windows(config: Any) -> tuple[int, ...]:
+    """Per layer, how many of the most recent tokens its KV cache keeps: ``sliding_window - 1`` for a
+    sliding-window layer (what transformers keeps and what the next token attends to), 0 (all) otherwise; ``()``
+    when every layer keeps everything."""
+    c = getattr(config, "text_config", None) or config
+    types = getattr(c, "layer_types", None)
+    w = getattr(c, "sliding_window", None)
+    if not types or not w:
+        return ()
+    out = tuple(int(w) - 1 if t == "sliding_attention" else 0 for t in types)
+    return out if any(out) else ()
 
 
 def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -176,13 +190,19 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def capture_kv(
     model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T]."""
+    """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T].
+
+    Every layer's KV of every token, sliding-window layers included: the prefill runs with a cache of full layers
+    (the model still masks its sliding layers to their window; only the cache keeps more than those layers would).
+    :func:`layer_windows` says which tokens each layer really keeps."""
+    from transformers import DynamicCache
+
     ids = input_ids.reshape(1, -1)
-    out = model(input_ids=ids, use_cache=True)
+    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)  # KV only
     kv = cache_tensors(out.past_key_values)
     T = ids.shape[1]
     if any(k.shape[2] != T for k, _ in kv):
-        raise ModelError("model keeps a sliding-window cache on some layers; capture_kv needs full-length caches")
+        raise ModelError("the model's cache dropped tokens on some layers; capture_kv needs full-length caches")
     keys = torch.stack([k[0].transpose(0, 1) for k, _ in kv]).to(kv_dtype)
     values = torch.stack([v[0].transpose(0, 1) for _, v in kv]).to(kv_dtype)
     return keys, values, torch.arange(T)

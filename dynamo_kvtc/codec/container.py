@@ -15,6 +15,11 @@ Header keys (all required): ``cal`` calibration id (str), ``layers``/``heads``/`
 nil), ``sinks``/``window`` (token counts: a prefix kept in fp8 and a suffix kept raw), ``groups`` (list of
 ``[layer_start, layer_stop]``), ``sections`` (list of ``[name, tag, raw_len, crc32, [stored chunk lengths]]``).
 
+Optional keys (per-layer token sets; written only by calibrations that have them, so every other blob keeps its bytes):
+``order`` (a permutation of the layers: the layer groups are ranges over this order, so one group can hold layers that
+are not neighbours, e.g. all sliding-window layers) and ``token_sets`` (one ``[start, stop]`` token-index range per
+group: the tokens of the span that group encodes; the blob's ``sinks`` and ``window`` apply inside each range).
+
 Parsing checks magic, version, flags, header length and CRC, unpacks msgpack with hard limits, checks every field's
 type and range, and checks that the section table accounts for exactly the remaining bytes. Section CRCs are checked
 before anything is inflated. Any failure raises :class:`~dynamo_kvtc.errors.CorruptBlobError`.
@@ -69,6 +74,7 @@ HEADER_KEYS = (
     "groups",
     "sections",
 )
+OPTIONAL_KEYS = ("order", "token_sets")  # per-layer token sets (absent from every blob without them)
 
 
 @dataclass
@@ -91,14 +97,33 @@ class BlobHeader:
     sinks: int
     window: int
     groups: list[list[int]] = field(default_factory=list)  # [layer_start, layer_stop] per layer group
+    order: list[int] | None = None  # layer permutation the groups are ranges over (None: 0..layers-1)
+    token_sets: list[list[int]] | None = None  # [start, stop] token-index range per group (None: every token)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The msgpack map's keys in order; the optional keys only where set (older blobs keep their bytes)."""
+        d = asdict(self)
+        for k in OPTIONAL_KEYS:
+            if d[k] is None:
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, h: dict[str, Any]) -> BlobHeader:
         """From a parsed header (its ``sections`` key, if any, is ignored)."""
-        return cls(**{k: h[k] for k in HEADER_KEYS if k != "sections"})
+        return cls(**{k: h[k] for k in HEADER_KEYS if k != "sections"}, **{k: h[k] for k in OPTIONAL_KEYS if k in h})
+
+
+def group_segments(h: dict[str, Any], group: int) -> tuple[int, int, int, int]:
+    """``(start, sinks, coded, window)`` token counts of layer group ``group`` of a parsed header: the group's range
+    starts at token index ``start`` and holds ``sinks`` fp8 tokens, then ``coded`` transform-coded ones, then
+    ``window`` raw ones (the blob's sinks and window clipped to the range)."""
+    T, ns, nw = h["tokens"], h["sinks"], h["window"]
+    sets = h.get("token_sets")
+    a, b = (0, T) if sets is None else sets[group]
+    gs = max(0, min(ns, b) - a)
+    gw = max(0, b - max(T - nw, a))
+    return a, gs, b - a - gs - gw, gw
 
 
 @dataclass(frozen=True)
@@ -247,6 +272,20 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
         )
         prev = g[1]
     _need(prev == layers, "layer groups must cover every layer")
+    order = h.get("order")
+    if order is not None:
+        _need(
+            isinstance(order, list) and all(_is_int(x) for x in order) and sorted(order) == list(range(layers)),
+            "order must be a permutation of the layers",
+        )
+    sets = h.get("token_sets")
+    if sets is not None:
+        _need(isinstance(sets, list) and len(sets) == len(groups), "token_sets must have one range per group")
+        for ts in sets:
+            _need(
+                isinstance(ts, list) and len(ts) == 2 and all(_is_int(x) for x in ts) and 0 <= ts[0] <= ts[1] <= tokens,
+                "token set ranges must lie within the span's tokens",
+            )
     table = h.get("sections")
     _need(isinstance(table, list) and len(table) <= 8 * len(groups), "sections")
     recs: list[SectionRecord] = []

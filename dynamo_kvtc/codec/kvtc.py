@@ -11,6 +11,14 @@ Token segments of a span (positions strictly increasing):
 A span with fewer than ``min_tokens`` coded tokens is stored raw (mode ``"raw"``): short conversations gain nothing.
 Each layer group contributes four sections (sinks, k, v, window), so group 0 decodes before later groups' bytes
 are needed.
+
+**Per-layer token sets.** A calibration may group layers by attention type (``layer_order``: the groups are ranges
+over a permutation of the layers) and give a group a token set (``BasisGroup.tokens``: a span's last ``tokens``
+tokens, what a sliding-window layer keeps). Such a group encodes only those tokens (sinks and window clipped to
+them); the blob header records each group's token range. :meth:`KvtcCodec.decode_layers` then yields each layer's
+tokens only (the suffix of the span its group keeps), always in layer order; :meth:`KvtcCodec.decode_ragged` returns
+per-layer tensors and :meth:`KvtcCodec.layer_ranges` says which tokens each layer holds. The fused GPU path does not
+take such calibrations: a codec holding one stays on the reference path.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from ..errors import (
 from .container import (
     BlobHeader,
     check_section,
+    group_segments,
     parse_blob,
     positions_to_runs,
     runs_to_positions,
@@ -42,7 +51,7 @@ from .container import (
     write_blob,
 )
 from .entropy import EntropyCoder, check_readable
-from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name
+from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name, group_layer_ids
 from .plan import decode_coefficients, encode_coefficients
 from .rope import RotaryConfig, rotate
 from .sinks import decode_sinks, encode_sinks, sink_bytes
@@ -92,8 +101,12 @@ class CodecConfig:
 class _Tables:
     """Per-group device tensors (float32) used by encode and decode."""
 
-    def __init__(self, g: BasisGroup, device: torch.device) -> None:
+    def __init__(self, g: BasisGroup, device: torch.device, order: tuple[int, ...] | None = None) -> None:
         self.layers = g.layers
+        self.ids = group_layer_ids(order, g.layers)  # the model layers of this group, in row order
+        contiguous = self.ids == list(range(self.ids[0], self.ids[-1] + 1))
+        self.sel: slice | list[int] = slice(self.ids[0], self.ids[-1] + 1) if contiguous else self.ids
+        self.tokens = g.tokens  # token set: a span's last `tokens` tokens (0: all)
         self.k_mean = g.k_mean.to(device, torch.float32)
         self.k_basis = g.k_basis.to(device, torch.float32)
         self.v_mean = g.v_mean.to(device, torch.float32)
@@ -149,12 +162,17 @@ class KvtcCodec:
             raise ConfigError("device 'cuda' requested but CUDA is not available")
         self.fp = calibration.fingerprint
         self.rope_removed = bool(getattr(calibration, "rope_removed", True))
-        self._tables = [_Tables(g, self.device) for g in calibration.groups]
+        self.order = getattr(calibration, "layer_order", None)
+        self._tables = [_Tables(g, self.device, self.order) for g in calibration.groups]
+        self.token_sets = self.order is not None or any(t.tokens for t in self._tables)
         self._coders: dict[str, EntropyCoder] = {}
         self.last_timings: dict[str, float] = {}
         if fused is None:  # DYN_KVTC_FUSED: 0 = never, force = on every device (torch stages on the CPU: tests)
             env = settings.env_value("fused")
             fused = env == "force" or (self.device.type == "cuda" and env != "0")
+        if fused and self.token_sets:  # the fused path's tables and kernels assume full, consecutive groups
+            log.info("calibration %s has per-layer token sets: the fused path does not take them", calibration.id[:12])
+            fused = False
         self._use_fused = bool(fused)
         self._fused = None
 
@@ -195,7 +213,13 @@ class KvtcCodec:
             sinks=sinks,
             window=window,
             groups=[list(t.layers) for t in self._tables],
+            order=None if self.order is None else list(self.order),
+            token_sets=self.token_ranges(positions.numel()) if self.token_sets else None,
         )
+
+    def token_ranges(self, tokens: int) -> list[list[int]]:
+        """``[start, stop]`` token-index range each layer group encodes of a span of ``tokens`` tokens."""
+        return [[max(0, tokens - t.tokens) if t.tokens else 0, tokens] for t in self._tables]
 
     @property
     def ratio(self) -> float:
@@ -289,32 +313,37 @@ class KvtcCodec:
         cfg = self.config
         mode, ns, nw, nc = cfg.segments(pos, window)
         dev = self.device
-        pos_c = pos[ns : ns + nc].to(dev)
         tim = {"project": 0.0, "quantize": 0.0, "entropy": 0.0}
         sections: list[tuple[str, str, int, list[bytes]]] = []
-        rope_cache: dict[RotaryConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        header = self.blob_header(keys.dtype, pos, mode, ns, nw)
+        hd = header.to_dict()
+        rope_caches: dict[int, dict[RotaryConfig, tuple[torch.Tensor, torch.Tensor]]] = {}
         for gi, tab in enumerate(self._tables):
-            l0, l1 = tab.layers
+            a, ns, nc, nw = group_segments(hd, gi)  # this group's token range and segments (the span's, by default)
+            c0 = a + ns
+            pos_c = pos[c0 : c0 + nc].to(dev)
+            rope_cache = rope_caches.setdefault(c0, {})
+            gk, gv = keys[tab.sel], values[tab.sel]
             raw_parts: dict[str, tuple[str, torch.Tensor]] = {}
             # sinks: fp8 per (layer, token, head) vector
             if ns:
                 t0 = self._now()
-                raw_parts["sinks"] = ("store", encode_sinks(keys[l0:l1, :ns].to(dev), values[l0:l1, :ns].to(dev)).cpu())
+                raw_parts["sinks"] = ("store", encode_sinks(gk[:, a:c0].to(dev), gv[:, a:c0].to(dev)).cpu())
                 tim["quantize"] += self._now() - t0
             else:
                 raw_parts["sinks"] = ("store", torch.empty(0, dtype=torch.uint8))
             for kind, x, mean, basis, plans in (
-                ("k", keys, tab.k_mean, tab.k_basis, tab.k_plans),
-                ("v", values, tab.v_mean, tab.v_basis, tab.v_plans),
+                ("k", gk, tab.k_mean, tab.k_basis, tab.k_plans),
+                ("v", gv, tab.v_mean, tab.v_basis, tab.v_plans),
             ):
                 if not nc:
                     raw_parts[kind] = (cfg.tag, torch.empty(0, dtype=torch.uint8))
                     continue
                 plan = plans[cfg.ratio]
                 t0 = self._now()
-                xs = x[l0:l1, ns : ns + nc].to(dev, torch.float32)
+                xs = x[:, c0 : c0 + nc].to(dev, torch.float32)
                 if kind == "k" and self.rope_removed:
-                    xs = self._rope(xs, pos_c, l0, rope_cache, inverse=True)
+                    xs = self._rope(xs, pos_c, tab.ids, rope_cache, inverse=True)
                 rows = xs.permute(1, 0, 2, 3).reshape(nc, -1)
                 coeffs = self._ref_mm(rows - mean, basis[:, : plan.rank])
                 t1 = self._now()
@@ -324,7 +353,8 @@ class KvtcCodec:
                 tim["quantize"] += t2 - t1
                 raw_parts[kind] = (cfg.tag, payload)
             if nw:
-                win = torch.cat((_bytes_of(keys[l0:l1, T - nw :]), _bytes_of(values[l0:l1, T - nw :])))
+                w0 = c0 + nc
+                win = torch.cat((_bytes_of(gk[:, w0 : w0 + nw]), _bytes_of(gv[:, w0 : w0 + nw])))
             else:
                 win = torch.empty(0, dtype=torch.uint8)
             raw_parts["window"] = ("store", win)
@@ -333,7 +363,7 @@ class KvtcCodec:
                 tag, data = raw_parts[part]
                 sections.append((f"{gi}.{part}", tag, data.numel(), self._coder(tag).compress(data)))
             tim["entropy"] += self._now() - t0
-        blob = write_blob(self.blob_header(keys.dtype, pos, mode, ns, nw), sections)
+        blob = write_blob(header, sections)
         tim["total"] = self._now() - t_start
         self.last_timings.update({f"encode_{k}_s": v for k, v in tim.items()})
         return blob
@@ -342,14 +372,14 @@ class KvtcCodec:
         self,
         x: torch.Tensor,
         pos: torch.Tensor,
-        l0: int,
+        ids: list[int],
         cache: dict[RotaryConfig, tuple[torch.Tensor, torch.Tensor]],
         inverse: bool,
     ) -> torch.Tensor:
-        """(Un)rotate ``x [Lg, T, H, D]`` layer by layer with each layer's rotary config."""
+        """(Un)rotate ``x [Lg, T, H, D]`` layer by layer (model layers ``ids``) with each layer's rotary config."""
         out = torch.empty_like(x)
         for i in range(x.shape[0]):
-            out[i] = self._rope_layer(x[i], pos, l0 + i, cache, inverse)
+            out[i] = self._rope_layer(x[i], pos, ids[i], cache, inverse)
         return out
 
     def _rope_layer(self, x, pos, layer, cache, inverse):
@@ -384,6 +414,10 @@ class KvtcCodec:
             raise CorruptBlobError("blob shape fields disagree with its calibration")
         if h["groups"] != [list(t.layers) for t in self._tables]:
             raise CorruptBlobError("blob layer groups disagree with its calibration")
+        if h.get("order") != (None if self.order is None else list(self.order)):
+            raise CorruptBlobError("blob layer order disagrees with its calibration")
+        if h.get("token_sets") != (self.token_ranges(h["tokens"]) if self.token_sets else None):
+            raise CorruptBlobError("blob token sets disagree with its calibration")
         if h["mode"] == "kvtc":
             if h["ratio"] is None or float(h["ratio"]) not in self._tables[0].k_plans:
                 raise CorruptBlobError(f"blob names ratio {h['ratio']!r}, which its calibration has no plan for")
@@ -391,12 +425,11 @@ class KvtcCodec:
             raise CorruptBlobError("raw-mode blob must hold every token in its window")
 
     def _expected_sizes(self, h: dict[str, Any]) -> list[tuple[str, int]]:
-        T, H, D = h["tokens"], h["heads"], h["head_dim"]
-        ns, nw = h["sinks"], h["window"]
-        nc = T - ns - nw
+        H, D = h["heads"], h["head_dim"]
         item = DTYPES[h["dtype"]].itemsize
         out = []
         for gi, tab in enumerate(self._tables):
+            _, ns, nc, nw = group_segments(h, gi)
             Lg = tab.layers[1] - tab.layers[0]
             out.append((f"{gi}.sinks", sink_bytes(Lg, ns, H, D)))
             for kind, plans in (("k", tab.k_plans), ("v", tab.v_plans)):
@@ -441,28 +474,29 @@ class KvtcCodec:
         h, recs = self.check_blob(blob)
         for r in recs:
             check_section(blob, r)  # checksums up front: never yield layers of a corrupt blob
-        return self._layers(blob, h, recs)
+        layers = self._layers(blob, h, recs)
+        return layers if self.order is None else _in_layer_order(layers)
 
     def _fused_layers(self, job) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         yield from job.layers()
         self.last_timings.update(job.finish())
 
     def _layers(self, blob, h, recs) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        T, H, D = h["tokens"], h["heads"], h["head_dim"]
-        ns, nw = h["sinks"], h["window"]
-        nc = T - ns - nw
+        H, D = h["heads"], h["head_dim"]
         dtype = DTYPES[h["dtype"]]
         dev = self.device
         pos = torch.tensor(runs_to_positions(h["positions"]), dtype=torch.int64)
-        pos_c = pos[ns : ns + nc].to(dev)
         ratio = float(h["ratio"]) if h["ratio"] is not None else None
         tim = {"entropy": 0.0, "quantize": 0.0, "project": 0.0}
         by_name = {r.name: r for r in recs}
-        rope_cache: dict = {}
+        rope_caches: dict[int, dict] = {}
         t_start = self._now()
         for gi, tab in enumerate(self._tables):
-            l0, l1 = tab.layers
-            Lg = l1 - l0
+            a, ns, nc, nw = group_segments(h, gi)  # the group's token range [a, a + T) and its segments
+            T = ns + nc + nw
+            pos_c = pos[a + ns : a + ns + nc].to(dev)
+            rope_cache = rope_caches.setdefault(a + ns, {})
+            Lg = len(tab.ids)
             t0 = self._now()
             raw = {}
             for part in ("sinks", "k", "v", "window"):
@@ -501,23 +535,43 @@ class KvtcCodec:
                         x = coeffs[kind] @ self._ref_operand(basis[cols, : plan.rank], 1).t() + mean[cols]
                         x = x.view(nc, H, D)
                         if kind == "k" and self.rope_removed:
-                            x = self._rope_layer(x, pos_c, l0 + i, rope_cache, inverse=False)
+                            x = self._rope_layer(x, pos_c, tab.ids[i], rope_cache, inverse=False)
                         out[ns : ns + nc] = x
                 if nw:
                     k_out[T - nw :] = win_k[i]
                     v_out[T - nw :] = win_v[i]
                 tim["project"] += self._now() - t3
-                yield l0 + i, k_out, v_out
+                yield tab.ids[i], k_out, v_out
         tim["total"] = self._now() - t_start
         self.last_timings.update({f"decode_{k}_s": v for k, v in tim.items()})
 
     def decode(self, blob: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decode a blob into ``(keys, values)`` ``[L, T, H, D]`` in the encoded dtype, RoPE re-applied."""
+        """Decode a blob into ``(keys, values)`` ``[L, T, H, D]`` in the encoded dtype, RoPE re-applied.
+
+        A blob whose layers hold different token sets has no such tensor: use :meth:`decode_ragged` (InputError)."""
         ks, vs = [], []
         for _, k, v in self.decode_layers(blob):
             ks.append(k)
             vs.append(v)
+        if any(k.shape[0] != ks[0].shape[0] for k in ks):
+            raise InputError("blob holds per-layer token sets; decode it with decode_ragged")
         return torch.stack(ks), torch.stack(vs)
+
+    def decode_ragged(self, blob: bytes | bytearray | memoryview) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(keys, values)`` ``[T_l, H, D]`` per layer, in layer order: each layer's own token set (the tokens
+        :meth:`layer_ranges` names), for blobs with and without per-layer token sets."""
+        return [(k, v) for _, k, v in self.decode_layers(blob)]
+
+    def layer_ranges(self, blob: bytes | bytearray | memoryview) -> list[tuple[int, int]]:
+        """``(start, stop)`` token indices of the span that each layer holds, in layer order (every layer
+        ``(0, tokens)`` unless the blob has per-layer token sets)."""
+        h, _ = self.check_blob(blob)
+        out: list[tuple[int, int]] = [(0, 0)] * h["layers"]
+        for gi, tab in enumerate(self._tables):
+            a, ns, nc, nw = group_segments(h, gi)
+            for layer in tab.ids:
+                out[layer] = (a, a + ns + nc + nw)
+        return out
 
     def positions(self, blob: bytes | bytearray | memoryview) -> torch.Tensor:
         """The absolute token positions recorded in a blob."""
@@ -532,6 +586,15 @@ class KvtcCodec:
         ns, nw = h["sinks"], h["window"]
         nc = T - ns - nw
         per_tok16 = 2 * L * H * D * 2  # K+V bytes per token at 16 bits
+        # 16-bit bytes of what the layers hold (a layer with a token set holds only its tokens), in total, of the
+        # compressed tokens (sinks and coded) and of the coded ones: the same as per_tok16 * tokens without sets
+        raw16 = {"all": 0, "compressed": 0, "coded": 0}
+        for gi, tab in enumerate(self._tables):
+            _, gs, gc, gw = group_segments(h, gi)
+            per_layer_tok = 2 * len(tab.ids) * H * D * 2
+            raw16["all"] += per_layer_tok * (gs + gc + gw)
+            raw16["compressed"] += per_layer_tok * (gs + gc)
+            raw16["coded"] += per_layer_tok * gc
         stored = {"sinks": 0, "k": 0, "v": 0, "window": 0}
         for r in recs:
             stored[r.name.split(".", 1)[1]] += r.stored_len
@@ -545,12 +608,15 @@ class KvtcCodec:
             "coded_tokens": nc,
             "window_tokens": nw,
             "raw_bytes_16bit": per_tok16 * T,
+            "held_bytes_16bit": raw16["all"],  # what the layers hold at 16 bits (= raw_bytes_16bit without sets)
+            "held_compressed_bytes_16bit": raw16["compressed"],
+            "token_sets": h.get("token_sets"),
             "input_bytes": 2 * L * H * D * T * DTYPES[h["dtype"]].itemsize,
             "blob_bytes": len(memoryview(blob)),
             "header_bytes": len(memoryview(blob)) - sections_total,
             "stored_bytes": stored,
-            "ratio": (per_tok16 * (ns + nc) / compressed_stored) if compressed_stored else None,
-            "ratio_with_window": per_tok16 * T / sections_total if sections_total else None,
+            "ratio": (raw16["compressed"] / compressed_stored) if compressed_stored else None,
+            "ratio_with_window": raw16["all"] / sections_total if sections_total else None,
             "ratio_blob": per_tok16 * T / len(memoryview(blob)),
             "codec_tag": sorted({r.tag for r in recs if r.name.endswith((".k", ".v"))}),
         }
@@ -568,13 +634,27 @@ class KvtcCodec:
                 for kind in ("k", "v")
             }
             out["ratio_before_entropy"] = (
-                per_tok16 * nc / sum(r.raw_len for r in recs if r.name.endswith((".k", ".v"))) if nc else None
+                raw16["coded"] / sum(r.raw_len for r in recs if r.name.endswith((".k", ".v"))) if nc else None
             )
         out["timings"] = dict(self.last_timings)
         return out
 
 
 # ---------------------------------------------------------------------- helpers
+def _in_layer_order(layers: Iterator[tuple[int, Any, Any]]) -> Iterator[tuple[int, Any, Any]]:
+    """Re-yield ``(layer, k, v)`` in ascending layer order (groups over a permuted order come out of order: each is
+    held only until the layers before it came out)."""
+    held: dict[int, tuple[int, Any, Any]] = {}
+    nxt = 0
+    for item in layers:
+        held[item[0]] = item
+        while nxt in held:
+            yield held.pop(nxt)
+            nxt += 1
+    if held:
+        raise DecodeError(f"decoder produced layers {sorted(held)} without layer {nxt}")
+
+
 def _sum_dicts(ds) -> dict[str, int]:
     out: dict[str, int] = {}
     for d in ds:

@@ -42,6 +42,7 @@ class ModelFingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     total_kv_heads: int = 0  # KV heads of the whole model (0 = same as num_kv_heads)
+    windows: tuple[int, ...] = ()  # per layer: the most recent tokens its cache keeps (0 = all; () = every layer all)
 
     def __post_init__(self) -> None:
         if self.num_layers <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -52,6 +53,9 @@ class ModelFingerprint:
             raise CalibrationError(f"fingerprint dtype {self.dtype!r} not in {sorted(DTYPES)}")
         if not (0 <= self.tp_rank < self.tp_size):
             raise CalibrationError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if self.windows and (len(self.windows) != self.num_layers or any(w < 0 for w in self.windows)):
+            raise CalibrationError(f"fingerprint needs one window >= 0 per layer, got {self.windows}")
+        object.__setattr__(self, "windows", tuple(int(w) for w in self.windows) if any(self.windows) else ())
 
     @property
     def features(self) -> int:
@@ -71,6 +75,7 @@ class ModelFingerprint:
             "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             "total_kv_heads": self.total_kv_heads,
+            **({"windows": list(self.windows)} if self.windows else {}),  # absent without sliding layers: same ids
         }
 
     @classmethod
@@ -78,19 +83,20 @@ class ModelFingerprint:
         try:
             d = dict(d)
             d["rotary"] = tuple(RotaryConfig.from_dict(r) for r in d["rotary"])
+            d["windows"] = tuple(d.get("windows") or ())
             return cls(**d)
         except (KeyError, TypeError) as e:
             raise CalibrationError(f"malformed model fingerprint: {e}") from e
 
     def mismatches(self, other: ModelFingerprint, *, strict: bool = True) -> list[str]:
         """Human-readable differences that make a calibration unusable for ``other``."""
-        keys = ["architecture", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_size"]
+        keys = ["architecture", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_size", "windows"]
         if strict:
             keys += ["tokenizer"]
         out = []
         for k in keys:
             a, b = getattr(self, k), getattr(other, k)
-            if a != b and not (k == "tokenizer" and (not a or not b)):
+            if a != b and not (k in ("tokenizer", "windows") and (not a or not b)):
                 out.append(f"{k}: calibration has {a!r}, model has {b!r}")
         if self.rotary != other.rotary:
             diff = (
@@ -112,7 +118,11 @@ class ModelFingerprint:
 
 @dataclass
 class BasisGroup:
-    """One layer group ``[start, stop)``: means [p_g], bases [p_g, r] (columns = components) and plans for K and V."""
+    """One layer group ``[start, stop)``: means [p_g], bases [p_g, r] (columns = components) and plans for K and V.
+
+    ``[start, stop)`` is a range over the calibration's layer order (``layer_order``; the identity unless the
+    calibration groups layers by attention type). ``tokens`` is the group's token set: a span's last ``tokens`` tokens
+    (what a sliding-window layer keeps), 0 for all of them."""
 
     layers: tuple[int, int]
     k_mean: torch.Tensor
@@ -121,13 +131,22 @@ class BasisGroup:
     v_basis: torch.Tensor
     k_plans: dict[float, Plan] = field(default_factory=dict)
     v_plans: dict[float, Plan] = field(default_factory=dict)
+    tokens: int = 0
 
     @property
     def num_layers(self) -> int:
         return self.layers[1] - self.layers[0]
 
 
+def group_layer_ids(order: tuple[int, ...] | None, layers: tuple[int, int]) -> list[int]:
+    """The model layers of a group's range ``layers`` over a calibration's ``order`` (None: the identity)."""
+    a, b = layers
+    return list(range(a, b)) if order is None else list(order[a:b])
+
+
 class CalibrationLike(Protocol):
+    """What the codec reads of a calibration (``layer_order``, optional: the permutation its groups range over)."""
+
     id: str
     fingerprint: ModelFingerprint
     groups: list[BasisGroup]

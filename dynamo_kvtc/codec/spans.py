@@ -174,7 +174,7 @@ class SpanRestore:
         return self._fused(job)
 
     def _open_fused(self) -> Any:
-        fc = self.codec.fused
+        fc = self.codec.fused  # None for a codec whose calibration has per-layer token sets (reference path only)
         if fc is None or not self.runs:
             return None
         try:
@@ -224,18 +224,28 @@ class SpanRestore:
                 yield layer, parts
 
     def _reference(self) -> Iterator[tuple[int, list[KV] | None]]:
-        gens = []
+        gens, ranges = [], []
         for i, r in enumerate(self.runs):
             try:
                 gens.append(self.codec.decode_layers(host_bytes(r.blob)))  # validates the whole blob
+                # per-layer token sets: each layer holds only tokens [start, stop) of its blob
+                ranges.append(
+                    self.codec.layer_ranges(host_bytes(r.blob)) if getattr(self.codec, "token_sets", False) else None
+                )
             except DecodeError as e:
                 self.bad(i, e)
                 raise
         for layer in range(self.codec.fp.num_layers):
             parts = []
-            for gen, r in zip(gens, self.runs):
+            for i, (gen, r) in enumerate(zip(gens, self.runs)):
                 got_layer, k, v = next(gen)
                 if got_layer != layer:
                     raise TierError(f"decoder produced layer {got_layer}, expected {layer}")
-                parts.append((k[r.start : r.start + r.tokens], v[r.start : r.start + r.tokens]))
+                a = 0 if ranges[i] is None else ranges[i][layer][0]
+                if r.start < a:  # never hand out tokens a layer does not hold
+                    raise TierError(
+                        f"layer {layer} of blob {i} holds its tokens {a}.. only (per-layer token sets); "
+                        f"the run asks from token {r.start}"
+                    )
+                parts.append((k[r.start - a : r.start - a + r.tokens], v[r.start - a : r.start - a + r.tokens]))
             yield layer, parts

@@ -3,6 +3,10 @@ method's reconstruction (everything but the sinks and the recent window), then s
 
 The prompt's last token is held back and fed after the replacement, so even the first answer token is computed from
 the reconstructed cache. The cache is the bf16 cache an engine stores; "vanilla" scores with it unchanged.
+
+Sliding-window layers (Gemma 3): the capture holds every layer's KV of every token; the cache built for scoring is
+the model's own (``DynamicCache(config=...)``), whose sliding layers keep only their window, so a method's
+reconstruction of tokens outside a layer's window is never read (kvtc with per-layer token sets does not code them).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ from .tasks import Sample
 log = logging.getLogger(__name__)
 
 
-def build_cache(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype):
-    """A transformers DynamicCache holding KV [L, T, H, D]."""
+def build_cache(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, config: Any = None):
+    """A transformers DynamicCache holding KV [L, T, H, D]; with the model's ``config`` its layers are the model's
+    (a sliding-window layer keeps only the last ``sliding_window - 1`` tokens, as after the model's own prefill)."""
     from transformers import DynamicCache
 
-    c = DynamicCache()
+    c = DynamicCache(config=config)
     for layer in range(k.shape[0]):
         c.update(k[layer].transpose(0, 1)[None].to(dtype), v[layer].transpose(0, 1)[None].to(dtype), layer)
     return c
@@ -39,7 +44,8 @@ def score(model: Any, inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
     """Log-probs [len(inputs), vocab] of the next token after each input, reading KV (k, v) for the context."""
     dtype = next(model.parameters()).dtype
     pos = torch.arange(start, start + inputs.numel())[None]
-    out = model(input_ids=inputs[None], past_key_values=build_cache(k, v, dtype), position_ids=pos, use_cache=True)
+    cache = build_cache(k, v, dtype, model.config)
+    out = model(input_ids=inputs[None], past_key_values=cache, position_ids=pos, use_cache=True)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
 
 
@@ -49,7 +55,7 @@ def generate(
 ) -> list[int]:
     """Greedy tokens after ``last``, reading KV (k, v) for the context."""
     dtype = next(model.parameters()).dtype
-    cache = build_cache(k, v, dtype)
+    cache = build_cache(k, v, dtype, model.config)
     ids, out, pos = last.reshape(1, 1), [], start
     for _ in range(max_new):
         o = model(input_ids=ids, past_key_values=cache, position_ids=torch.tensor([[pos]]), use_cache=True)
