@@ -179,3 +179,28 @@ def test_a_fetchs_work_besides_the_read_counts_against_compressed():
     c = p.choose("x", raw, comp)
     assert c.compressed_s == pytest.approx(comp / 50e9 + 0.030 + raw / (H200_RESTORE_GBS * 1e9))
     assert c.choice == RAW
+
+
+def test_scheduler_claims_no_local_prefix_of_a_request_left_to_nixl(monkeypatch):
+    """A declined offer (raw over NVLink) must not be claimed from the local tiers either: MultiConnector gives a request
+    to the first connector that claims tokens, and NixlConnector is to READ it raw."""
+    from dynamo_kvtc.connector.scheduler import KvtcScheduler
+
+    class Lookup:  # holds every block of every prompt
+        asked = 0
+
+        def match(self, hashes):
+            self.asked += 1
+            return len(hashes), len(hashes)
+
+        def handoff_port(self):
+            return 5555
+
+    fast = _remote("decode", LinkPolicy(2400, H200_RESTORE_GBS), monkeypatch=monkeypatch)
+    lookup = Lookup()
+    sched = KvtcScheduler(fast.cfg, 16, lookup, fast)
+    req = _request(_offer(), tokens=1024)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False) and lookup.asked == 0
+    plain = _request({}, tokens=1024)  # no offer: the local tiers answer as before
+    plain.request_id = "r2"
+    assert sched.get_num_new_matched_tokens(plain, 0)[0] > 0 and lookup.asked == 1

@@ -167,6 +167,8 @@ class KvtcScheduler:
             return 0, False
         if self._is_remote(request):
             return self.remote.matched(request, num_computed_tokens)
+        if self.remote is not None and self.remote.declined(request):
+            return 0, False  # left to NixlConnector: claiming a local prefix would keep MultiConnector from it
         prompt = request.prompt_token_ids or []
         usable = (len(prompt) - 1) // bs  # at least one prompt token is always computed by the engine
         if usable <= 0:

@@ -69,6 +69,17 @@ class KvtcConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
+def _kv_bytes_per_token(vllm_config: Any) -> int:
+    """16-bit K and V bytes of one token on one TP rank (what a raw hand-off READs per token); 0 when the model config
+    does not say (the link policy then takes every offer compressed)."""
+    try:
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        return 2 * 2 * int(mc.get_num_layers(pc)) * int(mc.get_num_kv_heads(pc)) * int(mc.get_head_size())
+    except (AttributeError, TypeError, ValueError) as e:
+        log.warning("kvtc: KV size per token unknown (%s); the hand-off link policy takes every offer compressed", e)
+        return 0
+
+
 def _tp() -> tuple[int, int]:
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -173,7 +184,13 @@ class KvtcConnector(KVConnectorBase_V1):
             self._lookup = LazyLookup(self.engine_id)
             remote = None
             if self.cfg.transfer:
-                remote = RemotePrefill(self.cfg, self.engine_id, self.block_size, self._lookup.handoff_port)
+                remote = RemotePrefill(
+                    self.cfg,
+                    self.engine_id,
+                    self.block_size,
+                    self._lookup.handoff_port,
+                    kv_bytes_per_token=_kv_bytes_per_token(vllm_config),
+                )
             self._scheduler = KvtcScheduler(
                 self.cfg, self.block_size, self._lookup, remote, refuse_loads=self.refuse_loads
             )

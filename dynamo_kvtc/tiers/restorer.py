@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..codec.kvtc import KvtcCodec
-from ..codec.spans import PagedView, RestoreRun, SpanCoder
+from ..codec.spans import PagedView, RestoreRun, SpanCoder, host_bytes
 from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
 from .host import HostLease
@@ -237,8 +237,8 @@ class Restorer:
         covered = sum(r.count for r in runs)
         if covered != len(hashes):
             raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
-        for r in runs:
-            handle.bytes_read += len(r.blob)
+        for r in runs:  # a peer's blob may be ``(pinned tensor, offset, length)``: the fused restore reads it in place
+            handle.bytes_read += len(host_bytes(r.blob))
         return runs
 
     def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
@@ -304,6 +304,6 @@ class Restorer:
                 continue
             try:
                 if m.cal == self.cal.id and m.block_size == self.block_size and not self.index.has_blob(m.id):
-                    self.placement.put(m, r.blob)
+                    self.placement.put(m, host_bytes(r.blob))  # one copy into the host tier
             except (TypeError, KeyError, TierError) as e:
                 log.info("kvtc: not keeping a transferred blob: %s", e)
