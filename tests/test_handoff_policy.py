@@ -182,8 +182,8 @@ def test_a_fetchs_work_besides_the_read_counts_against_compressed():
 
 
 def test_scheduler_claims_no_local_prefix_of_a_request_left_to_nixl(monkeypatch):
-    """A declined offer (raw over NVLink) must not be claimed from the local tiers either: MultiConnector gives a request
-    to the first connector that claims tokens, and NixlConnector is to READ it raw."""
+    """A declined offer (raw over NVLink) must not be claimed from the local tiers either: MultiConnector gives a
+    request to the first connector that claims tokens, and NixlConnector is to READ it raw."""
     from dynamo_kvtc.connector.scheduler import KvtcScheduler
 
     class Lookup:  # holds every block of every prompt
