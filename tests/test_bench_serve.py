@@ -153,6 +153,21 @@ def test_raw_dma_tier_restores_exactly_evicts_tails_first_and_coalesces_copies()
     assert torch.equal(k, kb) and torch.equal(v, vb)
     with pytest.raises(TierError, match="must be"):
         tier.submit_offload(ha, [0] * 6 * bs, keys=ka[:, :-1], values=va)
+    with pytest.raises(TierError, match="destination block per hash"):
+        tier.start_onboard(hb, list(range(6)))  # no registered cache
+    # in place into an engine's paged cache (vLLM's flash layout), blocks 7..12 of it
+    from dynamo_kvtc.tiers.layout import PagedKV
+
+    pages = [torch.zeros(2, 16, bs, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    paged = RawDmaTier(cfg, "cpu", kv=PagedKV(pages, "flash", bs))
+    assert paged.submit_offload(hb, [0] * 6 * bs, keys=kb, values=vb).result() == 6
+    assert paged.start_onboard(hb, list(range(7, 13))).wait(10)
+    for layer in range(L):
+        assert torch.equal(pages[layer][0, 7:13].flatten(0, 1), kb[layer])
+        assert torch.equal(pages[layer][1, 7:13].flatten(0, 1), vb[layer])
+        assert not pages[layer][:, :7].any() and not pages[layer][:, 13:].any()
+    assert paged.snapshot()["restore_copies"] == 2 * L  # one run of slots and blocks: one copy per layer and K/V
+    paged.close()
     assert not tier.start_onboard([12345], sink=lambda *a: None).wait(1)  # not held: the restore fails (a miss)
     tier.close()
 
@@ -242,11 +257,13 @@ def check_restored_history(bench, device: str, system: str) -> None:
             super()._offload(s, *args)
 
     w = wl.generate("multi-round-qa", 1, users=1, rounds=3, system=0, history=300, question=16, answer=8, qps=1)
-    store = bench.store(system, 1 << 24, None)
+    engine = Keep(bench.decoder, None, bench.cfg, device)
+    store = engine.store = bench.store(system, 1 << 24, None, engine.alloc(w))  # restores in place, as a run does
     try:
-        Keep(bench.decoder, store, bench.cfg, device).run(w)
+        engine.run(w)
     finally:
         store.close()
+    assert store.snapshot().get("restores" if system == "raw" else "onboard_blocks", 0) > 0
     for r in w.requests[1:]:
         k, v, hit = kept[r.id]
         pk, pv, _ = kept[r.after]

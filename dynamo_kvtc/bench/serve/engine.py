@@ -1,14 +1,15 @@
 """The engine loop of ``bench serve``: continuous batching over a trace, prefix reuse through the real ``KvtcStore``.
 
-Each step takes the decodes of the running sequences (one token each) and chunks of their prefills up to a token
-budget (chunked prefill), and runs them through a random-initialised decoder of a real model's shape
-(:class:`~dynamo_kvtc.bench.gpu_model.RandomDecoder`'s weights; speed only — the weights are random, the replies
-mean nothing). A request whose prompt starts with blocks the store holds restores them (``start_onboard`` into the
-sequence's KV, layer by layer: attention on layer i waits for layer i only) and computes the rest; a finished request
-offloads its prompt and reply (``submit_offload``, on the store's own worker/stream) and frees its KV. There is no
-prefix cache on the device: what the tier does not hold is recomputed. A later turn of a session arrives at its
-scheduled time, but never before the turn it follows finished *and* that turn's offload was stored (a user reads the
-reply before asking again; the tier's encode time still delays the turn when the trace is that dense).
+Each step takes the decodes of the running sequences (one token each) and chunks of their prefills up to a token budget
+(chunked prefill), and runs them through a random-initialised decoder of a real model's shape
+(:class:`~dynamo_kvtc.bench.gpu_model.RandomDecoder`'s weights; speed only — the weights are random, the replies mean
+nothing). A request whose prompt starts with blocks the store holds restores them (``start_onboard`` in place into the
+sequence's pages of the engine's paged KV pool — vLLM's ``flash`` layout, the path the connector takes — layer by
+layer: attention on layer i waits for layer i only; a store without a registered cache gets a sink) and computes the
+rest; a finished request offloads its prompt and reply (``submit_offload``, on the store's own worker/stream) and frees
+its KV. There is no prefix cache on the device: what the tier does not hold is recomputed. A later turn of a session
+arrives at its scheduled time, but never before the turn it follows finished *and* that turn's offload was stored (a
+user reads the reply before asking again; the tier's encode time still delays the turn when the trace is that dense).
 
 Times are measured in the run itself (the device synchronised after every step). Idle gaps between arrivals are
 skipped once the offload worker is idle (the clock jumps to the next arrival), so a trace of minutes runs in the time
@@ -29,6 +30,7 @@ import torch
 
 from ...errors import TierError
 from ...tiers.keys import sequence_hashes
+from ...tiers.layout import PagedKV
 from .workloads import Request, Workload, segment_ids
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,12 @@ def request_tokens(seed: int, r: Request) -> list[int]:
     return out
 
 
+def _max_len(w: Workload, block_size: int) -> int:
+    """The longest request of ``w`` (prompt + reply), rounded up to whole blocks."""
+    n = max((r.prompt_tokens + r.output_tokens for r in w.requests), default=1)
+    return -(-n // block_size) * block_size
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
@@ -135,7 +143,8 @@ class ServeEngine:
         self.head = conv(decoder.head) if decoder.head is not None else None
         self._busy: dict[int, Any] = {}  # slot -> the offload still reading it
         self._free: list[int] = []
-        self.pool: torch.Tensor | None = None  # [2, L, slots, max tokens, H, D] bf16
+        self.pool: torch.Tensor | None = None  # [L, 2, slots * blocks per slot, block, H, D] bf16 (vLLM's flash pages)
+        self.kview: torch.Tensor | None = None  # the same memory as [L, 2, slots, max tokens, H, D]
         self.max_len = 0
         self._saved: dict[int, float] = {}  # request id -> when its offload was stored (run clock)
         self._t0 = 0.0
@@ -158,10 +167,9 @@ class ServeEngine:
         waiting: deque[_Seq | Request] = deque()
         running: list[_Seq] = []
         done: dict[int, RequestMetrics] = {}
-        self.max_len = max((r.prompt_tokens + r.output_tokens for r in reqs), default=1)
-        slots = self.cfg.max_seqs
-        self.pool = torch.empty(2, self.L, slots, self.max_len, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
-        self._free, self._busy = list(range(slots)), {}
+        if self.pool is None or self.max_len < _max_len(w, self.cfg.block_size):
+            self.alloc(w)
+        self._free, self._busy = list(range(self.cfg.max_seqs)), {}
         self._t0, self._skipped, self._saved = time.perf_counter(), 0.0, {}
         while future or blocked or waiting or running:
             now = self.clock() + t_first
@@ -187,8 +195,25 @@ class ServeEngine:
                 done[s.req.id] = s.m
                 self._offload(s, t_first)
         self._drain()
-        self.pool = None
+        self.pool = self.kview = None
         return [done[r.id] for r in reqs]
+
+    def alloc(self, w: Workload) -> PagedKV:
+        """The KV pool for ``w`` (``max_seqs`` slots of its longest request, whole blocks), as the paged cache a store
+        restores into in place (vLLM's ``flash`` layout per layer: ``[2, blocks, block, H, D]``)."""
+        bs = self.cfg.block_size
+        self.max_len = _max_len(w, bs)
+        nb = self.cfg.max_seqs * self.max_len // bs
+        # zeros, not empty: the batched decode attention reads every slot's rows up to the longest decode, masked;
+        # a NaN left in never-written memory would survive the mask (NaN * 0) and poison other sequences' decodes
+        self.pool = torch.zeros(self.L, 2, nb, bs, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
+        self.kview = self.pool.view(self.L, 2, self.cfg.max_seqs, self.max_len, self.H, self.D)
+        return PagedKV([self.pool[i] for i in range(self.L)], "flash", bs)
+
+    def slot_blocks(self, slot: int, n: int) -> list[int]:
+        """The pool's first ``n`` block ids of ``slot``."""
+        first = slot * (self.max_len // self.cfg.block_size)
+        return list(range(first, first + n))
 
     def _idle(self, future: deque, blocked: list, t_first: float) -> None:
         """Nothing runs: let the offload worker finish, then jump the clock to the next arrival."""
@@ -206,13 +231,16 @@ class ServeEngine:
         n = len(toks)
         m = RequestMetrics(r.id, r.session, arrival, r.prompt_tokens, r.output_tokens, start_s=now)
         slot = self._free.pop()
-        s = _Seq(r, m, toks, slot, self.pool[0, :, slot, :n], self.pool[1, :, slot, :n])
+        s = _Seq(r, m, toks, slot, self.kview[:, 0, slot, :n], self.kview[:, 1, slot, :n])
         if self.store is not None:
             bs = self.cfg.block_size
             hashes = sequence_hashes(toks[: r.prompt_tokens], bs)
             hit = min(self.store.match(hashes), (r.prompt_tokens - 1) // bs)  # the last prompt token is computed
-            if hit:
+            if hit and getattr(self.store, "kv", None) is not None:  # in place, as the connector restores into vLLM
+                s.handle = self.store.start_onboard(hashes[:hit], self.slot_blocks(slot, hit))
+            elif hit:
                 s.handle = self.store.start_onboard(hashes[:hit], sink=s.sink)
+            if hit:
                 s.computed = m.hit_tokens = hit * bs
         return s
 
@@ -298,7 +326,7 @@ class ServeEngine:
             self._wait_layer(batch, i)
             q_all, k_all, v_all = (_rms(x) @ lw["qkv"]).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q_all = _rot(q_all.reshape(-1, nh, hd), cos, sin)
-            pk, pv = self.pool[0, i].view(-1, nkv, hd), self.pool[1, i].view(-1, nkv, hd)
+            pk, pv = self.kview[i, 0].view(-1, nkv, hd), self.kview[i, 1].view(-1, nkv, hd)
             pk.index_copy_(0, flat, _rot(k_all.reshape(-1, nkv, hd), cos, sin).to(pk.dtype))
             pv.index_copy_(0, flat, v_all.reshape(-1, nkv, hd).to(pv.dtype))
             outs, o = [], B
@@ -343,8 +371,8 @@ class ServeEngine:
         n_slots, nh, hd, nkv = self.cfg.max_seqs, self.nh, self.D, self.H
         rep = nh // nkv
         qf = torch.zeros(n_slots, nh, hd, dtype=q.dtype, device=q.device).index_copy_(0, slots, q)
-        kk = self.pool[0, i, :, :S].transpose(1, 2)  # [slots, nkv, S, d], a view
-        vv = self.pool[1, i, :, :S].transpose(1, 2)
+        kk = self.kview[i, 0, :, :S].transpose(1, 2)  # [slots, nkv, S, d], a view
+        vv = self.kview[i, 1, :, :S].transpose(1, 2)
         if kk.dtype != q.dtype:
             kk, vv = kk.to(q.dtype), vv.to(q.dtype)
         a = torch.nn.functional.scaled_dot_product_attention(

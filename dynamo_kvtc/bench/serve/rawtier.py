@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import TierError
+from ...tiers.layout import PagedKV
 from ...tiers.restorer import OnboardHandle
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,11 @@ class RawDmaTier:
     loop. A slot being read by a restore is never overwritten before that read finished (the offload stream waits on
     the restore's event before it writes)."""
 
-    def __init__(self, cfg: RawDmaConfig, device: str | torch.device) -> None:
+    def __init__(self, cfg: RawDmaConfig, device: str | torch.device, *, kv: PagedKV | None = None) -> None:
         self.cfg, self.dev = cfg, torch.device(device)
+        if kv is not None and (kv.layout != "flash" or len(kv.caches) != cfg.layers):
+            raise TierError(f"the raw DMA tier restores into a flash-layout cache of {cfg.layers} layers")
+        self.kv = kv  # the engine's paged cache, restored into in place (None: restores go to a sink)
         n = cfg.slots
         if n < 1:
             raise TierError(f"host budget {cfg.host_bytes} B holds no block of {cfg.block_bytes} B")
@@ -113,12 +117,20 @@ class RawDmaTier:
                 n += 1
             return n
 
-    def start_onboard(self, hashes: Sequence[int], *, sink: Callable[[int, int, torch.Tensor, torch.Tensor], None],
-                      start_token: int = 0) -> OnboardHandle:  # fmt: skip
-        """Copy the blocks of ``hashes`` (all held: ``match`` said so) into ``sink(layer, first token, k, v)`` layer by
-        layer, on the restore stream; the handle's layer events gate the engine's attention."""
-        L, bs = self.cfg.layers, self.cfg.block_size
-        handle = OnboardHandle(L, hashes, self.dev)
+    def start_onboard(
+        self,
+        hashes: Sequence[int],
+        dst_blocks: Sequence[int] | None = None,
+        *,
+        sink: Callable[[int, int, torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> OnboardHandle:
+        """Copy the blocks of ``hashes`` (all held: ``match`` said so) layer by layer, on the restore stream, straight
+        into the registered cache's ``dst_blocks`` (one copy per layer, K/V and run of slots and blocks that are both
+        consecutive), or into ``sink(layer, first token, k, v)``; the handle's layer events gate the engine's
+        attention."""
+        if sink is None and (dst_blocks is None or self.kv is None or len(dst_blocks) != len(hashes)):
+            raise TierError("a restore needs one destination block per hash with a registered cache, or a sink")
+        handle = OnboardHandle(self.cfg.layers, hashes, self.dev)
         with self._lock:
             try:
                 slots = [self._index[h] for h in hashes]
@@ -127,31 +139,51 @@ class RawDmaTier:
                 return handle
             for h in reversed(hashes):  # the first block is the most recently used: tails leave first
                 self._index.move_to_end(h)
-            runs = runs_of(slots)
             ctx = torch.cuda.stream(self._on_stream) if self._on_stream is not None else nullcontext()
             with ctx:
                 if self._on_stream is not None:
                     self._on_stream.wait_stream(torch.cuda.current_stream(self.dev))
-                T = len(slots) * bs
-                for layer in range(L):
-                    kv = torch.empty(2, T, self.cfg.kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype, device=self.dev)
-                    for s0, i0, n in runs:  # K and V apart: each copy contiguous on both sides (a strided host
-                        for j in (0, 1):  # source would be staged through pageable memory, synchronously)
-                            kv[j, i0 * bs : (i0 + n) * bs].copy_(
-                                self.pool[layer, j, s0 : s0 + n].flatten(0, 1), non_blocking=True
-                            )
-                    sink(layer, start_token, kv[0], kv[1])
-                    handle.mark_layer_ready(layer)
+                if sink is None:
+                    copies = self._into_pages(slots, list(dst_blocks), handle)
+                else:
+                    copies = self._into_sink(slots, sink, handle)
                 if self._on_stream is not None:
                     ev = torch.cuda.Event()
                     ev.record()
                     self._last_read = ev
             handle.raw_bytes = handle.bytes_read = len(slots) * self.cfg.block_bytes
         self.stats["restores"] += 1
-        self.stats["restore_copies"] += 2 * L * len(runs)
+        self.stats["restore_copies"] += copies
         self.stats["restore_bytes"] += handle.raw_bytes
         handle.finish()
         return handle
+
+    def _into_pages(self, slots: list[int], dst: list[int], handle: OnboardHandle) -> int:
+        copies = 0
+        runs = _pair_runs(slots, dst)
+        for layer in range(self.cfg.layers):
+            page = self.kv.caches[layer]  # [2, blocks, block, H, D]
+            for s0, d0, n in runs:
+                for j in (0, 1):
+                    page[j, d0 : d0 + n].copy_(self.pool[layer, j, s0 : s0 + n], non_blocking=True)
+                    copies += 1
+            handle.mark_layer_ready(layer)
+        return copies
+
+    def _into_sink(self, slots: list[int], sink: Callable, handle: OnboardHandle) -> int:
+        bs, copies = self.cfg.block_size, 0
+        runs = runs_of(slots)
+        T = len(slots) * bs
+        for layer in range(self.cfg.layers):
+            kv = torch.empty(2, T, self.cfg.kv_heads, self.cfg.head_dim, dtype=self.cfg.dtype, device=self.dev)
+            for s0, i0, n in runs:  # K and V apart: each copy contiguous on both sides (a strided host
+                for j in (0, 1):  # source would be staged through pageable memory, synchronously)
+                    src = self.pool[layer, j, s0 : s0 + n].flatten(0, 1)
+                    kv[j, i0 * bs : (i0 + n) * bs].copy_(src, non_blocking=True)
+                    copies += 1
+            sink(layer, 0, kv[0], kv[1])
+            handle.mark_layer_ready(layer)
+        return copies
 
     def submit_offload(self, hashes: Sequence[int], token_ids: Sequence[int], *, keys: torch.Tensor,
                        values: torch.Tensor, ready_event: Any = None) -> Future:  # fmt: skip

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from ...tiers.layout import PagedKV
 from ..gpu_model import MODELS, ModelDims, RandomDecoder
 from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
@@ -68,7 +69,9 @@ class ServeBench:
         self.ws_blocks = wl.working_set_blocks(workload.requests, self.cfg.block_size)
         self.ws_bytes = self.ws_blocks * self.cfg.block_size * self.bytes_per_token
 
-    def store(self, system_name: str, host_bytes: int, disk_dir: str | None):
+    def store(self, system_name: str, host_bytes: int, disk_dir: str | None, kv: PagedKV | None = None):
+        """A fresh store of ``system_name`` at ``host_bytes`` (None for ``none``); ``kv``: the engine's paged pool to
+        restore into in place."""
         from ...tiers import KvtcStore
 
         sysm = SYSTEMS[system_name]
@@ -77,13 +80,13 @@ class ServeBench:
         if sysm.dma:
             s = self.shape
             return RawDmaTier(RawDmaConfig(host_bytes, s.layers, s.kv_heads, s.head_dim, self.cfg.block_size),
-                              self.device)  # fmt: skip
+                              self.device, kv=kv)  # fmt: skip
         kw = dict(self.tier_kw)
         if kw.get("disk_bytes"):
             kw["disk_dir"] = tempfile.mkdtemp(prefix=f"serve-{system_name}-", dir=disk_dir)
         cfg = tier_config(sysm, host_bytes, **kw)
         return KvtcStore(
-            self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens
+            self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens, kv=kv
         )
 
     def warm_up(self, systems: list[str], sessions: int = 2) -> None:
@@ -92,17 +95,19 @@ class ServeBench:
         first = list(dict.fromkeys(r.session for r in self.w.requests))[:sessions]
         w = wl.Workload(self.w.name, self.w.seed, self.w.params, [r for r in self.w.requests if r.session in first])
         for name in systems:
-            store = self.store(name, 1 << 30, None)
+            engine = ServeEngine(self.decoder, None, self.cfg, self.device)
+            store = engine.store = self.store(name, 1 << 30, None, engine.alloc(w))
             try:
-                ServeEngine(self.decoder, store, self.cfg, self.device).run(w)
+                engine.run(w)
             finally:
                 close(store)
 
     def run(self, system_name: str, fraction: float | None, disk_dir: str | None = None) -> RunRecord:
         host = host_budget(fraction or 0.0, self.ws_blocks, self.cfg.block_size, self.bytes_per_token)
-        store = self.store(system_name, host, disk_dir)
+        engine = ServeEngine(self.decoder, None, self.cfg, self.device)
+        store = engine.store = self.store(system_name, host, disk_dir, engine.alloc(self.w))
         try:
-            ms = ServeEngine(self.decoder, store, self.cfg, self.device).run(self.w)
+            ms = engine.run(self.w)
             snap = store.snapshot() if store is not None else {}
         finally:
             close(store)
