@@ -23,7 +23,7 @@ import torch
 
 from ..calibration.models import capture_kv
 from .methods import Method
-from .tasks import Sample
+from .tasks import Sample, answer_score
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +144,7 @@ def run(
                     r["exact"] = float(out == base)
                     r["accuracy"] = r["exact"]
                 else:
-                    hits = [a in text for a in s.answers]
-                    r["accuracy"] = float(all(hits)) if s.task != "vt" else sum(hits) / len(hits)
+                    r["accuracy"] = answer_score(s.task, s.answers, text)
             records.append(r)
             bar.update(1)
     bar.close()
