@@ -34,22 +34,11 @@ log = logging.getLogger(__name__)
 __all__ = ["RawDmaConfig", "RawDmaTier", "runs_of"]
 
 
-def runs_of(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first slot, first index in ``slots``, length) of each run of consecutive slot numbers, in ``slots``' order."""
+def runs_of(slots: Sequence[int], blocks: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """(first slot, first block, length) of each run where both the slots and the blocks they go with are consecutive;
+    ``blocks`` defaults to the indices into ``slots`` (runs of adjacent slots, in ``slots``' order)."""
     out: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if out and out[-1][0] + out[-1][2] == s:
-            a, j, n = out[-1]
-            out[-1] = (a, j, n + 1)
-        else:
-            out.append((s, i, 1))
-    return out
-
-
-def _pair_runs(slots: Sequence[int], blocks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first slot, first block, length) of each run where both the slots and the blocks they take are consecutive."""
-    out: list[tuple[int, int, int]] = []
-    for s, b in zip(slots, blocks):
+    for s, b in zip(slots, range(len(slots)) if blocks is None else blocks):
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == b:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
@@ -160,7 +149,7 @@ class RawDmaTier:
 
     def _into_pages(self, slots: list[int], dst: list[int], handle: OnboardHandle) -> int:
         copies = 0
-        runs = _pair_runs(slots, dst)
+        runs = runs_of(slots, dst)
         for layer in range(self.cfg.layers):
             page = self.kv.caches[layer]  # [2, blocks, block, H, D]
             for s0, d0, n in runs:
@@ -223,7 +212,7 @@ class RawDmaTier:
                 if last_read is not None:  # an evicted slot may still be read by a restore in flight
                     self._off_stream.wait_event(last_read)
             copies = 0
-            for s0, b0, n in _pair_runs(slots, new):
+            for s0, b0, n in runs_of(slots, new):
                 for layer in range(self.cfg.layers):
                     self.pool[layer, 0, s0 : s0 + n].copy_(keys[layer, b0 * bs : (b0 + n) * bs].unflatten(0, (n, bs)),
                                                            non_blocking=True)  # fmt: skip
