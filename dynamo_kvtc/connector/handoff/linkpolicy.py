@@ -99,24 +99,26 @@ class LinkPolicy:
         rate = nbytes / seconds
         with self._lock:
             p = self._peers.setdefault(peer, _Peer())
-            p.bw = rate if p.samples == 0 else (1 - self.alpha) * p.bw + self.alpha * rate
+            p.bw = self._ewma(p.bw if p.samples else 0.0, rate)
             p.samples += 1
 
     def observe_restore(self, raw_bytes: int, seconds: float) -> None:
         """A compressed restore that produced ``raw_bytes`` of 16-bit KV in ``seconds`` (all layers)."""
         if raw_bytes <= 0 or not seconds > 0:
             return
-        rate = raw_bytes / seconds
         with self._lock:
-            self._restore = rate if self._restore == 0 else (1 - self.alpha) * self._restore + self.alpha * rate
+            self._restore = self._ewma(self._restore, raw_bytes / seconds)
 
     def observe_staging(self, nbytes: int, seconds: float) -> None:
         """A fetch of ``nbytes`` compressed bytes spent ``seconds`` besides its READ (control, staging, copies)."""
         if nbytes <= 0 or not seconds > 0:
             return
-        rate = nbytes / seconds
         with self._lock:
-            self._staging = rate if self._staging == 0 else (1 - self.alpha) * self._staging + self.alpha * rate
+            self._staging = self._ewma(self._staging, nbytes / seconds)
+
+    def _ewma(self, old: float, rate: float) -> float:
+        """The running estimate after one more observed ``rate`` (the first observation, ``old`` 0, is taken as is)."""
+        return rate if old == 0 else (1 - self.alpha) * old + self.alpha * rate
 
     # ------------------------------------------------------------------ estimates
     def link(self, peer: str) -> tuple[float, str]:
