@@ -7,7 +7,7 @@
 # With the wheels the shipped calibrations must be untracked for the call as perf_check.sh says.
 # Knobs (environment): MODEL (llama-3.1-8b | mistral-nemo-12b), WORKLOAD (multi-round-qa | conversation |
 # long-doc-qa), PARAMS (generator KEY=VALUE list), BUDGETS, SYSTEMS, QPS, EXTRA (more bench serve arguments),
-# TESTS=0 to skip the GPU test, TOTAL_S (default 470: the run stops there; the JSON keeps every finished run),
+# TESTS=0 to skip the GPU test, PROFILE=1 for one offload/restore per system with stage timings first, TOTAL_S (default 470: the run stops there; the JSON keeps every finished run),
 # PLAN (several runs in one call, see below).
 # The short check of 2026-12-01 (docs/serving.md) took 14-18 s per run for 24 requests of ~5K tokens; the default
 # here (24 requests of ~9.4K tokens) should take ~25 s per run. Split a longer sweep over calls with SYSTEMS=...
@@ -57,10 +57,17 @@ if [ "${TESTS:-1}" != 0 ]; then
   tail -3 "$OUT/pytest-serve.log"
 fi
 
+if [ "${PROFILE:-0}" != 0 ]; then
+  step "one offload + restore per system, stage timings (integration/gpu/restore_profile.py)"
+  timeout 240 python3 integration/gpu/restore_profile.py --model "$MODEL" --tokens "${PROFILE_TOKENS:-9104}" \
+    --json "$OUT/restore-profile.json" 2>&1 | grep -vE "^(WARNING|INFO)" | tail -15
+fi
+
 # PLAN: runs separated by ';', each "MODEL WORKLOAD BUDGETS SYSTEMS [QPS-list|-] [KEY=VALUE,...]" (default: the one
 # run the knobs above describe; PARAMS apply to a run of WORKLOAD without its own parameters). Each run gets its own serve-<model>-<workload>[-qps].{json,png,log}; a run that is cut short by
 # TOTAL_S keeps the runs it finished in its JSON.
-PLAN=${PLAN:-"$MODEL $WORKLOAD $BUDGETS $SYSTEMS"}
+PLAN=${PLAN:-"$MODEL $WORKLOAD $BUDGETS $SYSTEMS"}  # PLAN=- runs nothing (a call for the test or the profile only)
+[ "$PLAN" = "-" ] && PLAN=""
 BENCH_STATUS=0
 IFS=';' read -ra RUNS <<<"$PLAN"
 for run in "${RUNS[@]}"; do
