@@ -282,23 +282,43 @@ def scenario_transfer_malformed(world: World, ledger: Ledger, peer: PeerProcess,
 
 # ====================================================================================================== staged memory
 LIES = ("past_arena", "short_blob", "foreign_device")
+RANGE_LIES = ("ranges_past_blob", "ranges_overlap", "ranges_short", "ranges_misplaced")
+
+
+def _lie_about_ranges(blobs: list[dict[str, Any]], lie: str) -> None:
+    """Per-layer-group byte ranges that end past the blob, overlap, stop short of it, or tile it but not by group
+    (the first range ending inside the header)."""
+    for b in blobs:
+        n = b["size"]
+        if lie == "ranges_past_blob":
+            b["ranges"] = [*b.get("ranges", [n])[:-1], n + 4096]
+        elif lie == "ranges_overlap":
+            b["ranges"] = [n // 2, n // 4, n]
+        elif lie == "ranges_short":
+            b["ranges"] = [*b.get("ranges", [n])[:-1], n - 1]
+        else:
+            b["ranges"] = [20, n]
 
 
 def lying_server(cfg: Any, store: Any, lie: str, device: Any = None) -> Any:
     """A real :class:`HandoffServer` that stages and registers honestly but describes the staged bytes wrongly in
     its replies (``lie`` in :data:`LIES`): descriptors past the end of its registered arena (sizes still add up), a
-    blob one byte shorter than staged (first descriptor and size), or another device's memory. The decode side must
-    fail the fetch (the engine recomputes), never read wrong bytes into KV, and keep fetching from honest peers."""
+    blob one byte shorter than staged (first descriptor and size), or another device's memory; or (``lie`` in
+    :data:`RANGE_LIES`) the blobs' layer-group byte ranges. The decode side must fail the fetch (the engine
+    recomputes) — or, for ranges that tile the blobs, restore them exactly — never read wrong bytes into KV, and
+    keep fetching from honest peers."""
     from ..connector.handoff.server import HandoffServer
 
-    if lie not in LIES:
-        raise ValueError(f"lie must be one of {LIES}")
+    if lie not in LIES + RANGE_LIES:
+        raise ValueError(f"lie must be one of {LIES + RANGE_LIES}")
 
     class LyingServer(HandoffServer):
         def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
             reply = super()._fetch(msg)
             b = reply["blobs"][0]
-            if lie == "past_arena":
+            if lie in RANGE_LIES:
+                _lie_about_ranges(reply["blobs"], lie)
+            elif lie == "past_arena":
                 arena = self.arena(reply["mem"])
                 b["descs"] = [[arena.base + arena.capacity + 4096 * (i + 1), n] for i, (_, n) in enumerate(b["descs"])]
             elif lie == "short_blob":

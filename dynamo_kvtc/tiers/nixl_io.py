@@ -130,13 +130,13 @@ class TokenBucket:
         self.rate = gbps * 1e9 / 8  # bytes/s
         self.chunk_bytes = chunk_bytes
         self.max_chunks = max_chunks
+        self._t0 = 0.0
+        self._sent = 0
 
     def chunk_for(self, total: int) -> int:
         """The chunk of a ``total``-byte READ: ``chunk_bytes``, larger where that would make more than ``max_chunks``
         (each chunk is a NIXL post: its fixed cost must stay below the time the emulated link gives it)."""
         return max(self.chunk_bytes, -(-total // self.max_chunks))
-        self._t0 = 0.0
-        self._sent = 0
 
     def start(self) -> None:
         self._t0, self._sent = time.perf_counter(), 0
@@ -199,16 +199,18 @@ def read_descs(
     quarantine: Quarantine,
     pace: TokenBucket | None = None,
     poll_s: float = 0.0,
+    start_pace: bool = True,
 ) -> float:
     """READ ``remote`` into ``local`` (``(address, length, device)`` lists of equal total size, cut here into pairs
     of equal lengths as NIXL needs) from ``peer`` through :func:`transfer`; with ``pace`` in chunks paced by its token
-    bucket. Returns the seconds the READ took (posting
-    to done). Call with ``agent.lock`` held; ``buf`` (the local memory) must already be registered."""
+    bucket (``start_pace`` False: the bucket was started by the caller, this READ continues one paced transfer made
+    of several READs). Returns the seconds the READ took (posting to done). Call with ``agent.lock`` held; ``buf``
+    (the local memory) must already be registered."""
     a = agent.agent
     total = sum(d[1] for d in local)
     parts = split_descs(local, remote, pace.chunk_for(total) if pace is not None else max(total, 1))  # paired
     t = time.perf_counter()
-    if pace is not None:
+    if pace is not None and start_pace:
         pace.start()
     for lp, rp in parts:
         if pace is not None:

@@ -11,6 +11,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,17 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
+
+
+def _settled(blob: Any) -> Any:
+    """A blob the host can read whole: a peer's blob still landing, or in device memory, is waited for and copied to
+    host bytes (its ``settle``); anything else as it is."""
+    if hasattr(blob, "settle"):
+        return blob.settle()
+    if isinstance(blob, tuple) and blob[0].is_cuda:
+        t, off, n = blob
+        return t[off : off + n].cpu().numpy().tobytes()
+    return blob
 
 
 class OnboardHandle:
@@ -194,7 +206,7 @@ class Restorer:
         try:
             decoder = self.decoder()
             if source is not None:
-                runs, ids = self._from_source(handle, hashes, source), None
+                runs, ids = self._from_source(handle, hashes, source, decoder.fused), None
                 tiers: Counter[str] = Counter({"peer": len(hashes)})
             else:
                 runs, ids, tiers = self._from_tiers(handle, hashes)
@@ -232,13 +244,15 @@ class Restorer:
             lease.release()
         handle.leases.clear()
 
-    def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source) -> list[BlobRun]:
+    def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source, fused: Any) -> list[BlobRun]:
         runs = source()
         covered = sum(r.count for r in runs)
         if covered != len(hashes):
             raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
-        for r in runs:  # a peer's blob may be ``(pinned tensor, offset, length)``: the fused restore reads it in place
-            handle.bytes_read += len(host_bytes(r.blob))
+        for r in runs:  # a peer's blob may be ``(tensor, offset, length)``: the fused restore reads it in place
+            handle.bytes_read += r.blob[2] if isinstance(r.blob, tuple) else len(r.blob)
+        if fused is None:  # the reference decoder reads host bytes, all of them: wait for them and copy them out
+            runs = [replace(r, blob=_settled(r.blob)) for r in runs]
         return runs
 
     def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
@@ -304,6 +318,6 @@ class Restorer:
                 continue
             try:
                 if m.cal == self.cal.id and m.block_size == self.block_size and not self.index.has_blob(m.id):
-                    self.placement.put(m, host_bytes(r.blob))  # one copy into the host tier
+                    self.placement.put(m, host_bytes(_settled(r.blob)))  # one copy into the host tier
             except (TypeError, KeyError, TierError) as e:
                 log.info("kvtc: not keeping a transferred blob: %s", e)

@@ -15,6 +15,14 @@ a copy stream, one CUDA event per group. :meth:`RestoreJob.layers` then, on the 
    group 0's bytes and work. Only verified bytes are ever written: if group g of some blob is corrupt, the layers of
    groups < g hold correct KV, groups >= g are untouched, and the job reports the failure (the caller recomputes).
 
+Blobs already in device memory (``(cuda tensor, offset, length)``: a hand-off's receive buffer) are not copied
+through the host: their headers come over in two small reads, their sections are gathered device to device into the
+staged buffer, group by group on the caller's stream. An :class:`ArrivingBlob` is such a blob (host or device) whose
+bytes are still landing: the job waits, on the host, for the byte ranges holding a group just before that group's
+CRCs (its headers before parsing), so group 0 is decoded while later groups still move. The ranges a peer declared
+are never trusted for more than when to wait: a group is read only after every range up to the one holding its last
+byte has landed.
+
 Nothing on that path reads a device value back: the host learns the verdict in :meth:`RestoreJob.finish`, which
 synchronises and raises CorruptBlobError naming the blob and section. ``verify="eager"`` keeps the old contract
 (every CRC checked, with one synchronisation, before the constructor returns). Without a destination (fresh
@@ -23,14 +31,15 @@ tensors handed to the caller) nothing can be gated on the device, so the verdict
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from ...errors import CorruptBlobError, InputError
-from ..container import runs_to_positions
+from ..container import MAX_HEADER_BYTES, PREFIX, runs_to_positions
 from ..model import DTYPES
 from ..plan import iter_sections
 from ..sinks import decode_sinks
@@ -42,6 +51,95 @@ if TYPE_CHECKING:
     from .fused import FusedCodec
 
 VERIFY_MODES = ("device", "eager")
+
+
+class Arrival(Protocol):
+    """Byte ranges landing one after another (a hand-off's per-layer-group READs)."""
+
+    def wait(self, index: int) -> None:
+        """Return once ranges 0..``index`` have landed; raise (TransferError) when they never will."""
+
+    def consumed(self, event: Any) -> None:
+        """One blob's bytes were read out (on CUDA: once ``event`` completes); called once per blob."""
+
+
+class ArrivingBlob(tuple):
+    """A blob given as ``(tensor, offset, length)`` (host or device memory) whose bytes are still landing: range a,
+    bytes ``[ends[a-1], ends[a])`` of the blob, is in place once ``arrival.wait(a)`` returned. Unpacks like the
+    plain 3-tuple. The fused restore waits group by group; every other reader calls :meth:`settle` first.
+
+    Owns nothing but the view and the ranges; it never reads a byte of a range that was not confirmed landed."""
+
+    arrival: Any
+    ends: tuple[int, ...]
+
+    def __new__(cls, tensor: torch.Tensor, offset: int, length: int, arrival: Any, ends: Sequence[int]):
+        ends = tuple(int(e) for e in ends)
+        if not ends or ends[0] < 1 or ends[-1] != length or any(b <= a for a, b in zip(ends, ends[1:])):
+            raise InputError(f"arrival ranges must increase strictly up to the blob's {length} bytes, got {ends[:8]}")
+        self = super().__new__(cls, (tensor, offset, length))
+        self.arrival, self.ends, self._consumed = arrival, ends, False
+        return self
+
+    def wait_for(self, end: int) -> None:
+        """Block until bytes ``[0, end)`` of the blob have landed."""
+        self.arrival.wait(min(bisect.bisect_left(self.ends, end), len(self.ends) - 1))
+
+    def consumed(self, event: Any = None) -> None:
+        """Tell the arrival this blob was read out (once; later calls do nothing)."""
+        if not self._consumed:
+            self._consumed = True
+            self.arrival.consumed(event)
+
+    def settle(self) -> bytes:
+        """Wait for every byte, copy the blob to host bytes and mark it read out (readers without range waits)."""
+        t, off, n = self
+        self.wait_for(n)
+        out = t[off : off + n].cpu().numpy().tobytes()
+        self.consumed(None)
+        return out
+
+
+def _source(b: Any) -> tuple[Any, int, int, Any, ArrivingBlob | None]:
+    """(tensor or None, offset, length, host memoryview or None (device memory), the arrival view or None)."""
+    if isinstance(b, tuple):
+        t, off, n = b
+        arriving = b if isinstance(b, ArrivingBlob) else None
+        return t, off, n, (None if t.is_cuda else memoryview(t.numpy())[off : off + n]), arriving
+    mv = memoryview(b).cast("B")
+    return None, 0, len(mv), mv, None
+
+
+def _header_end(prefix: Any, n: int) -> int:
+    """Where a blob's header ends, from its first bytes (clamped to the blob: parsing rejects what does not fit)."""
+    if len(prefix) < PREFIX.size:
+        return n
+    hlen = PREFIX.unpack_from(prefix, 0)[3]
+    return min(n, PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1))
+
+
+def _header_view(t: Any, off: int, n: int, mv: Any, arriving: ArrivingBlob | None) -> memoryview:
+    """A host view of a blob that the header checks can read: the blob itself on the host; for device memory a
+    zero-filled host array of the blob's length holding its prefix and header (two small copies; calloc'ed, so only
+    the header's pages are touched: parsing reads nothing else). An arriving blob's header is waited for first."""
+    if mv is None:
+        return _device_header_view(t, off, n, arriving)
+    if arriving is not None:
+        arriving.wait_for(min(n, PREFIX.size))
+        arriving.wait_for(_header_end(mv[: PREFIX.size], n))
+    return mv
+
+
+def _device_header_view(t: torch.Tensor, off: int, n: int, arriving: ArrivingBlob | None) -> memoryview:
+    head = min(n, PREFIX.size)
+    if arriving is not None:
+        arriving.wait_for(head)
+    end = _header_end(t[off : off + head].cpu().numpy(), n)
+    if arriving is not None:
+        arriving.wait_for(end)
+    out = np.zeros(n, dtype=np.uint8)
+    out[:end] = t[off : off + end].cpu().numpy()
+    return memoryview(out)
 
 
 class RestoreJob:
@@ -61,16 +159,9 @@ class RestoreJob:
         self.clock.mark("start")
         self.heads: list[dict[str, Any]] = []
         self.recs: list[list] = []
-        srcs = []
-        for b in blobs:
-            if isinstance(b, tuple):
-                t, off, n = b
-                mv = memoryview(t.numpy())[off : off + n]
-                srcs.append((t, off, mv))
-            else:
-                mv = memoryview(b).cast("B")
-                srcs.append((None, 0, mv))
-            h, recs = codec.check_blob(mv)
+        srcs = [_source(b) for b in blobs]
+        for src in srcs:
+            h, recs = codec.check_blob(_header_view(*src))
             self.heads.append(h)
             self.recs.append(recs)
         self.tokens = [h["tokens"] for h in self.heads]
@@ -117,17 +208,23 @@ class RestoreJob:
         self.staged = torch.empty(max(total, 1), dtype=torch.uint8, device=self.fc.device)
 
     def _stage(self, srcs) -> None:
-        """Queue the host->device copies group by group; ``self._copied[g]``: the event after group g's copies."""
+        """Queue the host->device copies group by group; ``self._copied[g]``: the event after group g's copies.
+        Blobs in device memory and arriving blobs are staged later, group by group (:meth:`_stage_lazy`)."""
         dev = self.fc.device
         self._copied: list[Any] = []
+        self._srcs = srcs
+        self._lazy = {bi for bi, (_, _, _, mv, arriving) in enumerate(srcs) if mv is None or arriving is not None}
+        eager = [[p for p in pieces if p[0] not in self._lazy] for pieces in self.pieces]
         if dev.type != "cuda":
-            for pieces in self.pieces:
+            for pieces in eager:
                 for bi, lo, dst, n in pieces:
-                    t, off, mv = srcs[bi]
+                    mv = srcs[bi][3]
                     self.staged[dst : dst + n].numpy()[:] = np.frombuffer(mv[lo : lo + n], dtype=np.uint8)
             return
-        pinned = [t is not None and t.is_pinned() for t, _, _ in srcs]
-        bounce_n = sum(n for pieces in self.pieces for bi, _, _, n in pieces if not pinned[bi])
+        if not any(eager):
+            return
+        pinned = [t is not None and not t.is_cuda and t.is_pinned() for t, *_ in srcs]
+        bounce_n = sum(n for pieces in eager for bi, _, _, n in pieces if not pinned[bi])
         # a fresh pinned buffer from torch's caching host allocator: it is reused only once these copies are done
         bounce = torch.empty(bounce_n, dtype=torch.uint8, pin_memory=True) if bounce_n else None
         main = torch.cuda.current_stream(dev)
@@ -135,10 +232,10 @@ class RestoreJob:
         cs.wait_stream(main)  # the staged buffer may reuse memory the caller's stream still reads
         self.staged.record_stream(cs)
         b0 = 0
-        for pieces in self.pieces:
+        for pieces in eager:
             with torch.cuda.stream(cs):
                 for bi, lo, dst, n in pieces:
-                    t, off, mv = srcs[bi]
+                    t, off, _, mv, _ = srcs[bi]
                     if pinned[bi]:
                         src = t[off + lo : off + lo + n]
                     else:
@@ -149,6 +246,32 @@ class RestoreJob:
                 ev.record(cs)
             self._copied.append(ev)
 
+    def _stage_lazy(self, g: int) -> None:
+        """Stage group g's sections of the blobs in device memory (one device-to-device copy per blob, on the
+        caller's stream) and of arriving blobs (after the ranges holding them landed). After the last group every
+        arriving blob is marked read out."""
+        if not self._lazy:
+            return
+        for bi, lo, dst, n in self.pieces[g]:
+            if bi not in self._lazy:
+                continue
+            t, off, _, _, arriving = self._srcs[bi]
+            if arriving is not None:
+                arriving.wait_for(lo + n)
+            out = self.staged[dst : dst + n]
+            if not t.is_cuda and not out.is_cuda:
+                out.numpy()[:] = t[off + lo : off + lo + n].numpy()
+            else:
+                out.copy_(t[off + lo : off + lo + n], non_blocking=t.is_cuda or t.is_pinned())
+        if g == len(self.pieces) - 1:
+            ev = None
+            if self.fc.device.type == "cuda":
+                ev = torch.cuda.Event()
+                ev.record()
+            for src in self._srcs:
+                if src[4] is not None:
+                    src[4].consumed(ev)
+
     def _crc_upto(self, groups: int) -> None:
         """Queue (on the caller's stream) the CRC check of every section of groups < ``groups`` not yet checked."""
         a = self._crc_done
@@ -158,6 +281,8 @@ class RestoreJob:
             main = torch.cuda.current_stream(self.fc.device)
             for ev in self._copied[a:groups]:
                 main.wait_event(ev)
+        for g in range(a, groups):
+            self._stage_lazy(g)
         self.clock.mark("h2d")
         rows = [row for g in range(a, groups) for row in self.rows[g]]
         recs = [row["rec"] for row in rows]

@@ -1,12 +1,16 @@
-"""Decode side of the hand-off: pulls a prompt's blobs from a prefill worker over NIXL.
+"""Decode side of the hand-off: pulls a prompt's blobs from a prefill worker over NIXL, layer group by layer group.
 
 Before a byte is read the reply is checked against the request (:func:`~.messages.plan_reply`); the blobs are READ
 into one receive buffer registered with NIXL once (:class:`~.staging.RecvBuffer`: device memory on a GPU worker, so a
-prefill GPU's staged blobs move GPU to GPU; host memory otherwise); after the read each blob is verified whole by the
-decoder (structure, every section CRC, calibration id) before its first layer is written. A READ that failed or timed
-out and whose NIXL handle could not be confirmed released keeps its buffer alive (quarantine): no late write into
-freed memory, and the next fetch gets a fresh buffer. Every completed READ feeds the per-peer link estimate of a
-:class:`~.linkpolicy.LinkPolicy` (:meth:`HandoffClient.choose` asks it raw or compressed).
+prefill GPU's staged blobs move GPU to GPU; host memory otherwise), one READ per byte range (range a = every blob's
+layer-group-a bytes, the header with group 0), posted one after another by a reader thread while :meth:`fetch` has
+already returned the runs: each blob an :class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob` over the receive
+buffer, which the fused restore reads in place (device to device), group g as soon as its range landed. Each blob is
+still verified (structure, every section CRC, calibration id) before its bytes are written anywhere. A READ that
+failed or timed out and whose NIXL handle could not be confirmed released keeps its buffer alive (quarantine): no
+late write into freed memory, and the next fetch gets a fresh buffer; so does a fetch whose previous fetch's blobs
+were not read out yet. Every completed fetch feeds the per-peer link estimate of a :class:`~.linkpolicy.LinkPolicy`
+(:meth:`HandoffClient.choose` asks it raw or compressed).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...codec.gpu.restore import ArrivingBlob
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
 from ...tiers.channel import ReqClient
@@ -26,8 +31,9 @@ from ...tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from ..config import ConnectorConfig
 from .auth import channel_auth
 from .linkpolicy import LinkChoice, LinkPolicy
-from .messages import LIMITS, fetch_request, peer_ok, plan_reply, reply_memory
+from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
 from .staging import RecvBuffer, memory_device
+from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +49,12 @@ def _meta(d: dict) -> BlobMeta | None:
 class HandoffClient:
     """Pulls blobs from prefill workers: one NIXL agent, one control-channel client per peer.
 
-    Owns the agent, the channels, the receive buffer, the link estimates and the quarantine of unconfirmed READ
-    buffers. It never writes into the engine's blocks: it returns :class:`~dynamo_kvtc.tiers.blobs.BlobRun` s that
-    the store verifies and restores (bytes; on a GPU ``(pinned tensor, offset, length)``, read in place by the
-    fused restore). ``device``: where to receive (None: the current CUDA device, else the host; see
-    :func:`~.staging.memory_device`); ``pace``: a token bucket emulating a slower link (benchmarks only)."""
+    Owns the agent, the channels, the receive buffer, the reader thread, the link estimates and the quarantine of
+    unconfirmed READ buffers. It never writes into the engine's blocks: it returns
+    :class:`~dynamo_kvtc.tiers.blobs.BlobRun` s over the receive buffer that the store verifies and restores, and
+    never lets a later fetch write into a buffer whose blobs were not read out. ``device``: where to receive (None:
+    the current CUDA device, else the host; see :func:`~.staging.memory_device`); ``pace``: a token bucket
+    emulating a slower link (benchmarks only)."""
 
     def __init__(
         self,
@@ -70,6 +77,8 @@ class HandoffClient:
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-read")  # posts the range READs
+        self._inflight: tuple[GroupArrival, torch.Tensor] | None = None  # the last fetch's arrival and buffer
 
     @property
     def quarantined_bytes(self) -> int:
@@ -86,26 +95,27 @@ class HandoffClient:
             return ch
 
     def fetch(self, host: str, port: int, hashes: list[int]) -> list[BlobRun]:
-        """The blob runs covering ``hashes`` from the prefill worker at ``host:port``; TransferError on any fault."""
+        """The blob runs covering ``hashes`` from the prefill worker at ``host:port``, returned once the READs are
+        posted (the blobs' bytes land range by range: see :class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob`);
+        TransferError on any fault found before that, the waiting restore's TransferError on any fault after."""
+        self._settle()
         ch = self._channel(host, port)
         t = time.perf_counter()
         reply = ch.ask(fetch_request(hashes, self.agent.name, self.agent.metadata(), self.recv.mem))
         ask_s = time.perf_counter() - t
+        lease = str(reply.get("lease", ""))
         try:
-            runs, read_s, total = self._read(reply, hashes)
-        finally:  # the READ is over (done, failed, or its buffer quarantined): the staged bytes may go
-            self._releaser.submit(self.release, host, port, str(reply.get("lease", "")))
-        peer = f"{host}:{port}"
-        self.link.observe(peer, total, read_s)
-        self.link.observe_staging(total, time.perf_counter() - t - read_s)
-        raw = sum(r.meta.raw_bytes for r in runs if r.meta is not None)
-        if raw:  # what the policy, knowing this READ, says about such a prompt from this peer (metrics, one log line)
-            self.link.choose(peer, raw, total)
-        self.last = {"ask_s": ask_s, "read_s": read_s, "bytes": float(total)}
-        return runs
+            return self._post(reply, hashes, (host, port, lease), ask_s)
+        except BaseException:
+            self._releaser.submit(self.release, host, port, lease)  # nothing was posted: the staged bytes may go
+            raise
 
     def flush(self) -> None:
-        """Wait until every release queued so far was sent (and answered or given up)."""
+        """Wait until the last fetch's READs are over and every release queued so far was sent (and answered or
+        given up)."""
+        cur = self._inflight
+        if cur is not None:
+            cur[0].finished.wait()
         self._releaser.submit(lambda: None).result()
 
     def choose(self, host: str, port: int, raw_bytes: int, compressed_bytes: int) -> LinkChoice:
@@ -119,51 +129,97 @@ class HandoffClient:
         except TransferError as e:
             log.info("kvtc hand-off release not acknowledged: %s", e)
 
-    def _read(self, reply: dict, hashes: list[int]) -> tuple[list[BlobRun], float, int]:
-        """READ a checked reply's blobs into the receive buffer: (runs, seconds of the READ, bytes)."""
+    def _settle(self) -> None:
+        """Before a new fetch: the previous fetch's READs are over; its receive buffer is reused only once its
+        blobs were read out (on CUDA: after the device finished reading them), else it stays with those blobs and
+        a fresh buffer is registered."""
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            return
+        arrival, buf = cur
+        arrival.finished.wait()
+        with self.agent.lock:
+            if self.recv.buf is not buf:
+                return  # quarantined or replaced already
+            if not arrival.is_consumed:
+                self.recv.reset()  # the blobs may still be read: the buffer stays theirs, unregistered
+            elif arrival.event is not None:
+                arrival.event.synchronize()
+
+    def _post(self, reply: dict, hashes: list[int], where: tuple[str, int, str], ask_s: float) -> list[BlobRun]:
+        """Check a reply, take the receive buffer and start the reader thread on its byte ranges; the runs."""
         peer, md = reply.get("agent"), reply.get("agent_md")
         if not peer_ok(peer, md):
             raise TransferError("malformed fetch reply: the peer's NIXL agent name and metadata")
-        runs, remote = plan_reply(reply, hashes)
+        runs, _ = plan_reply(reply, hashes)
         rmem, rdev = reply_memory(reply)
-        total = sum(r.size for r in runs)
-        remote = [(addr, n, rdev) for addr, n, _ in remote]
+        total = runs[-1].offset + runs[-1].size
         with self.agent.lock:
             try:
                 self.agent.add_remote(peer, md)
             except self.agent.errors as e:
                 raise TransferError(f"NIXL could not load the peer's metadata: {type(e).__name__}: {e}") from e
             buf = self.recv.get(total)
-            local = [(buf.data_ptr(), total, self.recv.dev)]
+        parts = [range_descs(runs, a, buf.data_ptr(), self.recv.dev, rdev) for a in range(len(runs[0].ranges))]
+        arrival = GroupArrival(len(parts), len(runs), self.cfg.transfer_timeout_s)
+        self._inflight = (arrival, buf)
+        self._reader.submit(self._read, arrival, parts, buf, (peer, rmem), where, (ask_s, sum(r.size for r in runs)))
+        return self._runs(buf, runs, arrival)
+
+    def _read(self, arrival: GroupArrival, parts: list, buf: torch.Tensor, src: tuple, where: tuple, info: tuple):
+        """The reader thread: READ each byte range in turn (paced by ``pace`` as one transfer), mark it landed;
+        on a fault fail the arrival (the waiting restore raises). Then release the lease and learn the link."""
+        (peer, rmem), (host, port, lease), (ask_s, nbytes) = src, where, info
+        try:
+            if self.pace is not None:
+                self.pace.start()
+            for a, (local, remote) in enumerate(parts):
+                self._read_range(local, remote, rmem, peer, buf)
+                if a == len(parts) - 1:  # the fetch's numbers are in place before the last range counts as landed
+                    read_s = time.perf_counter() - arrival.started
+                    self._learned(f"{host}:{port}", nbytes, read_s, ask_s, arrival)
+                arrival.landed(a)
+        except TransferError as e:
+            arrival.fail(e)
+        except BaseException as e:  # noqa: BLE001 - the restore waiting on it must fail, not hang
+            arrival.fail(TransferError(f"hand-off reader failed: {type(e).__name__}: {e}"))
+        finally:
+            self._releaser.submit(self.release, host, port, lease)
+            arrival.finished.set()
+
+    def _read_range(self, local: list, remote: list, rmem: str, peer: str, buf: torch.Tensor) -> None:
+        with self.agent.lock:
             held = self.quarantine.count
             try:
-                read_s = read_descs(
+                read_descs(
                     self.agent, local, self.recv.mem, remote, rmem, peer, self.cfg.transfer_timeout_s,
-                    buf=buf, quarantine=self.quarantine, pace=self.pace,
+                    buf=buf, quarantine=self.quarantine, pace=self.pace, start_pace=False,
                 )  # fmt: skip
             except TransferError:
-                if self.quarantine.count > held:
-                    self.recv.forget()  # the backend may still write into it: never reuse it
-                else:
-                    self.recv.reset()  # a stale or refused registration must not fail every later fetch
+                if self.recv.buf is buf:
+                    if self.quarantine.count > held:
+                        self.recv.forget()  # the backend may still write into it: never reuse it
+                    else:
+                        self.recv.reset()  # a stale or refused registration must not fail every later fetch
                 raise
-            self.bytes_moved += total
-            return self._runs(buf, runs), read_s, total
+            self.bytes_moved += sum(d[1] for d in local)
 
-    def _runs(self, buf: torch.Tensor, runs: list) -> list[BlobRun]:
-        """The received blobs as runs: on the host one bytes object per blob; from device memory one copy into a
-        fresh pinned buffer, the runs reading it in place (the receive buffer is free again when this returns)."""
-        if buf.is_cuda:
-            total = sum(r.size for r in runs)
-            pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-            pinned.copy_(buf[:total])  # synchronous: the next fetch may reuse the receive buffer
-            return [BlobRun((pinned, r.offset, r.size), r.first, r.count, r.at, _meta(r.meta)) for r in runs]
-        host = buf.numpy()
+    def _learned(self, peer: str, nbytes: int, read_s: float, ask_s: float, arrival: GroupArrival) -> None:
+        self.link.observe(peer, nbytes, read_s)
+        self.link.observe_staging(nbytes, ask_s)
+        first = arrival.landed_s[0] if arrival.ranges > 1 else read_s
+        self.last = {"ask_s": ask_s, "read_s": read_s, "bytes": float(nbytes), "first_range_s": first or read_s}
+        self.last["ranges"] = float(arrival.ranges)
+
+    def _runs(self, buf: torch.Tensor, runs: list[PlannedRun], arrival: GroupArrival) -> list[BlobRun]:
+        """The blobs as runs reading the receive buffer in place, each landing range by range."""
         return [
-            BlobRun(host[r.offset : r.offset + r.size].tobytes(), r.first, r.count, r.at, _meta(r.meta)) for r in runs
+            BlobRun(ArrivingBlob(buf, r.offset, r.size, arrival, r.ranges), r.first, r.count, r.at, _meta(r.meta))
+            for r in runs
         ]
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)
         self._releaser.shutdown(wait=True)
         with self._lock:
             for ch in self._peers.values():

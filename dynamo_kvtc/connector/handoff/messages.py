@@ -8,12 +8,19 @@
   and device id of the staged bytes; default ``DRAM``, 0), and ``blobs``: one entry per blob run with
   ``size``, ``first`` (first block inside the blob), ``count`` (blocks used), ``j`` (index of its first block among
   the requested hashes), ``meta`` (the blob's :class:`~dynamo_kvtc.tiers.blobs.BlobMeta` as a map) and ``descs``
-  (``[address, length]`` pairs of the staged bytes in the prefill side's registered memory).
+  (``[address, length]`` pairs of the staged bytes in the prefill side's registered memory); optionally ``ranges``
+  (where each layer group's bytes end in the blob, the first range holding the header too: strictly increasing, the
+  last equal to ``size``; present on every blob or none, the same count on each). The decode side READs range a of
+  every blob in one transfer, a = 0, 1, ..., and restores group g once the ranges holding it landed; without
+  ``ranges`` a blob is one range.
 - ``release`` (decode → prefill): ``lease``; the prefill side frees the staged bytes (or when the lease expires).
 
 :func:`plan_reply` checks a fetch reply against the request before anything is allocated or read: types and ranges,
 at most ``MAX_FETCH_BYTES`` in all, runs that tile the requested blocks exactly and in order, each run's block hashes
-(from the blob's metadata) equal to the requested ones, descriptors that add up to each blob's size.
+(from the blob's metadata) equal to the requested ones, descriptors that add up to each blob's size, byte ranges
+that tile each blob. The ranges only say when to READ what: the restore reads a group only after every range up to
+the one holding its last byte landed, so ranges that lie cost a recompute (the CRCs and header checks), never wrong
+KV or a byte outside the receive buffer.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ MAX_MESSAGE = 1 << 24
 MAX_FETCH_BLOCKS = 1 << 16  # 1M tokens at block size 16
 MAX_FETCH_BYTES = MAX_MESSAGE * 64  # 1 GiB of compressed blobs for one prompt
 MAX_AGENT_MD = 1 << 22
+MAX_RANGES = 1024  # byte ranges per blob (one per layer group)
 LIMITS = Limits(max_message=MAX_MESSAGE, max_str=1 << 16, max_bin=MAX_AGENT_MD, max_array=1 << 20, max_map=64)
 PEER_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
@@ -88,6 +96,8 @@ class PlannedRun:
     count: int
     at: int
     meta: dict[str, Any]
+    descs: tuple[tuple[int, int], ...] = ()  # the staged bytes in the peer's memory, in blob order
+    ranges: tuple[int, ...] = ()  # where each byte range ends in the blob (the last: size)
 
 
 def _whole(v: Any, lo: int, hi: int) -> bool:
@@ -120,6 +130,18 @@ def _check_run(b: Any, hashes: list[int], at: int) -> tuple[int, int, int, dict[
     return size, first, count, meta, descs
 
 
+def _ranges(b: dict[str, Any], size: int) -> tuple[int, ...]:
+    """A blob entry's byte ranges (ends), checked: strictly increasing ints in [1, size], the last = size."""
+    ends = b.get("ranges")
+    if ends is None:
+        return (size,)
+    if not (isinstance(ends, list) and 0 < len(ends) <= MAX_RANGES and all(_whole(e, 1, size) for e in ends)):
+        raise TransferError("malformed fetch reply: byte ranges")
+    if ends[-1] != size or any(y <= x for x, y in zip(ends, ends[1:])):
+        raise TransferError("fetch reply byte ranges do not tile the blob in order")
+    return tuple(ends)
+
+
 def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRun], list[tuple]]:
     """Check a fetch reply's blob list against the requested ``hashes``; return the runs (with their offsets in one
     local buffer) and the remote (address, length, 0) descriptors in buffer order."""
@@ -131,12 +153,37 @@ def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRu
     total = at = 0
     for b in blobs:
         size, first, count, meta, descs = _check_run(b, hashes, at)
+        ends = _ranges(b, size)
         remote.extend((addr, n, 0) for addr, n in descs)
-        runs.append(PlannedRun(total, size, first, count, at, meta))
-        total += size
+        runs.append(PlannedRun(total, size, first, count, at, meta, tuple((a, n) for a, n in descs), ends))
+        total += _up(size)
         at += count
         if total > MAX_FETCH_BYTES:
             raise TransferError(f"peer offers more than {MAX_FETCH_BYTES} bytes, more than a prompt's blobs can be")
     if at != len(hashes):
         raise TransferError(f"fetch reply covers {at} of {len(hashes)} requested blocks")
+    if len({len(r.ranges) for r in runs}) != 1 or ("ranges" in blobs[0]) != all("ranges" in b for b in blobs):
+        raise TransferError("fetch reply byte ranges differ in count between blobs")
     return runs, remote
+
+
+def _up(n: int, align: int = 256) -> int:
+    """Blobs start 256-byte aligned in the receive buffer (device copies out of it stay aligned)."""
+    return -(-n // align) * align
+
+
+def range_descs(runs: list[PlannedRun], a: int, base: int, dev: int, rdev: int) -> tuple[list[tuple], list[tuple]]:
+    """(local, remote) ``(address, length, device)`` descriptors of byte range ``a`` of every run: local in the
+    receive buffer at ``base`` (each run at its offset), remote cut from the run's checked descriptors."""
+    local: list[tuple] = []
+    remote: list[tuple] = []
+    for r in runs:
+        s, e = (r.ranges[a - 1] if a else 0), r.ranges[a]
+        local.append((base + r.offset + s, e - s, dev))
+        pos = 0
+        for addr, n in r.descs:
+            lo, hi = max(s, pos), min(e, pos + n)
+            if lo < hi:
+                remote.append((addr + lo - pos, hi - lo, rdev))
+            pos += n
+    return local, remote

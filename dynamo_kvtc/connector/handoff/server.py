@@ -3,9 +3,9 @@
 A ``fetch`` names blocks by sequence hash; the server waits (up to half the transfer deadline) for the prompt's encode
 to land in the store, copies the covering blobs back to back into one contiguous extent of a staging arena registered
 with NIXL once (:class:`~.staging.StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
-host memory otherwise), and replies with its agent metadata, the arena's memory type and one descriptor per blob
-under a lease. The decode side READs them and sends ``release``; a lease that is never released expires after four
-deadlines.
+host memory otherwise), and replies with its agent metadata, the arena's memory type, one descriptor per blob and
+where each blob's layer groups end (the decode side READs group by group) under a lease. The decode side READs
+them and sends ``release``; a lease that is never released expires after four deadlines.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..config import ConnectorConfig
 from .auth import channel_auth
 from .messages import LIMITS, check_fetch, fetch_mem
 from .staging import StagingArena, memory_device
+from .stream import group_ends
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -120,6 +121,10 @@ class HandoffServer:
             }
             for run, d in zip(runs, descs)
         ]
+        ends = [group_ends(run.blob) for run in runs]  # one READ per layer group on the decode side
+        if all(e is not None for e in ends) and len({len(e) for e in ends}) == 1:
+            for b, e in zip(blobs, ends):
+                b["ranges"] = e
         self._leases[lease] = (arena, time.monotonic() + 4 * self.cfg.transfer_timeout_s)
         self.served += 1
         reply = {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
