@@ -65,7 +65,10 @@ def test_working_set_counts_shared_blocks_once():
 
 
 # ============================================================================================ the raw_first policy
-def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal):
+@pytest.mark.parametrize("fused", ["0", "force"])
+def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal, monkeypatch, fused):
+    """``force``: the fused encode (torch stages on the CPU) hands the offload worker views of one reused pinned
+    buffer; the first raw blob must still restore bit for bit after four more encodes reused that buffer."""
     import torch
 
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
@@ -84,7 +87,9 @@ def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth
             out.append(r.raw_bytes / r.stored_bytes)
         return out, store
 
+    monkeypatch.setenv("DYN_KVTC_FUSED", fused)
     fixed, s0 = stored("fixed")
+    assert (s0.stats["offload_fused_batches"] > 0) == (fused == "force")
     s0.close()
     assert all(r > 2 for r in fixed)  # the default compresses every offload
     first, store = stored("raw_first")

@@ -87,6 +87,10 @@ def test_copy_chunks(ops):
     tri.copy_chunks(src, a, so, do, ln)
     ref.copy_chunks(src, b, so, do, ln)
     assert torch.equal(a, b) and int(a[5:1004].sum()) == int(src[:999].sum())
+    tri.COPY_PIECE = 4096  # chunks given on the host are split into pieces of at most this (one program each)
+    c = torch.zeros_like(a)
+    tri.copy_chunks(src, c, so, do, ln)
+    assert torch.equal(c, b)
 
 
 ROPES = [

@@ -101,11 +101,14 @@ class SpanCoder:
         *,
         paged: PagedView | None = None,
         block_ids: Sequence[int] | None = None,
+        views: bool = False,
     ) -> Encoded:
         """One blob per span (see :class:`Encoded`). ``read(a, b)`` returns K/V ``[L, b - a, H, D]`` of the
         sequence's tokens a..b (a view or a gathered copy); with ``paged`` and ``block_ids`` (token t in block
-        ``block_ids[t // block_size]``) the fused path reads the engine's blocks in place."""
-        blobs = self._encode_fused(spans, read, paged, block_ids)
+        ``block_ids[t // block_size]``) the fused path reads the engine's blocks in place. ``views``: the fused
+        path's blobs are memoryviews valid until the next ``views`` encode on this codec (the caller copies them
+        out first; see :meth:`FusedCodec.encode_batch`)."""
+        blobs = self._encode_fused(spans, read, paged, block_ids, views)
         if blobs is not None:
             return Encoded(blobs, True)
         return Encoded(self._encode_each(spans, read), False)
@@ -115,7 +118,7 @@ class SpanCoder:
             k, v = read(s.start, s.end)
             yield self.codec.encode(k, v, s.positions, window=s.window)
 
-    def _encode_fused(self, spans, read, paged, block_ids) -> list[bytes] | None:
+    def _encode_fused(self, spans, read, paged, block_ids, views: bool = False) -> list[bytes] | None:
         fc = self.codec.fused
         if fc is None or not spans:
             return None
@@ -130,7 +133,7 @@ class SpanCoder:
                 off = spans[0].start
                 k, v = read(off, spans[-1].end)
                 src = DenseKV(k.to(dev), v.to(dev))
-            return fc.encode_batch(src, [Span(0, s.start - off, s.positions, s.window) for s in spans])
+            return fc.encode_batch(src, [Span(0, s.start - off, s.positions, s.window) for s in spans], views=views)
         except KvtcError:
             raise
         except Exception as e:  # noqa: BLE001 - the reference path is always there

@@ -208,7 +208,7 @@ class Offloader:
             def read(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return keys[:, t0:t1], values[:, t0:t1]
 
-            return SpanCoder(codec).encode(spans, read)
+            return SpanCoder(codec).encode(spans, read, views=True)  # one worker: each blob is kept before the next
         kv, block_ids = self.kv, req.block_ids
 
         def gather(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +217,7 @@ class Offloader:
         paged = None
         if kv.addressable and kv.device.type == self.device.type == "cuda":
             paged = PagedView(kv.layer_views, self.cal.fingerprint.num_layers, bs)
-        return SpanCoder(codec).encode(spans, gather, paged=paged, block_ids=block_ids)
+        return SpanCoder(codec).encode(spans, gather, paged=paged, block_ids=block_ids, views=True)
 
     def _keep(self, req: OffloadRequest, a: int, b: int, blob: bytes, raw: int, res: OffloadResult) -> None:
         """Put blocks a..b's blob into the tiers, tell the listeners, account it in ``res``."""

@@ -100,8 +100,9 @@ class EncodeRun:
         self.toffs = [source.token_offsets(sp.seq, sp.start, b.T) for sp, b in zip(spans, self.blobs)]
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.dev)
 
-    def run(self, host_out: torch.Tensor | None) -> list[bytes] | list[tuple[int, int]]:
-        """Encode the batch; raises :class:`F16Overflow` if the fp16 staging overflowed (re-run with bf16)."""
+    def run(self, host_out: torch.Tensor | None, views: bool = False) -> list[bytes] | list[tuple[int, int]]:
+        """Encode the batch; raises :class:`F16Overflow` if the fp16 staging overflowed (re-run with bf16).
+        ``views``: blobs as memoryviews into the codec's reusable pinned buffer (see FusedCodec.encode_batch)."""
         self._layout()
         self._sinks_and_window()
         self.clock.mark("sinks_window")
@@ -112,7 +113,7 @@ class EncodeRun:
         self._check_sizes_and_flags(ent)
         stored = self._compact_and_crc(ent)
         self.clock.mark("finish_device")
-        return self._to_host([self._frame(b) for b in self.blobs], stored, host_out)
+        return self._to_host([self._frame(b) for b in self.blobs], stored, host_out, views)
 
     # ------------------------------------------------------------------------------------------------ layout
     def _layout(self) -> None:
@@ -298,11 +299,11 @@ class EncodeRun:
         table = [SectionRecord(s["name"], s["tag"], s["raw_len"], s["crc"], tuple(s["lens"])) for s in b.sections]
         return frame_header(header, table)
 
-    def _to_host(self, heads: list[bytes], stored: torch.Tensor, host_out: torch.Tensor | None):
+    def _to_host(self, heads: list[bytes], stored: torch.Tensor, host_out: torch.Tensor | None, views: bool = False):
         """Device -> host, one copy per blob into its final place; stage timings."""
         total = sum(len(h) + b.stored_len for h, b in zip(heads, self.blobs))
         own = host_out is None
-        host = self.fc.pinned_buf(total, "encode") if own else host_out
+        host = self.fc.pinned_buf(total, "encode_views" if views else "encode") if own else host_out
         if host.numel() < total:
             raise InputError(f"host_out holds {host.numel()} bytes, the blobs need {total}")
         placed, off = [], 0
@@ -324,4 +325,6 @@ class EncodeRun:
         if not own:
             return placed
         mv = host.numpy()
+        if views:  # no copy: a fresh bytes object of a raw-size blob costs ~1 s of page faults per GB
+            return [memoryview(mv[o : o + n]) for o, n in placed]
         return [mv[o : o + n].tobytes() for o, n in placed]

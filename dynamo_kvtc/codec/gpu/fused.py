@@ -144,12 +144,14 @@ class FusedCodec:
 
     # ============================================================================================ encode
     def encode_batch(
-        self, source, spans: Sequence[Span], *, host_out: torch.Tensor | None = None
-    ) -> list[bytes] | list[tuple[int, int]]:
+        self, source, spans: Sequence[Span], *, host_out: torch.Tensor | None = None, views: bool = False
+    ) -> list[bytes] | list[tuple[int, int]] | list[memoryview]:
         """Encode every span of ``source`` (:class:`DenseKV`, :class:`PagedBlocks`) into one blob each.
 
         Returns the blobs as ``bytes``, or, with ``host_out`` (a CPU uint8 tensor, pinned for asynchronous copies),
-        writes them back to back into it and returns ``(offset, length)`` per blob."""
+        writes them back to back into it and returns ``(offset, length)`` per blob. ``views``: memoryviews into a
+        pinned buffer this codec reuses for the next ``views`` encode — for one consumer that copies each blob
+        where it belongs before encoding again (the store's offload worker), saving a host copy per blob."""
         fp = self.fp
         if (source.num_layers, source.heads, source.head_dim) != (fp.num_layers, fp.num_kv_heads, fp.head_dim):
             raise InputError(
@@ -164,9 +166,9 @@ class FusedCodec:
             )
         with self._lock:
             try:
-                return EncodeRun(self, source, spans, bf16=False).run(host_out)
+                return EncodeRun(self, source, spans, bf16=False).run(host_out, views)
             except F16Overflow:
-                return EncodeRun(self, source, spans, bf16=True).run(host_out)
+                return EncodeRun(self, source, spans, bf16=True).run(host_out, views)
 
     # ============================================================================================ restore
     def open(self, blobs: Sequence[Any], *, verify: str = "device") -> RestoreJob:

@@ -387,7 +387,19 @@ class TritonOps(TorchOps):
         raw = acc.cpu().tolist()
         return [crc_finish(r & 0xFFFFFFFF, int(n)) for r, n in zip(raw, lens)]
 
+    COPY_PIECE = 1 << 20  # one program copies at most this many bytes of a chunk given on the host
+
     def copy_chunks(self, src, dst, src_offs, dst_offs, lens) -> None:
+        """One program per chunk (chunks given as device tensors: nvCOMP's outputs), or per ``COPY_PIECE`` bytes of
+        a chunk given as host integers: a raw section of hundreds of MB must not be copied by a single program."""
+        if not isinstance(lens, torch.Tensor) and any(int(n) > self.COPY_PIECE for n in lens):
+            P, so2, do2, n2 = self.COPY_PIECE, [], [], []
+            for so, do, n in zip(src_offs, dst_offs, lens):
+                for a in range(0, int(n), P):
+                    so2.append(int(so) + a)
+                    do2.append(int(do) + a)
+                    n2.append(min(P, int(n) - a))
+            src_offs, dst_offs, lens = so2, do2, n2
         n = len(lens)
         if n == 0:
             return
