@@ -1,5 +1,6 @@
-"""`dynamo-kvtc bench transfer` on this machine: two real processes, NIXL UCX over loopback, compressed vs raw vs the
-link-aware policy, uncapped and at an emulated link rate.
+"""`dynamo-kvtc bench transfer` on this machine: two real processes, NIXL UCX over loopback, compressed (4 layer
+groups: one READ each, each group restored as it lands) vs raw vs the link-aware policy, uncapped and at an emulated
+link rate.
 
 The same command measures the two-GPU hand-off (``--prefill-device cuda:0 --decode-device cuda:1``); here it checks
 that both paths move the right bytes, that the token bucket holds both paths to the emulated rate, and that the policy
@@ -27,7 +28,7 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
     data = json.loads(out.read_text())
     uncapped, capped = data["rows"]
     assert (uncapped["link_gbps"], capped["link_gbps"]) == (0, 2)
-    assert "token bucket" in data["link_emulation"]
+    assert "token bucket" in data["link_emulation"] and data["layer_groups"] == 4
     for row in (uncapped, capped):
         assert row["raw_bytes"] == 2 * 30 * 1024 * 3 * 64 * 2  # smollm2 shape, bf16 K and V
         assert row["raw"]["bit_exact"] is True and row["staging"] == "DRAM"
@@ -35,13 +36,17 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
         assert row["rel_err_k"] < 0.1 and row["rel_err_v"] < 0.1
         c, pol = row["compressed"], row["policy"]
         assert c["bytes"] == row["compressed_bytes"] and 0 < c["first_layer_s"] <= c["all_layers_s"]
-        assert 0 < c["transfer_s"] <= c["fetch_s"]
+        assert row["layer_groups"] == 4 and c["ranges"] == 4  # one READ per layer group
+        assert 0 < c["ask_s"] <= c["fetch_s"] and 0 < c["first_range_s"] <= c["transfer_s"] <= c["all_layers_s"]
+        assert row["raw"]["first_layer_s"] == row["raw"]["all_layers_s"]  # one READ: layer 0 waits for all of it
         assert pol["choice"] == ("raw" if pol["est_raw_s"] <= pol["est_compressed_s"] else "compressed")
         chosen = row["raw"] if pol["choice"] == "raw" else c
-        assert pol["all_layers_s"] == chosen["all_layers_s"]
+        assert (pol["all_layers_s"], pol["first_layer_s"]) == (chosen["all_layers_s"], chosen["first_layer_s"])
         assert pol["within_10pct"] == (pol["all_layers_s"] <= 1.1 * min(row["raw"]["all_layers_s"], c["all_layers_s"]))
     # paced: neither path beats 2 Gb/s (both READs are held to the emulated link)
     assert capped["raw"]["transfer_s"] >= capped["raw_bytes"] * 8 / 2e9
     assert capped["compressed"]["transfer_s"] >= capped["compressed_bytes"] * 8 / 2e9
     assert capped["compressed"]["read_share_of_link"] <= 1.0
+    # paced per group: group 0 lands no earlier than its share of the bytes allows, and before the last byte
+    assert capped["compressed"]["first_range_s"] < capped["compressed"]["transfer_s"]
     assert 1.0 < capped["policy"]["link_gbps_learned"] <= 2.0 + 1e-6  # learned from the paced READs

@@ -4,16 +4,18 @@ link-aware policy, over NIXL, at emulated link rates.
 Two processes, as in disaggregated serving: a *prefill* process (a child, :mod:`.transfer_prefill`) holds the prompt's
 KV on its device, encoded into its host tier and also raw in device memory; the *decode* process (this one) pulls it
 with NIXL READs — the compressed blobs through the connector's hand-off client (staged by the prefill side in a
-registered arena, device memory on a GPU, READ into a registered receive buffer, device memory on a GPU), then
-restored layer by layer into a paged cache on its device; or the raw K/V straight into its device memory (what vLLM's
-NixlConnector does: every layer's K and V, layer 0 usable only when the whole READ is done).
+registered arena, device memory on a GPU, READ into a registered receive buffer, device memory on a GPU, one READ per
+layer group), then restored layer group by layer group from the receive buffer into a paged cache on its device,
+each group as soon as its READ landed; or the raw K/V straight into its device memory (what vLLM's NixlConnector
+does: every layer's K and V, layer 0 usable only when the whole READ is done).
 
 Link emulation (``--link-gbps 0,100,200,400``; 0 = uncapped): a token bucket in this process paces both paths' READs
 the same way (:class:`~dynamo_kvtc.tiers.nixl_io.TokenBucket`): a READ goes out in chunks of ``--chunk-mb`` (larger
 where that would make more than 16), each
-posted no earlier than ``start + bytes before it / rate``, done no earlier than ``start + bytes / rate``. It
-emulates a link's rate, not its latency. Per row (shape, prompt, link): bytes moved, READ time, time until layer 0 is
-usable and until all layers are, for raw and compressed; the policy's choice (:class:`~dynamo_kvtc.connector.
+posted no earlier than ``start + bytes before it / rate``, done no earlier than ``start + bytes / rate``. The compressed
+path's per-group READs share one bucket (one paced transfer). It emulates a link's rate, not its latency. Per row
+(shape, prompt, link): bytes moved, READ time, time until layer 0 is usable (on a GPU: its writes finished on the
+device) and until all layers are, for raw, compressed and the policy's choice (:class:`~dynamo_kvtc.connector.
 handoff.linkpolicy.LinkPolicy`, learning the link from this row's READs of both paths and the restore rate from its
 compressed restores, no setting), its estimates, the measured time of the path it chose, and whether that is within
 10% of the better fixed choice; the reconstruction error of the compressed path.
@@ -21,7 +23,8 @@ compressed restores, no setting), its estimates, the measured time of the path i
 On two GPUs of one host: ``--prefill-device cuda:0 --decode-device cuda:1``; on one GPU both ``cuda:0`` (two
 processes sharing it). On one machine without GPUs both default to ``cpu`` and UCX runs over loopback (what the test
 suite does). KV and calibrations are synthetic (random orthonormal basis, power-law spectrum;
-``calibration/synthetic.py``): the numbers are about bytes and time, not accuracy.
+``calibration/synthetic.py``, made per layer group: ``--layer-groups``, default 4, the layout of ``calibrate
+--layer-groups``): the numbers are about bytes and time, not accuracy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,6 @@ from typing import Any
 import torch
 
 from ..calibration.artifact import Calibration
-from ..calibration.synthetic import synthetic_calibration, synthetic_kv
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.linkpolicy import RAW, LinkPolicy
@@ -53,7 +56,7 @@ from ..tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from ..tiers.store import KvtcStore
 from .output import machine, write_json
 from .shapes import SHAPES
-from .transfer_prefill import BS, RAW_LIMITS, prompt_tokens, raw_descs
+from .transfer_prefill import BS, RAW_LIMITS, grouped_calibration, grouped_kv, prompt_tokens, raw_descs
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +126,37 @@ def _stop(child: subprocess.Popen) -> None:
         child.kill()
 
 
+def _layer0_probe(h, dev: torch.device, t0: float, box: dict) -> threading.Thread:
+    """A thread that records when layer 0 of the restore ``h`` is usable: its writes queued and, on a GPU, finished
+    on the device (waited on a stream of its own)."""
+
+    def probe() -> None:
+        try:
+            if dev.type == "cuda":
+                s = torch.cuda.Stream(dev)
+                with torch.cuda.stream(s):
+                    h.wait_layer(0)
+                s.synchronize()
+            else:
+                h.wait_layer(0)
+            box["s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - the restore's own error is reported by its handle
+            box["error"] = e
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    return t
+
+
 def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args, dev) -> list[dict]:
-    """Fetch the blobs over NIXL and restore them layer by layer, ``args.repeat`` times after one warm-up."""
+    """Fetch the blobs over NIXL (one READ per layer group) and restore them group by group as they land,
+    ``args.repeat`` times after one warm-up."""
     hashes = sequence_hashes(prompt_tokens(tokens), BS)
     dst = list(range(1, tokens // BS + 1))
     runs = []
     for i in range(args.repeat + 1):
-        fetch = {}
+        fetch: dict[str, float] = {}
+        layer0: dict[str, Any] = {}
 
         def source(fetch=fetch):
             t = time.perf_counter()
@@ -139,19 +166,24 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
 
         t0 = time.perf_counter()
         h = store.start_onboard(hashes, dst, source=source)
+        probe = _layer0_probe(h, dev, t0, layer0)
         if not h.wait(args.timeout):
             raise TransferError(f"compressed restore failed: {h.error}")
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         total = time.perf_counter() - t0
-        client.link.observe_restore(pre["raw_bytes"], max(total - fetch["s"], 1e-6))
+        probe.join(args.timeout)
+        client.flush()  # the READs' numbers are in place
+        client.link.observe_restore(pre["raw_bytes"], max(total - client.last["read_s"], 1e-6))
         if i:  # the first round warms up connections and kernels
             runs.append(
                 {
-                    "fetch_s": fetch["s"],
+                    "fetch_s": fetch["s"],  # control round trip + the prefill side's staging + posting the READs
                     "ask_s": client.last["ask_s"],  # control round trip + the prefill side's staging
-                    "transfer_s": client.last["read_s"],
-                    "first_layer_s": h.ready_times[0],
+                    "transfer_s": client.last["read_s"],  # first READ posted -> last READ done
+                    "first_range_s": client.last["first_range_s"],  # first READ posted -> group 0 landed
+                    "ranges": int(client.last["ranges"]),
+                    "first_layer_s": layer0.get("s", total),
                     "all_layers_s": total,
                     "bytes": int(client.last["bytes"]),
                 }
@@ -166,13 +198,17 @@ def _med(runs: list[dict]) -> dict[str, float]:
 def _policy(client: HandoffClient, pre: dict, raw: dict, comp: dict) -> dict[str, Any]:
     """The policy's choice from what it learned in this row, and how it fared against the better fixed choice."""
     c = client.choose("127.0.0.1", pre["port"], pre["raw_bytes"], comp["bytes"])
-    got = raw["all_layers_s"] if c.choice == RAW else comp["all_layers_s"]
+    chosen = raw if c.choice == RAW else comp
+    got = chosen["all_layers_s"]
     best = min(raw["all_layers_s"], comp["all_layers_s"])
     return {
         "choice": c.choice,
         "est_raw_s": c.raw_s,
         "est_compressed_s": c.compressed_s,
         "link_gbps_learned": c.link_gbps,
+        "bytes": chosen["bytes"],
+        "transfer_s": chosen["transfer_s"],
+        "first_layer_s": chosen["first_layer_s"],
         "all_layers_s": got,
         "better_fixed": "raw" if raw["all_layers_s"] <= comp["all_layers_s"] else "compressed",
         "within_10pct": bool(got <= 1.1 * best),
@@ -185,9 +221,11 @@ def _print_row(row: dict[str, Any]) -> None:
     print(
         f"{row['shape']:>18} {row['tokens']:>6} {link:>11} | raw {row['raw_bytes'] / 2**20:8.1f} MiB"
         f" {1000 * raw['all_layers_s']:8.1f} ms | kvtc {comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x)"
-        f" read {1000 * comp['transfer_s']:7.1f} ms fetch {1000 * comp['fetch_s']:7.1f} ms"
-        f" layer 0 {1000 * comp['first_layer_s']:7.1f} ms all {1000 * comp['all_layers_s']:7.1f} ms"
-        f" | policy {pol['choice']:>10} {1000 * pol['all_layers_s']:7.1f} ms"
+        f" read {1000 * comp['transfer_s']:7.1f} ms ({comp['ranges']} READs, group 0 landed"
+        f" {1000 * comp['first_range_s']:7.1f} ms) layer 0 {1000 * comp['first_layer_s']:7.1f} ms"
+        f" all {1000 * comp['all_layers_s']:7.1f} ms"
+        f" | policy {pol['choice']:>10} layer 0 {1000 * pol['first_layer_s']:7.1f} ms all"
+        f" {1000 * pol['all_layers_s']:7.1f} ms"
         f" {'ok' if pol['within_10pct'] else 'SLOW'} | err K {row['rel_err_k']:.3f} V {row['rel_err_v']:.3f}",
         flush=True,
     )
@@ -205,12 +243,15 @@ def _link_rows(shape: str, tokens: int, args, pre: dict, store, client, raw_peer
         raw_s = statistics.median(raw_runs[1:])
         raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
         comp = _med(_compressed_runs(store, client, pre, tokens, args, store.device))
+        comp["ranges"] = int(comp["ranges"])
+        comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
         comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
         row = {
             "shape": shape,
             "tokens": tokens,
             "link_gbps": gbps,
             "layers": store.cal.fingerprint.num_layers,
+            "layer_groups": len(store.cal.groups),
             "raw_bytes": pre["raw_bytes"],
             "compressed_bytes": comp["bytes"],
             "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
@@ -249,7 +290,7 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
         client = HandoffClient(cfg, dev)
         _compressed_runs(store, client, pre, tokens, args, dev)  # one round to measure the error
-        k_ref, v_ref, _ = synthetic_kv(cal, tokens, device=str(dev))
+        k_ref, v_ref = grouped_kv(cal, tokens, device=str(dev))
         k_got, v_got = store.kv.gather(list(range(1, n + 1)))
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
@@ -270,10 +311,12 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as the table of docs/performance.md (times in ms; the policy's time is the path it chose)."""
+    """The rows as the table of docs/performance.md (times in ms; raw's layer 0 = its READ = all layers; the
+    policy's times are the path it chose)."""
     head = (
-        "| shape | prompt | link | raw KV | raw READ = all layers | KVTC bytes | KVTC READ (share of link) | fetch | "
-        "layer 0 | all layers | all / raw | policy | policy vs better |\n" + "|---" * 13 + "|\n"
+        "| shape | prompt | link | raw KV | raw READ = layer 0 = all | KVTC bytes | KVTC READ (share of link) | "
+        "group 0 landed | layer 0 | all layers | layer 0 / all | all / raw | policy: layer 0, all | "
+        "policy vs better |\n" + "|---" * 14 + "|\n"
     )
     out = []
     for r in rows:
@@ -284,9 +327,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         out.append(
             f"| {r['shape']} | {r['tokens'] // 1024}K | {link} "
             f"| {r['raw_bytes'] / 2**20:.0f} MiB | {1e3 * raw['all_layers_s']:.1f} | {c['bytes'] / 2**20:.1f} MiB "
-            f"({r['bytes_ratio']:.1f}x) | {1e3 * c['transfer_s']:.1f}{share} | {1e3 * c['fetch_s']:.1f} "
+            f"({r['bytes_ratio']:.1f}x) | {1e3 * c['transfer_s']:.1f}{share} | {1e3 * c['first_range_s']:.1f} "
             f"| {1e3 * c['first_layer_s']:.1f} | {1e3 * c['all_layers_s']:.1f} "
-            f"| {c['all_layers_s'] / raw['all_layers_s']:.2f} | {pol['choice']} {1e3 * pol['all_layers_s']:.1f} "
+            f"| {c['first_layer_s'] / c['all_layers_s']:.2f} | {c['all_layers_s'] / raw['all_layers_s']:.2f} "
+            f"| {pol['choice']} {1e3 * pol['first_layer_s']:.1f}, {1e3 * pol['all_layers_s']:.1f} "
             f"| {pol['all_layers_s'] / best:.2f}{'' if pol['within_10pct'] else ' (>10%)'} |"
         )
     return head + "\n".join(out) + "\n"
@@ -295,29 +339,24 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def run_bench_transfer(args) -> int:
     args.link_gbps = list(getattr(args, "link_gbps", None) or [0.0])
     args.chunk_mb = getattr(args, "chunk_mb", 4.0)
+    args.layer_groups = getattr(args, "layer_groups", 4)
     shapes = args.shapes.split(",") if isinstance(args.shapes, str) else list(args.shapes)
     lengths = [int(x) for x in args.tokens.split(",")] if isinstance(args.tokens, str) else list(args.tokens)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtc-transfer-") as tmp:
         work = Path(tmp)
         print(
-            f"prefill on {args.prefill_device}, decode on {args.decode_device}, NIXL UCX, ratio {args.ratio:g}, links "
+            f"prefill on {args.prefill_device}, decode on {args.decode_device}, NIXL UCX, ratio {args.ratio:g}, "
+            f"{args.layer_groups} layer groups (one READ each), links "
             + ", ".join(f"{g:g} Gb/s" if g else "uncapped" for g in args.link_gbps)
         )
         for shape in shapes:
             sh = SHAPES[shape]
             cal_path = work / f"cal-{shape}"
-            synthetic_calibration(
-                sh.layers,
-                sh.kv_heads,
-                sh.head_dim,
-                sh.theta,
-                ratios=(args.ratio,),
-                rank=args.rank,
-                dp_rows=2048,
-                device=args.decode_device,
-                name=shape,
-            ).save(cal_path)
+            grouped_calibration(
+                sh.layers, sh.kv_heads, sh.head_dim, sh.theta, min(args.layer_groups, sh.layers),
+                ratio=args.ratio, rank=args.rank, device=args.decode_device, name=shape,
+            ).save(cal_path)  # fmt: skip
             for tokens in lengths:
                 try:
                     rows.extend(_one(shape, tokens, args, cal_path, work))
@@ -333,6 +372,7 @@ def run_bench_transfer(args) -> int:
                         "decode_device": args.decode_device,
                         "ratio": args.ratio,
                         "rank": args.rank,
+                        "layer_groups": args.layer_groups,
                         "link_emulation": "token bucket pacing both paths' NIXL READs in chunks of at least "
                         f"{args.chunk_mb:g} MiB, at most 16 per READ (rate only, no added latency); 0 = uncapped",
                         "rows": rows,

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from ..calibration.artifact import Calibration
-from ..calibration.synthetic import synthetic_kv
+from ..calibration.synthetic import spectrum, synthetic_calibration, synthetic_kv
+from ..codec.model import ModelFingerprint
+from ..codec.rope import RotaryConfig, apply_rope
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.server import HandoffServer
 from ..errors import TransferError
@@ -30,6 +32,54 @@ from ..tiers.store import KvtcStore
 
 BS = 32
 RAW_LIMITS = Limits(max_message=1 << 24, max_str=1 << 16, max_bin=1 << 22, max_array=1 << 20, max_map=16)
+
+
+def grouped_calibration(
+    layers: int, kv_heads: int, head_dim: int, theta: float, groups: int, *, ratio: float, rank: int, device: str,
+    name: str,
+) -> Calibration:  # fmt: skip
+    """The synthetic calibration (:func:`~dynamo_kvtc.calibration.synthetic.synthetic_calibration`) made per layer
+    group, the layout ``calibrate --layer-groups`` writes: ``groups`` consecutive groups, each with its own basis
+    (rank up to ``rank``) and plan. One group: exactly the plain synthetic calibration."""
+    if groups <= 1:
+        return synthetic_calibration(
+            layers, kv_heads, head_dim, theta, ratios=(ratio,), rank=rank, dp_rows=2048, device=device, name=name
+        )
+    bounds = [round(i * layers / groups) for i in range(groups + 1)]
+    parts = []
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        one = synthetic_calibration(
+            b - a, kv_heads, head_dim, theta, ratios=(ratio,), rank=rank, dp_rows=2048, device=device, seed=i, name=name
+        )
+        parts.append(dataclasses.replace(one.groups[0], layers=(a, b)))
+    fp = ModelFingerprint(
+        "SyntheticForCausalLM", layers, kv_heads, head_dim, "bfloat16",
+        tuple(RotaryConfig(head_dim, theta=theta) for _ in range(layers)), model_name=name, total_kv_heads=kv_heads,
+    )  # fmt: skip
+    return Calibration(fp, parts, provenance={"synthetic": True, "spectrum": "i^-1.1", "layer_groups": groups})
+
+
+def grouped_kv(cal: Calibration, tokens: int, device: str = "cpu", seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [L, tokens, H, D] bf16 drawn from each layer group's own basis and spectrum (keys rotated); one group:
+    :func:`~dynamo_kvtc.calibration.synthetic.synthetic_kv`."""
+    if len(cal.groups) == 1:
+        k, v, _ = synthetic_kv(cal, tokens, device=device, seed=seed)
+        return k, v
+    fp = cal.fingerprint
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where it is used: both processes draw the same
+    pos = torch.arange(tokens, device=device)
+    out: list[list[torch.Tensor]] = [[], []]
+    for grp in cal.groups:
+        a, b = grp.layers
+        for i, (mean, basis) in enumerate(((grp.k_mean, grp.k_basis), (grp.v_mean, grp.v_basis))):
+            r = basis.shape[1]
+            z = torch.randn(tokens, r, generator=g, device=device) * spectrum(r).to(device).sqrt()
+            x = (z @ basis.to(device).float().t() + mean.to(device)).view(tokens, b - a, fp.num_kv_heads, -1)
+            for j in range(b - a):  # keys rotated at their positions, in float32 like synthetic_kv
+                t = x[:, j] if i else apply_rope(x[:, j], pos, fp.rotary[a + j])
+                out[i].append(t.to(torch.bfloat16))
+            del z, x
+    return torch.stack(out[0]), torch.stack(out[1])
 
 
 def prompt_tokens(n: int) -> list[int]:
@@ -52,7 +102,7 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     cal = Calibration.load(cal_path)
-    k, v, _ = synthetic_kv(cal, tokens, device=device)
+    k, v = grouped_kv(cal, tokens, device=device)
     raw_bytes = 2 * k.numel() * k.element_size()
     cfg = ConnectorConfig(
         tiers=TierConfig(host_bytes=raw_bytes // 2 + (64 << 20), ratio=ratio, min_tokens=0), transfer="prefill"

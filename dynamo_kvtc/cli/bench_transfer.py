@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4.0,
         help="smallest READ chunk of a paced link (MiB; <= 16 per READ)",
     )
+    p.add_argument(
+        "--layer-groups",
+        type=types.positive_int,
+        default=4,
+        help="layer groups of the synthetic calibration: the compressed hand-off READs and restores one at a time",
+    )
     p.add_argument("--json", dest="json_path", help="write results as JSON")
 
 

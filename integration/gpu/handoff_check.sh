@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # H200 check of the compressed prefill->decode hand-off (issue 17): the registered-memory path (blobs staged in a
-# NIXL-registered VRAM arena, READ GPU to GPU into a registered receive buffer, restored by the fused path) and the
-# link-aware policy, against raw KV (NixlConnector-style READs), uncapped and at emulated 100/200/400 Gb/s (a token
-# bucket paces both paths' READs the same way; see dynamo_kvtc/bench/transfer.py).
+# NIXL-registered VRAM arena, READ GPU to GPU into a registered receive buffer one layer group at a time, each group
+# restored by the fused path straight from the receive buffer as soon as its READ landed) and the link-aware policy,
+# against raw KV (NixlConnector-style READs), uncapped and at emulated 100/200/400 Gb/s (a token bucket paces both
+# paths' READs the same way; see dynamo_kvtc/bench/transfer.py).
 # Run through the device tool from the repository root, carrying .whl/ (NIXL, nvCOMP, and pyzmq if the image lacks
 # it: the hand-off's control channel needs zmq):
-#   command: bash integration/gpu/handoff_check.sh
-# Two processes share one GPU (--prefill-device cuda:0 --decode-device cuda:0); on a two-GPU machine set
-# DECODE_DEVICE=cuda:1. Knobs (environment): SHAPES (mistral-nemo-12b), TOKENS (8192,32768), LINKS (0,100,200,400;
-# 0 = uncapped), RANK (10240: the components the DP keeps at 16x), REPEAT (2), TESTS=0 to skip the GPU tests,
-# TOTAL_S (420: everything stops there; the JSON keeps every finished row), WHEELS=0 to skip the wheel install, PY.
+#   command: bash integration/gpu/handoff_check.sh                                        (one GPU, two processes)
+#   command: PREFILL_DEVICE=cuda:0 DECODE_DEVICE=cuda:1 bash integration/gpu/handoff_check.sh   (two GPUs: UCX
+#            should move GPU to GPU over NVLink by CUDA IPC; env.txt records the UCX transports seen)
+# Knobs (environment): PREFILL_DEVICE, DECODE_DEVICE (cuda:0 both), SHAPES (mistral-nemo-12b), TOKENS (8192,32768),
+# LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each), RANK (10240: the
+# components the DP keeps at 16x, per group), REPEAT (2), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything
+# stops there; the JSON keeps every finished row), WHEELS=0 to skip the wheel install, PY.
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
@@ -19,11 +22,12 @@
 set -uo pipefail
 T0=$(date +%s)
 OUT=${OUT:-out/handoff}
-TOTAL_S=${TOTAL_S:-420}
+TOTAL_S=${TOTAL_S:-390}
 SHAPES=${SHAPES:-mistral-nemo-12b}
 TOKENS=${TOKENS:-8192,32768}
 LINKS=${LINKS:-0,100,200,400}
 RANK=${RANK:-10240}
+LAYER_GROUPS=${LAYER_GROUPS:-4}
 REPEAT=${REPEAT:-2}
 PREFILL_DEVICE=${PREFILL_DEVICE:-cuda:0}
 DECODE_DEVICE=${DECODE_DEVICE:-cuda:0}
@@ -50,14 +54,16 @@ step "environment"
   nproc; free -g | head -2
   "$PY" -c "import torch, zmq, dynamo_kvtc.bench.transfer; from dynamo_kvtc.tiers.nixl_io import import_nixl; import_nixl(); print('IMPORTS OK', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), 'zmq', zmq.__version__)"
   "$PY" -c "from dynamo_kvtc.codec.entropy import nvcomp_available; print('nvcomp', nvcomp_available())"
+  "$PY" -c "import torch; n = torch.cuda.device_count(); print('gpus', n, [torch.cuda.can_device_access_peer(0, i) for i in range(1, n)])" || true
+  echo "prefill $PREFILL_DEVICE -> decode $DECODE_DEVICE, UCX_TLS=${UCX_TLS:-default}"
 } 2>&1 | tee "$OUT/env.txt"
 grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above; no zmq: add a pyzmq cp312 wheel to .whl/)"
 
 TEST_STATUS=0
 if [ "${TESTS:-1}" != 0 ]; then
   step "GPU tests of the hand-off (tests/test_handoff_*.py, device-memory variants)"
-  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_handoff_device.py tests/test_handoff_policy.py \
-    >"$OUT/pytest-handoff.log" 2>&1 || TEST_STATUS=2
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_handoff_device.py tests/test_handoff_policy.py \
+    tests/test_handoff_stream.py >"$OUT/pytest-handoff.log" 2>&1 || TEST_STATUS=2
   tail -4 "$OUT/pytest-handoff.log"
 fi
 
@@ -66,11 +72,11 @@ BENCH_STATUS=0
 if [ "$LEFT" -lt 30 ]; then
   step "no time left for the benchmark"; BENCH_STATUS=3
 else
-  step "dynamo-kvtc bench transfer --shapes $SHAPES --tokens $TOKENS --link-gbps $LINKS ($PREFILL_DEVICE -> $DECODE_DEVICE, stops in ${LEFT}s)"
+  step "dynamo-kvtc bench transfer --shapes $SHAPES --tokens $TOKENS --link-gbps $LINKS --layer-groups $LAYER_GROUPS ($PREFILL_DEVICE -> $DECODE_DEVICE, stops in ${LEFT}s)"
   timeout "$LEFT" "$PY" -m dynamo_kvtc.cli.main bench transfer --shapes "$SHAPES" --tokens "$TOKENS" \
     --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" --rank "$RANK" \
-    --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" >"$OUT/bench-transfer-handoff.log" 2>&1 \
-    || BENCH_STATUS=3
+    --layer-groups "$LAYER_GROUPS" --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" \
+    >"$OUT/bench-transfer-handoff.log" 2>&1 || BENCH_STATUS=3
   grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | grep -v "^|" | tail -20
   grep "^|" "$OUT/bench-transfer-handoff.log" | tee "$OUT/table.md"
   LEFT=$((TOTAL_S - $(el)))
@@ -78,7 +84,8 @@ else
     step "device-memory run failed; host staging (DYN_KVTC_HANDOFF_MEMORY=host) at 8K for comparison (${LEFT}s left)"
     DYN_KVTC_HANDOFF_MEMORY=host timeout "$LEFT" "$PY" -m dynamo_kvtc.cli.main bench transfer --shapes "$SHAPES" \
       --tokens 8192 --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" \
-      --rank "$RANK" --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff-host.json" \
+      --rank "$RANK" --layer-groups "$LAYER_GROUPS" --repeat "$REPEAT" --timeout 60 \
+      --json "$OUT/bench-transfer-handoff-host.json" \
       >"$OUT/bench-transfer-handoff-host.log" 2>&1
     grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff-host.log" | tail -12
   fi

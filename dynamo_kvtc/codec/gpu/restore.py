@@ -259,6 +259,8 @@ class RestoreJob:
             if arriving is not None:
                 arriving.wait_for(lo + n)
             out = self.staged[dst : dst + n]
+            if t.is_cuda:  # the buffer's memory must outlive this stream's reads even if its owner drops it
+                t.record_stream(torch.cuda.current_stream(t.device))
             if not t.is_cuda and not out.is_cuda:
                 out.numpy()[:] = t[off + lo : off + lo + n].numpy()
             else:
