@@ -36,8 +36,19 @@ from dynamo_kvtc.connector.handoff.messages import plan_reply, range_descs  # no
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
 from dynamo_kvtc.connector.handoff.stream import GroupArrival, group_ends  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import RANGE_LIES, PeerProcess, lying_server, transfer_sequences  # noqa: E402
-from dynamo_kvtc.reliability.world import BS, Expect, World, close_store, make_store, offload, restore  # noqa: E402
+from dynamo_kvtc.reliability.world import (  # noqa: E402
+    BS,
+    SPAN,
+    Expect,
+    World,
+    close_store,
+    make_store,
+    offload,
+    restore,
+    tier_config,
+)
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
+from dynamo_kvtc.tiers.store import KvtcStore  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
@@ -265,11 +276,17 @@ def _fetch_restore(world, store, client, port, toks):
     return hashes, restore(world, store, hashes, 60, source=lambda: client.fetch("127.0.0.1", port, hashes))
 
 
-def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2):
-    dst = make_store(world2, True, host=64 << 20)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
+    """On the CPU host memory both sides; with CUDA the staging arena and the receive buffer are device memory and
+    the fused restore gathers each group from the receive buffer device to device."""
+    if device == "cuda" and not CUDA:
+        pytest.skip("needs CUDA")
+    dst = KvtcStore(world2.cal, tier_config(True, 64 << 20), block_size=BS, span_tokens=SPAN, device=device)
     expect = Expect(world2, True)
     try:
-        with _peers(world2) as (srv, client, seqs):
+        with _peers(world2, device=device) as (srv, client, seqs):
+            assert client.recv.mem == ("VRAM" if device == "cuda" else "DRAM")
             for _ in range(2):
                 for toks in seqs:
                     hashes, out = _fetch_restore(world2, dst, client, srv.port, toks)

@@ -264,7 +264,9 @@ class RestoreJob:
             if not t.is_cuda and not out.is_cuda:
                 out.numpy()[:] = t[off + lo : off + lo + n].numpy()
             else:
-                out.copy_(t[off + lo : off + lo + n], non_blocking=t.is_cuda or t.is_pinned())
+                # asynchronous only device to device or from pinned memory: a copy to the host must have landed
+                fast = out.is_cuda and (t.is_cuda or t.is_pinned())
+                out.copy_(t[off + lo : off + lo + n], non_blocking=fast)
         if g == len(self.pieces) - 1:
             ev = None
             if self.fc.device.type == "cuda":

@@ -46,6 +46,13 @@ def _meta(d: dict) -> BlobMeta | None:
         return None
 
 
+def _bind_device(device: torch.device) -> None:
+    """Make ``device`` (and its CUDA context) current on this thread: UCX posts GPU copies in the caller's context."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.current_stream(device).query()  # a runtime call: binds the primary context to this thread
+
+
 class HandoffClient:
     """Pulls blobs from prefill workers: one NIXL agent, one control-channel client per peer.
 
@@ -77,7 +84,9 @@ class HandoffClient:
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-read")  # posts the range READs
+        self._reader = ThreadPoolExecutor(  # posts the range READs, with the receive device's context current
+            1, thread_name_prefix="kvtc-handoff-read", initializer=_bind_device, initargs=(self.device,)
+        )
         self._inflight: tuple[GroupArrival, torch.Tensor] | None = None  # the last fetch's arrival and buffer
 
     @property
