@@ -33,7 +33,8 @@ from ..codec.plan import Plan
 from ..codec.rope import rotate
 from ..errors import CalibrationError, ConfigError, InputError
 from .artifact import Calibration
-from .dp import allocate, block_errors
+from .dp import Allocation, allocate, block_errors
+from .group_budget import GroupTable, share_budget, token_weights
 from .pca import Moments, fit_pca
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class CalibrationConfig:
     tp_size: int = 1
     token_sets: bool = True  # group sliding-window layers by attention type, with per-group token sets
     kept_rows_only: bool = False  # fit a sliding group only on each sample's last `window` tokens
+    shared_budget: bool = True  # one DP over all groups when their token sets differ (calibration/group_budget.py)
+    budget_tokens: int = 0  # span length that weights the shared budget (0: the longest calibration sample)
+    group_error_weights: tuple[float, ...] = ()  # error weight per basis group in the shared DP (default 1 each)
     device: str = "cpu"
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +81,8 @@ class CalibrationConfig:
             raise ConfigError(f"rank must be >= 1, got {self.rank}")
         if self.dp_tokens < 16:
             raise ConfigError(f"dp_tokens must be >= 16, got {self.dp_tokens}")
+        if self.budget_tokens < 0 or any(not w > 0 for w in self.group_error_weights):
+            raise ConfigError("budget_tokens must be >= 0 and group_error_weights positive")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} must lie in [0, tp_size={self.tp_size})")
 
@@ -224,6 +230,7 @@ class Calibrator:
         self.res_rows["dist"] = []  # each reservoir row's distance from its sample's last token (token sets)
         self.tokens = 0
         self.sequences = 0
+        self.max_len = 0  # the longest sample fed (tokens, sinks included): the shared budget's default span
         self.seconds = 0.0  # wall time spent producing and consuming samples (capture), across resumptions
         self._last = time.time()
         self._bar = _bar(cfg.max_tokens, "calibrate: capture + moments", cfg.progress, unit="tok")
@@ -288,6 +295,7 @@ class Calibrator:
             _compact(self.res_u, self.res_rows, cfg.dp_tokens)
         self.tokens += n
         self.sequences += 1
+        self.max_len = max(self.max_len, int(keys.shape[1]))
         now = time.time()
         self.seconds += now - self._last
         self._last = now
@@ -322,6 +330,7 @@ class Calibrator:
         out.res_u = list(self.res_u)
         out.res_rows = {kind: list(rows) for kind, rows in self.res_rows.items()}
         out.tokens, out.sequences, out.seconds = self.tokens, self.sequences, self.seconds
+        out.max_len = self.max_len
         out._bar.update(self.tokens)
         return out
 
@@ -334,6 +343,7 @@ class Calibrator:
             "counters": torch.tensor([self.tokens, self.sequences], dtype=torch.int64),
             "seconds": torch.tensor([self.seconds], dtype=torch.float64),
             "rng": self.gen.get_state(),
+            "max_len": torch.tensor([self.max_len], dtype=torch.int64),
         }
         if self.res_u:
             out["reservoir.u"] = self.res_u[0]
@@ -348,6 +358,7 @@ class Calibrator:
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         self.tokens, self.sequences = (int(x) for x in d["counters"])
         self.seconds = float(d["seconds"][0])
+        self.max_len = int(d["max_len"][0]) if "max_len" in d else 0  # older checkpoints: set budget_tokens
         self.gen.set_state(d["rng"])
         if "reservoir.u" in d:
             self.res_u[:] = [d["reservoir.u"]]
@@ -376,55 +387,18 @@ class Calibrator:
             raise CalibrationError(f"calibration data too short: {n_tokens} usable tokens (need at least 64)")
         _compact(res_u, res_rows, cfg.dp_tokens)
         t_capture = time.time() - t_start
+        fits, t_pca, t_dp = self._fit_groups()
+        t0 = time.time()
+        allocs, budget_prov = self._allocate(fits)
+        t_dp += time.time() - t0
         groups: list[BasisGroup] = []
         stats: dict[str, Any] = {}
-        t_pca = t_dp = 0.0
         for g, (a, b) in enumerate(slices):
             p = (b - a) * H * D
-            cols = slice(a * H * D, b * H * D)
             parts: dict[str, Any] = {}
             for kind in "kv":
-                t0 = time.time()
-                pca = fit_pca(mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
-                basis16 = pca.basis.to(torch.float16)
-                t1 = time.time()
-                sample = res_rows[kind][0][:, cols]
-                if self.group_tokens[g] and cfg.kept_rows_only:  # the DP sample: rows kept at the samples' ends
-                    sample = sample[res_rows["dist"][0] < self.group_tokens[g]]
-                if sample.shape[0] < 16:
-                    raise CalibrationError(f"group {g}: only {sample.shape[0]} DP sample rows in its token set")
-                sample = sample.to(dev)
-                coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
-                bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
-
-                def _tick(i: int, n: int, bar=bar) -> None:
-                    bar.total = n
-                    bar.update(1)
-
-                zero, errs = block_errors(coeffs, progress=_tick)
-                bar.close()
-                budgets = [int(16 * p / float(r)) for r in cfg.ratios]
-                allocs = allocate(zero, errs, budgets)
-                t2 = time.time()
-                t_pca += t1 - t0
-                t_dp += t2 - t1
-                energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
-                plans = {}
-                for r, bud, al in zip(cfg.ratios, budgets, allocs):
-                    plans[float(r)] = Plan(p, float(r), bud, al.groups)
-                    stats[f"g{g}.{kind}.{float(r):g}x"] = {
-                        "rank": plans[float(r)].rank,
-                        "bits_per_token": al.bits,
-                        "budget_bits": bud,
-                        "relative_error_dp_sample": (al.error + max(0.0, energy - float(zero.sum()))) / energy,
-                    }
-                width = max(pl.rank for pl in plans.values())
-                ev = pca.variances
-                stats[f"g{g}.{kind}.variance_captured_by_width"] = float(
-                    ev[:width].sum() / max(pca.total_variance, 1e-30)
-                )
-                parts[kind] = (pca.mean.cpu().float(), basis16[:, :width].cpu(), plans)
-                log.info("group %d %s: width %d of %d", g, kind, width, p)
+                fit, al = fits[(g, kind)], allocs[(g, kind)]
+                parts[kind] = _plans_and_stats(g, kind, p, fit, al, cfg.ratios, stats, bool(budget_prov))
             groups.append(
                 BasisGroup(
                     (a, b),
@@ -446,6 +420,7 @@ class Calibrator:
             "sinks_excluded": cfg.sinks,
             "rank_cap": cfg.rank,
             **_token_set_provenance(self.order, self.group_tokens),
+            **budget_prov,
             "pca": {
                 "method": "exact" if any((cfg.rank or m.p) + 64 >= m.p for m in mom.values()) else cfg.pca_method,
                 "niter": cfg.niter,
@@ -467,6 +442,104 @@ class Calibrator:
             **cfg.extra,
         }
         return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov, layer_order=self.order)
+
+    def _fit_groups(self) -> tuple[dict[tuple[int, str], _GroupFit], float, float]:
+        """PCA of every group and kind, and the DP error tables of its DP sample (seconds of PCA and DP too)."""
+        cfg, dev = self.cfg, self.dev
+        H, D = self.fp.num_kv_heads, self.fp.head_dim
+        fits: dict[tuple[int, str], _GroupFit] = {}
+        t_pca = t_dp = 0.0
+        for g, (a, b) in enumerate(self.slices):
+            cols = slice(a * H * D, b * H * D)
+            for kind in "kv":
+                t0 = time.time()
+                pca = fit_pca(self.mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
+                basis16 = pca.basis.to(torch.float16)
+                t1 = time.time()
+                sample = self.res_rows[kind][0][:, cols]
+                if self.group_tokens[g] and cfg.kept_rows_only:  # the DP sample: rows kept at the samples' ends
+                    sample = sample[self.res_rows["dist"][0] < self.group_tokens[g]]
+                if sample.shape[0] < 16:
+                    raise CalibrationError(f"group {g}: only {sample.shape[0]} DP sample rows in its token set")
+                sample = sample.to(dev)
+                coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
+                bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
+
+                def _tick(i: int, n: int, bar=bar) -> None:
+                    bar.total = n
+                    bar.update(1)
+
+                zero, errs = block_errors(coeffs, progress=_tick)
+                bar.close()
+                energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
+                fits[(g, kind)] = _GroupFit(pca, basis16, zero, errs, energy, int(sample.shape[0]))
+                t_pca += t1 - t0
+                t_dp += time.time() - t1
+        return fits, t_pca, t_dp
+
+    def shares_budget(self) -> bool:
+        """Whether one DP spans all groups (:mod:`.group_budget`): groups with different token sets, sharing on."""
+        return self.cfg.shared_budget and len(self.slices) > 1 and len(set(self.group_tokens)) > 1
+
+    def _allocate(
+        self, fits: dict[tuple[int, str], _GroupFit]
+    ) -> tuple[dict[tuple[int, str], list[Allocation]], dict[str, Any]]:
+        """Allocations per (group, kind), one per ratio: a DP per group, or one DP over all groups."""
+        cfg = self.cfg
+        H, D = self.fp.num_kv_heads, self.fp.head_dim
+        feats = [(b - a) * H * D for a, b in self.slices]
+        if not self.shares_budget():
+            out = {}
+            for (g, kind), fit in fits.items():
+                out[(g, kind)] = allocate(fit.zero, fit.errs, [int(16 * feats[g] / float(r)) for r in cfg.ratios])
+            return out, {}
+        length = cfg.budget_tokens or self.max_len
+        weights = token_weights(self.group_tokens, length)
+        ew = list(cfg.group_error_weights) or [1.0] * len(self.slices)
+        if len(ew) != len(self.slices):
+            raise ConfigError(f"group_error_weights has {len(ew)} entries for {len(self.slices)} basis groups")
+        out = {}
+        for kind in "kv":
+            fk = [fits[(g, kind)] for g in range(len(self.slices))]
+            tables = [GroupTable(f.zero, f.errs, feats[g], f.rows, weights[g], ew[g]) for g, f in enumerate(fk)]
+            for r_allocs in share_budget(tables, cfg.ratios):
+                for g, al in enumerate(r_allocs):
+                    out.setdefault((g, kind), []).append(al)
+        prov = {"group_budget": {"span_tokens": length, "token_weights": weights, "error_weights": ew}}
+        return out, prov
+
+
+@dataclass
+class _GroupFit:
+    """What the DP and the artifact need of one group and kind: its PCA, fp16 basis and DP error tables."""
+
+    pca: Any
+    basis16: torch.Tensor
+    zero: np.ndarray
+    errs: dict[tuple[int, str], np.ndarray]
+    energy: float  # squared norm of the mean-centred DP sample
+    rows: int
+
+
+def _plans_and_stats(
+    g: int, kind: str, p: int, fit: _GroupFit, allocs: list[Allocation], ratios, stats: dict[str, Any], shared: bool
+) -> tuple[torch.Tensor, torch.Tensor, dict[float, Plan]]:
+    """(mean, trimmed basis, plans by ratio) of one group and kind; its stats go into ``stats``."""
+    plans = {}
+    for r, al in zip(ratios, allocs):
+        bud = al.bits if shared else int(16 * p / float(r))  # a shared budget's group gets what the DP gave it
+        plans[float(r)] = Plan(p, float(r), bud, al.groups)
+        stats[f"g{g}.{kind}.{float(r):g}x"] = {
+            "rank": plans[float(r)].rank,
+            "bits_per_token": al.bits,
+            "budget_bits": bud,
+            "relative_error_dp_sample": (al.error + max(0.0, fit.energy - float(fit.zero.sum()))) / fit.energy,
+        }
+    width = max(pl.rank for pl in plans.values())
+    ev = fit.pca.variances
+    stats[f"g{g}.{kind}.variance_captured_by_width"] = float(ev[:width].sum() / max(fit.pca.total_variance, 1e-30))
+    log.info("group %d %s: width %d of %d", g, kind, width, p)
+    return fit.pca.mean.cpu().float(), fit.basis16[:, :width].cpu(), plans
 
 
 def _token_set_provenance(order: tuple[int, ...] | None, tokens: list[int]) -> dict[str, Any]:

@@ -68,8 +68,13 @@ def allocate(
     block_err: dict[tuple[int, str], np.ndarray],
     budgets_bits: Sequence[int],
     cost_fn: Callable[[str, int], int] = group_cost_bits,
+    cost_scale: np.ndarray | None = None,
 ) -> list[Allocation]:
-    """Exact optimal aligned-group allocation for each budget (bits per token)."""
+    """Exact optimal aligned-group allocation for each budget (bits per token).
+
+    ``cost_scale`` (positive integers, one per component; default all 1) multiplies the cost of every group that ends
+    at that component: a table that concatenates several basis groups (:mod:`.group_budget`) weights each group's
+    bits by the tokens it codes. Every aligned group must then lie inside one basis group."""
     f = len(zero_err)
     options = [(s, k) for (s, k) in block_err if len(block_err[(s, k)])]
     costs = [cost_fn(k, s) for s, k in options]
@@ -89,7 +94,9 @@ def allocate(
     for i in range(1, f + 1):
         best = ring[(i - 1) % (maxg + 1)] + zero_err[i - 1]
         ch = choice[i]
+        m = 1 if cost_scale is None else int(cost_scale[i - 1])
         for idx, ((s, k), c) in enumerate(zip(options, ucost), start=1):
+            c *= m
             if i % s or i < s or c > bmax:
                 continue
             prev = ring[(i - s) % (maxg + 1)]
@@ -111,9 +118,10 @@ def allocate(
                 i -= 1
                 continue
             s, k = options[idx - 1]
+            m = 1 if cost_scale is None else int(cost_scale[i - 1])
             groups.append((i - s, s, k))
-            bits += costs[idx - 1]
-            b -= ucost[idx - 1]
+            bits += costs[idx - 1] * m
+            b -= ucost[idx - 1] * m
             i -= s
         groups.reverse()
         out.append(Allocation(tuple(groups), float(final[budget // unit]), bits))
