@@ -3,8 +3,9 @@ receive buffer. Host (DRAM) or device (VRAM) alike, so the CPU loopback in the t
 GPUs.
 
 - :class:`StagingArena` (prefill): one buffer registered at start-up; each fetch takes one contiguous extent of it
-  (first fit), its blobs are copied in back to back (CUDA copies on a GPU, one numpy copy per blob on the host) and
-  described by one descriptor per blob — a handful of descriptors where the host tier's pages needed hundreds.
+  (first fit), its blobs are copied in back to back (CUDA copies on a GPU — one DMA each from the host tier's pinned
+  pages when the blobs come as views of them —, one numpy copy per blob on the host) and described by one
+  descriptor per blob — a handful of descriptors where the host tier's pages needed hundreds.
 - :class:`RecvBuffer` (decode): one buffer registered once and reused by every fetch (grown, re-registered, when a
   fetch is larger). A READ that NIXL could not confirm finished leaves it with the quarantine: the next fetch gets a
   fresh buffer, the old one (and its registration) is never touched again.
@@ -52,24 +53,44 @@ def mem_kind(dev: torch.device) -> tuple[str, int]:
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
 
 
+def blob_len(b: Any) -> int:
+    """Bytes of a blob given as bytes-like or as ``(tensor, offset, length)``."""
+    return b[2] if isinstance(b, tuple) else len(memoryview(b).cast("B"))
+
+
+def host_view(b: Any) -> memoryview:
+    """A host blob (bytes-like or ``(CPU tensor, offset, length)``) as a memoryview, without a copy."""
+    if isinstance(b, tuple):
+        t, o, n = b
+        return memoryview(t.numpy())[o : o + n]
+    return memoryview(b).cast("B")
+
+
 def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
-    """Copy ``blobs`` (bytes-like) back to back into ``dst`` at 256-byte aligned offsets; (offset, size) of each.
-    On a GPU the copies are queued on the current stream and waited for before returning."""
+    """Copy ``blobs`` (bytes-like, or ``(CPU tensor, offset, length)`` views: from pinned memory one asynchronous
+    DMA each) back to back into ``dst`` at 256-byte aligned offsets; (offset, size) of each. On a GPU the copies are
+    queued on the current stream and waited for before returning."""
     out, off = [], 0
     for b in blobs:
-        mv = memoryview(b).cast("B")
-        n = len(mv)
+        n = blob_len(b)
         if off + n > dst.numel():
             raise TierFullError(f"{off + n} bytes do not fit a {dst.numel()}-byte extent")
         if n == 0:
             pass
+        elif isinstance(b, tuple):
+            t, o, _ = b
+            if dst.is_cuda:
+                dst[off : off + n].copy_(t[o : o + n], non_blocking=t.is_pinned())
+            else:
+                dst[off : off + n].numpy()[:] = t[o : o + n].numpy()
         elif dst.is_cuda:
+            mv = memoryview(b).cast("B")
             with warnings.catch_warnings():  # a read-only bytes object: torch only reads it
                 warnings.simplefilter("ignore")
                 src = torch.frombuffer(mv, dtype=torch.uint8)
             dst[off : off + n].copy_(src)
         else:
-            dst[off : off + n].numpy()[:] = np.frombuffer(mv, dtype=np.uint8)
+            dst[off : off + n].numpy()[:] = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
         out.append((off, n))
         off = _up(off + n)
     if dst.is_cuda:
@@ -133,7 +154,7 @@ class StagingArena:
 
     def stage(self, key: str, blobs: Sequence[Any]) -> list[list[int]]:
         """Copy ``blobs`` into a new extent for ``key``; one ``[address, length]`` descriptor per blob."""
-        total = sum(_up(len(memoryview(b).cast("B"))) for b in blobs)
+        total = sum(_up(blob_len(b)) for b in blobs)
         off = self.take(key, total)
         try:
             placed = copy_in(self.buf[off : off + total], blobs)
