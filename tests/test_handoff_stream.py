@@ -229,12 +229,12 @@ def test_range_descriptors_cut_each_blob_and_its_remote_pieces():
         ]
     }
     runs, _ = plan_reply(reply, [5, 6])
-    assert [r.offset for r in runs] == [0, 512]  # 256-byte aligned
+    assert [r.offset for r in runs] == [0, 300]  # back to back
     assert range_descs(runs, 0, 10_000, 0, 1) == (
-        [(10_000, 150, 0), (10_512, 4, 0)],
+        [(10_000, 150, 0), (10_300, 4, 0)],
         [(1000, 100, 1), (5000, 50, 1), (9000, 4, 1)],
     )
-    assert range_descs(runs, 1, 10_000, 0, 1) == ([(10_150, 150, 0), (10_516, 6, 0)], [(5050, 150, 1), (9004, 6, 1)])
+    assert range_descs(runs, 1, 10_000, 0, 1) == ([(10_150, 150, 0), (10_304, 6, 0)], [(5050, 150, 1), (9004, 6, 1)])
     for bad in ([150, 150, 300], [301], [0, 300], [150], [True, 300], "x"):
         blobs = [dict(reply["blobs"][0], ranges=bad), reply["blobs"][1]]
         with pytest.raises(TransferError):

@@ -156,7 +156,7 @@ def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRu
         ends = _ranges(b, size)
         remote.extend((addr, n, 0) for addr, n in descs)
         runs.append(PlannedRun(total, size, first, count, at, meta, tuple((a, n) for a, n in descs), ends))
-        total += _up(size)
+        total += size
         at += count
         if total > MAX_FETCH_BYTES:
             raise TransferError(f"peer offers more than {MAX_FETCH_BYTES} bytes, more than a prompt's blobs can be")
@@ -165,11 +165,6 @@ def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRu
     if len({len(r.ranges) for r in runs}) != 1 or ("ranges" in blobs[0]) != all("ranges" in b for b in blobs):
         raise TransferError("fetch reply byte ranges differ in count between blobs")
     return runs, remote
-
-
-def _up(n: int, align: int = 256) -> int:
-    """Blobs start 256-byte aligned in the receive buffer (device copies out of it stay aligned)."""
-    return -(-n // align) * align
 
 
 def range_descs(runs: list[PlannedRun], a: int, base: int, dev: int, rdev: int) -> tuple[list[tuple], list[tuple]]:
