@@ -68,6 +68,7 @@ class CalibrationConfig:
     shared_budget: bool = True  # one DP over all groups when their token sets differ (calibration/group_budget.py)
     budget_tokens: int = 0  # span length that weights the shared budget (0: the longest calibration sample)
     group_error_weights: tuple[float, ...] = ()  # error weight per basis group in the shared DP (default 1 each)
+    budget_error: str = "relative"  # shared DP objective: "relative" (each layer's error over its energy) or "absolute"
     device: str = "cpu"
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -83,6 +84,8 @@ class CalibrationConfig:
             raise ConfigError(f"dp_tokens must be >= 16, got {self.dp_tokens}")
         if self.budget_tokens < 0 or any(not w > 0 for w in self.group_error_weights):
             raise ConfigError("budget_tokens must be >= 0 and group_error_weights positive")
+        if self.budget_error not in ("relative", "absolute"):
+            raise ConfigError(f"budget_error must be 'relative' or 'absolute', got {self.budget_error!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} must lie in [0, tp_size={self.tp_size})")
 
@@ -501,11 +504,23 @@ class Calibrator:
         out = {}
         for kind in "kv":
             fk = [fits[(g, kind)] for g in range(len(self.slices))]
-            tables = [GroupTable(f.zero, f.errs, feats[g], f.rows, weights[g], ew[g]) for g, f in enumerate(fk)]
+            scale = [1.0] * len(fk)
+            if cfg.budget_error == "relative":  # a group's squared error over its mean energy per layer and row
+                scale = [(b - a) * f.rows / max(f.energy, 1e-30) for (a, b), f in zip(self.slices, fk)]
+            tables = [
+                GroupTable(f.zero, f.errs, feats[g], f.rows, weights[g], ew[g] * scale[g]) for g, f in enumerate(fk)
+            ]
             for r_allocs in share_budget(tables, cfg.ratios):
                 for g, al in enumerate(r_allocs):
                     out.setdefault((g, kind), []).append(al)
-        prov = {"group_budget": {"span_tokens": length, "token_weights": weights, "error_weights": ew}}
+        prov = {
+            "group_budget": {
+                "span_tokens": length,
+                "token_weights": weights,
+                "error_weights": ew,
+                "error": cfg.budget_error,
+            }
+        }
         return out, prov
 
 
