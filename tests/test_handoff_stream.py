@@ -10,8 +10,9 @@ receive buffer in place.
   for bit like host bytes, with or without ranges.
 - Over NIXL (UCX loopback, two-group calibration, fused path forced on the CPU): fetches arrive in two ranges and
   restore exactly, one receive registration; replies with wrong ranges (past the blob, overlapping, short) are
-  refused (recompute, lease released); ranges that tile the blob but not its groups still restore exactly; a peer
-  process killed between the two range READs is a recompute and the next fetch from a live peer works.
+  refused (recompute, lease released); ranges that tile the blob but not its groups still restore exactly; the
+  second of the READs in flight failing (error, stall, refused post) or a peer process killed between two paced
+  range READs is a recompute, and the next fetch works.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.connector.handoff.messages import plan_reply, range_descs  # noqa: E402
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
 from dynamo_kvtc.connector.handoff.stream import GroupArrival, group_ends  # noqa: E402
+from dynamo_kvtc.reliability.nixl_faults import FaultyAgent  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import RANGE_LIES, PeerProcess, lying_server, transfer_sequences  # noqa: E402
 from dynamo_kvtc.reliability.world import (  # noqa: E402
     BS,
@@ -48,6 +50,7 @@ from dynamo_kvtc.reliability.world import (  # noqa: E402
     tier_config,
 )
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
+from dynamo_kvtc.tiers.nixl_io import TokenBucket  # noqa: E402
 from dynamo_kvtc.tiers.store import KvtcStore  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -321,10 +324,43 @@ def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
         close_store(dst)
 
 
+@pytest.mark.parametrize("mode", ["err_state", "stall", "raise"])
+def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
+    """All range READs are in flight at once; the second one errs, stalls past the deadline or is refused when
+    posted: the restore fails (recompute), nothing is quarantined (every handle released), the lease is released,
+    and the next fetch restores exactly."""
+    dst = make_store(world2, True, host=64 << 20)
+    try:
+        with _peers(world2) as (srv, client, seqs):
+            fa = FaultyAgent(client.agent.agent)
+            client.agent.agent = fa
+            post, posts = fa.transfer, []
+
+            def second_fails(h, *a, **k):
+                posts.append(1)
+                if len(posts) == 2:
+                    fa.arm(mode, "READ")
+                return post(h, *a, **k)
+
+            fa.transfer = second_fails
+            hashes, out = _fetch_restore(world2, dst, client, srv.port, seqs[0])
+            assert out.status == "failed" and isinstance(out.error, TransferError), out.error
+            assert len(posts) == 2 and fa.injected[mode] == 1
+            client.flush()
+            assert srv.open_leases == 0 and client.quarantined_bytes == 0
+            fa.transfer = post
+            hashes, out = _fetch_restore(world2, dst, client, srv.port, seqs[1])
+            assert out.ok, out.error
+            assert Expect(world2, True).check(hashes, 0, out.k, out.v)[0] == 0
+    finally:
+        close_store(dst)
+
+
 def test_peer_killed_between_range_reads_is_a_recompute(world2):
+    """On an emulated link the range READs go one after another: the prefill process dies once range 0 landed."""
     dst = make_store(world2, True, host=64 << 20)
     peer = PeerProcess(world2, 2, 1.5)
-    client = HandoffClient(ConnectorConfig(transfer_timeout_s=1.5))
+    client = HandoffClient(ConnectorConfig(transfer_timeout_s=1.5), pace=TokenBucket(1.0, chunk_bytes=1 << 16))
     expect = Expect(world2, True)
     read_range = client._read_range
     reads = []

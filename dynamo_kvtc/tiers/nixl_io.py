@@ -1,5 +1,6 @@
 """NIXL: file I/O (POSIX backend; GDS_MT when asked for and loadable on a GPU node) and READs between peer agents
-(UCX; :func:`read_descs`, optionally paced by a :class:`TokenBucket` to emulate a slower link in benchmarks).
+(UCX; :func:`read_descs`, optionally paced by a :class:`TokenBucket` to emulate a slower link in benchmarks; and
+:func:`read_ranges`, several READs in flight at once, each reported as it lands).
 
 NIXL reports failures as exceptions from ``nixl._bindings`` (``nixlBackendError``, ``nixlNotFoundError``, ...) with no
 common base; they are caught as a tuple and re-raised as :class:`~dynamo_kvtc.errors.TransferError`. Every transfer
@@ -80,7 +81,7 @@ def transfer(
     """Post one NIXL ``op`` (READ/WRITE) from ``local`` to ``remote`` descriptors, wait for DONE within
     ``timeout_s``, release the handle and deregister ``registrations``. Every failure is a :class:`TransferError`.
     If NIXL cannot confirm the backend is finished with ``buf`` (handle not released, a registration not undone),
-    ``buf`` goes to ``quarantine``. The one place this package waits on a NIXL transfer."""
+    ``buf`` goes to ``quarantine``. (:func:`read_ranges` waits on several at once under the same rules.)"""
     unsafe = False  # True while the backend may still touch ``buf``
     try:
         if local is None or remote is None:
@@ -223,6 +224,61 @@ def read_descs(
     if pace is not None:
         pace.finish()
     return time.perf_counter() - t
+
+
+def read_ranges(
+    agent: PeerAgent,
+    ranges: Sequence[tuple[Sequence[tuple], Sequence[tuple]]],
+    local_mem: str,
+    remote_mem: str,
+    peer: str,
+    timeout_s: float,
+    *,
+    buf: torch.Tensor,
+    quarantine: Quarantine,
+    landed: Any,
+    poll_s: float = 0.0001,
+) -> None:
+    """READ several ``(local, remote)`` descriptor lists (each of equal lengths pairwise, as NIXL needs) from
+    ``peer``, all posted at once so the link never idles between them, then waited for in order: ``landed(i)`` is
+    called as soon as READ i and every READ before it are done. One deadline for all of them. Every failure is a
+    :class:`TransferError`; a READ not done whose handle NIXL could not release sends ``buf`` to ``quarantine`` (as
+    :func:`transfer` does). Takes ``agent.lock`` only to post, poll and release, never while sleeping."""
+    a, errors = agent.agent, agent.errors
+    handles: list[Any] = []
+    states: list[str] = []
+    try:
+        with agent.lock:
+            for lp, rp in ranges:
+                ld, rd = a.get_xfer_descs(list(lp), local_mem), a.get_xfer_descs(list(rp), remote_mem)
+                if ld is None or rd is None:
+                    raise TransferError("NIXL rejected the transfer descriptors")
+                handles.append(a.initialize_xfer("READ", ld, rd, peer))
+                states.append(a.transfer(handles[-1]))
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(handles)):
+            while states[i] != "DONE":
+                if states[i] == "ERR":
+                    raise TransferError(f"NIXL READ {i} of {len(handles)} reported an error")
+                if time.monotonic() > deadline:
+                    raise TransferError(f"NIXL READs into a {buf.numel()}-byte buffer timed out after {timeout_s} s")
+                time.sleep(poll_s)
+                with agent.lock:
+                    states[i] = a.check_xfer_state(handles[i])
+            landed(i)
+    except errors as e:
+        raise TransferError(f"NIXL READ failed: {type(e).__name__}: {e}") from e
+    finally:
+        unsafe = False  # a READ not confirmed done whose handle could not be released: the backend may still write
+        with agent.lock:
+            for i, h in enumerate(handles):
+                try:
+                    a.release_xfer_handle(h)
+                except errors:
+                    log.warning("NIXL could not release a READ handle")
+                    unsafe = unsafe or states[i : i + 1] != ["DONE"]
+        if unsafe:
+            quarantine.hold(buf, "READ not confirmed finished")
 
 
 class PeerAgent:

@@ -27,7 +27,7 @@ from ...codec.gpu.restore import ArrivingBlob
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
 from ...tiers.channel import ReqClient
-from ...tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
+from ...tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
 from ..config import ConnectorConfig
 from .auth import channel_auth
 from .linkpolicy import LinkChoice, LinkPolicy
@@ -176,18 +176,29 @@ class HandoffClient:
         return self._runs(buf, runs, arrival)
 
     def _read(self, arrival: GroupArrival, parts: list, buf: torch.Tensor, src: tuple, where: tuple, info: tuple):
-        """The reader thread: READ each byte range in turn (paced by ``pace`` as one transfer), mark it landed;
-        on a fault fail the arrival (the waiting restore raises). Then release the lease and learn the link."""
+        """The reader thread: READ the byte ranges — all in flight at once, or one after another through the token
+        bucket of an emulated link — and mark each landed; on a fault fail the arrival (the waiting restore raises).
+        Then release the lease and learn the link."""
         (peer, rmem), (host, port, lease), (ask_s, nbytes) = src, where, info
+
+        def landed(a: int) -> None:
+            if a == len(parts) - 1:  # the fetch's numbers are in place before the last range counts as landed
+                self._learned(f"{host}:{port}", nbytes, time.perf_counter() - arrival.started, ask_s, arrival)
+            arrival.landed(a)
+
         try:
-            if self.pace is not None:
+            if self.pace is None:
+                pairs = [split_descs(local, remote, max(1, sum(d[1] for d in local)))[0] for local, remote in parts]
+                self._guarded(
+                    buf, read_ranges, self.agent, pairs, self.recv.mem, rmem, peer, self.cfg.transfer_timeout_s,
+                    buf=buf, quarantine=self.quarantine, landed=landed,
+                )  # fmt: skip
+            else:
                 self.pace.start()
-            for a, (local, remote) in enumerate(parts):
-                self._read_range(local, remote, rmem, peer, buf)
-                if a == len(parts) - 1:  # the fetch's numbers are in place before the last range counts as landed
-                    read_s = time.perf_counter() - arrival.started
-                    self._learned(f"{host}:{port}", nbytes, read_s, ask_s, arrival)
-                arrival.landed(a)
+                for a, (local, remote) in enumerate(parts):
+                    self._read_range(local, remote, rmem, peer, buf)
+                    landed(a)
+            self.bytes_moved += nbytes
         except TransferError as e:
             arrival.fail(e)
         except BaseException as e:  # noqa: BLE001 - the restore waiting on it must fail, not hang
@@ -197,21 +208,31 @@ class HandoffClient:
             arrival.finished.set()
 
     def _read_range(self, local: list, remote: list, rmem: str, peer: str, buf: torch.Tensor) -> None:
-        with self.agent.lock:
-            held = self.quarantine.count
-            try:
+        """One paced READ of one byte range (the emulated link's bucket was started for the whole fetch)."""
+
+        def paced() -> None:
+            with self.agent.lock:
                 read_descs(
                     self.agent, local, self.recv.mem, remote, rmem, peer, self.cfg.transfer_timeout_s,
                     buf=buf, quarantine=self.quarantine, pace=self.pace, start_pace=False,
                 )  # fmt: skip
-            except TransferError:
-                if self.recv.buf is buf:
+
+        self._guarded(buf, paced)
+
+    def _guarded(self, into: torch.Tensor, read: Any, *args: Any, **kw: Any) -> None:
+        """Run a READ into ``into``; if it fails, the receive buffer is never reused: quarantined (the backend may
+        still write into it) or deregistered (a stale or refused registration must not fail every later fetch)."""
+        held = self.quarantine.count
+        try:
+            read(*args, **kw)
+        except TransferError:
+            with self.agent.lock:
+                if self.recv.buf is into:
                     if self.quarantine.count > held:
-                        self.recv.forget()  # the backend may still write into it: never reuse it
+                        self.recv.forget()
                     else:
-                        self.recv.reset()  # a stale or refused registration must not fail every later fetch
-                raise
-            self.bytes_moved += sum(d[1] for d in local)
+                        self.recv.reset()
+            raise
 
     def _learned(self, peer: str, nbytes: int, read_s: float, ask_s: float, arrival: GroupArrival) -> None:
         self.link.observe(peer, nbytes, read_s)
