@@ -464,8 +464,11 @@ def test_fused_work_is_ordered_on_the_callers_stream(synth, synth_cal):
 
 
 @marks(cuda_only)
-async def test_store_on_cuda_uses_the_fused_path(synth, synth_cal):
+async def test_store_on_cuda_uses_the_fused_path(synth, synth_cal, monkeypatch):
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
+
+    if "DYN_KVTC_PROJECTION" not in os.environ:  # "auto" is FP8 on an H200 but float32 on the CPU reference store
+        monkeypatch.setenv("DYN_KVTC_PROJECTION", "fp16")
 
     cfg = TierConfig(host_bytes=1 << 22, ratio=8, min_tokens=0, window=32, page_bytes=1024)
     store = KvtcStore(synth_cal, cfg, device="cuda", block_size=16, span_tokens=128)
