@@ -65,6 +65,25 @@ def test_host_tier_lru_and_no_fragmentation_collapse():
         host.put("huge", b"x" * (host.capacity + 1))
 
 
+def test_host_tier_large_blobs_copied_without_the_gil_are_exact():
+    """Blobs of >= GIL_FREE_COPY bytes are copied into the arena by torch (GIL released): read-only bytes, a
+    memoryview of a larger buffer, and a blob split over two free runs all read back byte for byte."""
+    from dynamo_kvtc.tiers.host import GIL_FREE_COPY
+
+    page = 64 * 1024
+    host = HostTier(8 * GIL_FREE_COPY, page_bytes=page, pinned=False)
+    a = os.urandom(3 * GIL_FREE_COPY + 123)
+    big = bytearray(os.urandom(4 * GIL_FREE_COPY))
+    b = memoryview(big)[17 : 17 + 2 * GIL_FREE_COPY]
+    host.put("a", a)
+    host.put("b", b)
+    assert host.get("a")[0] == a and host.get("b")[0] == bytes(b)
+    host.discard("a")  # a hole of 3 MiB + 1 page before b, 3 MiB - 1 page after: the next blob takes both
+    c = os.urandom(5 * GIL_FREE_COPY)
+    host.put("c", c)
+    assert len(host.extents("c")) == 2 and host.get("c")[0] == c and host.get("b")[0] == bytes(b)
+
+
 def test_host_tier_keeps_blobs_contiguous_and_leases_pin_their_pages():
     host = HostTier(64 * 1024, page_bytes=1024, pinned=False)
     a, b = os.urandom(10_000), os.urandom(5_000)

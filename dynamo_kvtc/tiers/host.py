@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,20 @@ class HostLease:
             self.tier.release(self.entry)
 
 
+GIL_FREE_COPY = 1 << 20  # copies at least this large go through torch: it releases the GIL (and may use threads)
+
+
+def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
+    """``dst[:] = src`` (uint8). A raw blob is ~1 GB: copied by numpy it would hold the GIL for ~0.1-0.3 s and stall
+    the engine's Python loop; torch's copy runs without it."""
+    if src.nbytes < GIL_FREE_COPY:
+        dst.numpy()[:] = src
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only source (bytes) is only read
+        dst.copy_(torch.from_numpy(src))
+
+
 class HostTier(BlobTier):
     """Compressed blobs in one page arena, LRU. Owns the arena, its free page runs and the entries; it never decides
     what happens to an evicted blob (``put`` hands victims back) and never interprets a blob's bytes. A blob is kept
@@ -207,11 +222,10 @@ class HostTier(BlobTier):
             for v in victims:
                 self._release(self._entries.pop(v))
             runs = self._free.take(need)
-            arena = self.arena.numpy()
             at = 0
             for p, n in runs:
                 k = min(n * self.page, len(src) - at)
-                arena[p * self.page : p * self.page + k] = src[at : at + k]
+                _copy_into(self.arena[p * self.page : p * self.page + k], src[at : at + k])
                 at += k
             self._entries[blob_id] = HostEntry(runs, len(data), meta)
             self.used_bytes += len(data)
