@@ -23,8 +23,9 @@ compressed restores, no setting), its estimates, the measured time of the path i
 On two GPUs of one host: ``--prefill-device cuda:0 --decode-device cuda:1``; on one GPU both ``cuda:0`` (two
 processes sharing it). On one machine without GPUs both default to ``cpu`` and UCX runs over loopback (what the test
 suite does). KV and calibrations are synthetic (random orthonormal basis, power-law spectrum;
-``calibration/synthetic.py``, made per layer group: ``--layer-groups``, default 4, the layout of ``calibrate
---layer-groups``): the numbers are about bytes and time, not accuracy.
+``calibration/synthetic.py``; with ``--layer-groups`` > 1 (default 4, the layout of ``calibrate --layer-groups``)
+``bench gpu``'s per-group calibration, min(p_g, 10240) components per group, ``--rank`` then unused): the numbers
+are about bytes and time, not accuracy.
 """
 
 from __future__ import annotations
@@ -354,8 +355,8 @@ def run_bench_transfer(args) -> int:
             sh = SHAPES[shape]
             cal_path = work / f"cal-{shape}"
             grouped_calibration(
-                sh.layers, sh.kv_heads, sh.head_dim, sh.theta, min(args.layer_groups, sh.layers),
-                ratio=args.ratio, rank=args.rank, device=args.decode_device, name=shape,
+                sh, min(args.layer_groups, sh.layers), ratio=args.ratio, rank=args.rank, device=args.decode_device,
+                name=shape,
             ).save(cal_path)  # fmt: skip
             for tokens in lengths:
                 try:

@@ -19,8 +19,7 @@ import torch
 
 from ..calibration.artifact import Calibration
 from ..calibration.synthetic import spectrum, synthetic_calibration, synthetic_kv
-from ..codec.model import ModelFingerprint
-from ..codec.rope import RotaryConfig, apply_rope
+from ..codec.rope import apply_rope
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.server import HandoffServer
 from ..errors import TransferError
@@ -29,33 +28,39 @@ from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
 from ..tiers.nixl_io import PeerAgent
 from ..tiers.store import KvtcStore
+from .gpu_model import synthetic_calibration_gpu
+from .shapes import Shape
 
 BS = 32
 RAW_LIMITS = Limits(max_message=1 << 24, max_str=1 << 16, max_bin=1 << 22, max_array=1 << 20, max_map=16)
 
 
-def grouped_calibration(
-    layers: int, kv_heads: int, head_dim: int, theta: float, groups: int, *, ratio: float, rank: int, device: str,
-    name: str,
-) -> Calibration:  # fmt: skip
-    """The synthetic calibration (:func:`~dynamo_kvtc.calibration.synthetic.synthetic_calibration`) made per layer
-    group, the layout ``calibrate --layer-groups`` writes: ``groups`` consecutive groups, each with its own basis
-    (rank up to ``rank``) and plan. One group: exactly the plain synthetic calibration."""
-    if groups <= 1:
-        return synthetic_calibration(
-            layers, kv_heads, head_dim, theta, ratios=(ratio,), rank=rank, dp_rows=2048, device=device, name=name
-        )
-    bounds = [round(i * layers / groups) for i in range(groups + 1)]
+def grouped_calibration(shape: Shape, groups: int, *, ratio: float, rank: int, device: str, name: str) -> Calibration:
+    """The bench's synthetic calibration: ``groups`` consecutive layer groups (the layout ``calibrate
+    --layer-groups`` writes), each with its own basis and plan. On a GPU ``bench gpu``'s
+    (:func:`~.gpu_model.synthetic_calibration_gpu`: min(p_g, 10240) components per group, built on the device);
+    elsewhere :func:`~dynamo_kvtc.calibration.synthetic.synthetic_calibration` per group (``rank`` components).
+    Kept on the host."""
+    L, H, D = shape.layers, shape.kv_heads, shape.head_dim
+    if groups > 1 and torch.device(device).type == "cuda":
+        cal, _ = synthetic_calibration_gpu(name, shape, (ratio,), layer_groups=groups, dev=torch.device(device))
+        parts = [
+            dataclasses.replace(
+                g, k_mean=g.k_mean.cpu(), k_basis=g.k_basis.cpu(), v_mean=g.v_mean.cpu(), v_basis=g.v_basis.cpu()
+            )
+            for g in cal.groups
+        ]
+        return Calibration(cal.fingerprint, parts, cal.rope_removed, cal.provenance)  # id: of the content
+    bounds = [round(i * L / groups) for i in range(groups + 1)]
     parts = []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         one = synthetic_calibration(
-            b - a, kv_heads, head_dim, theta, ratios=(ratio,), rank=rank, dp_rows=2048, device=device, seed=i, name=name
+            b - a, H, D, shape.theta, ratios=(ratio,), rank=rank, dp_rows=2048, device=device, seed=i, name=name
         )
         parts.append(dataclasses.replace(one.groups[0], layers=(a, b)))
-    fp = ModelFingerprint(
-        "SyntheticForCausalLM", layers, kv_heads, head_dim, "bfloat16",
-        tuple(RotaryConfig(head_dim, theta=theta) for _ in range(layers)), model_name=name, total_kv_heads=kv_heads,
-    )  # fmt: skip
+    if groups <= 1:
+        return one
+    fp = dataclasses.replace(one.fingerprint, num_layers=L, rotary=tuple(one.fingerprint.rotary[:1]) * L)
     return Calibration(fp, parts, provenance={"synthetic": True, "spectrum": "i^-1.1", "layer_groups": groups})
 
 

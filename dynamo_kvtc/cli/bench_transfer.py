@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-device", default="cpu")
     p.add_argument("--decode-device", default="cpu")
     p.add_argument("--ratio", type=types.positive_float, default=16.0)
-    p.add_argument("--rank", type=types.positive_int, default=1024, help="PCA components of the synthetic calibration")
+    p.add_argument(
+        "--rank", type=types.positive_int, default=1024, help="PCA components of a one-group synthetic calibration"
+    )
     p.add_argument("--repeat", type=types.positive_int, default=3)
     p.add_argument("--timeout", type=types.positive_float, default=120.0)
     p.add_argument(
