@@ -10,9 +10,10 @@
 #   command: PREFILL_DEVICE=cuda:0 DECODE_DEVICE=cuda:1 bash integration/gpu/handoff_check.sh   (two GPUs: UCX
 #            should move GPU to GPU over NVLink by CUDA IPC; env.txt records the UCX transports seen)
 # Knobs (environment): PREFILL_DEVICE, DECODE_DEVICE (cuda:0 both), SHAPES (mistral-nemo-12b), TOKENS (8192,32768),
-# LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each), RANK (10240: the
-# components the DP keeps at 16x, per group), REPEAT (2), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything
-# stops there; the JSON keeps every finished row), WHEELS=0 to skip the wheel install, PY.
+# LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each; on a GPU bench gpu's
+# calibration, min(p_g, 10240) components per group), RANK (10240: components of a LAYER_GROUPS=1 calibration),
+# REPEAT (2), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps every finished
+# row), WHEELS=0 to skip the wheel install, PY.
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
