@@ -48,6 +48,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# UCX prints the protocols it selects (to the bench log): whether the READs went GPU to GPU (cuda_ipc) or not
+export UCX_PROTO_INFO=${UCX_PROTO_INFO:-y}
 
 step "environment"
 {
@@ -78,8 +80,10 @@ else
     --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" --rank "$RANK" \
     --layer-groups "$LAYER_GROUPS" --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" \
     >"$OUT/bench-transfer-handoff.log" 2>&1 || BENCH_STATUS=3
-  grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff.log" | grep -v "^|" | tail -20
-  grep "^|" "$OUT/bench-transfer-handoff.log" | tee "$OUT/table.md"
+  grep -vE "(NIXL INFO|^INFO|^WARNING|^[|+]|^\[[0-9.]+\] \[)" "$OUT/bench-transfer-handoff.log" | tail -20
+  # the table is printed last (UCX's protocol tables also start with "|")
+  sed -n '/^| shape | prompt/,$p' "$OUT/bench-transfer-handoff.log" | grep "^|" | tee "$OUT/table.md"
+  echo "UCX protocol lines naming cuda_ipc: $(grep -c cuda_ipc "$OUT/bench-transfer-handoff.log")" | tee -a "$OUT/env.txt"
   LEFT=$((TOTAL_S - $(el)))
   if [ "$BENCH_STATUS" -ne 0 ] && [ "$LEFT" -gt 60 ]; then  # the device-memory path failed: measure the host path
     step "device-memory run failed; host staging (DYN_KVTC_HANDOFF_MEMORY=host) at 8K for comparison (${LEFT}s left)"
@@ -88,7 +92,7 @@ else
       --rank "$RANK" --layer-groups "$LAYER_GROUPS" --repeat "$REPEAT" --timeout 60 \
       --json "$OUT/bench-transfer-handoff-host.json" \
       >"$OUT/bench-transfer-handoff-host.log" 2>&1
-    grep -vE "(NIXL INFO|^INFO|^WARNING)" "$OUT/bench-transfer-handoff-host.log" | tail -12
+    grep -vE "(NIXL INFO|^INFO|^WARNING|^[|+]|^\[[0-9.]+\] \[)" "$OUT/bench-transfer-handoff-host.log" | tail -12
   fi
 fi
 
