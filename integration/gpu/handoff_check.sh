@@ -65,7 +65,7 @@ grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above; n
 TEST_STATUS=0
 if [ "${TESTS:-1}" != 0 ]; then
   step "GPU tests of the hand-off (tests/test_handoff_*.py, device-memory variants)"
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_handoff_device.py tests/test_handoff_policy.py \
+  timeout 150 "$PY" -m pytest -q -p no:cacheprovider -rs -m gpu tests/test_handoff_device.py tests/test_handoff_policy.py \
     tests/test_handoff_stream.py >"$OUT/pytest-handoff.log" 2>&1 || TEST_STATUS=2
   tail -4 "$OUT/pytest-handoff.log"
 fi
