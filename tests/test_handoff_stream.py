@@ -157,6 +157,36 @@ def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
     assert torch.equal(vv.view(torch.int16), want_v.view(torch.int16))
 
 
+def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
+    """With the fused path off (e.g. turned off mid-restore) the reference decoder gets an arriving blob through
+    ``spans.host_bytes``: it waits for every range, copies the blob out and releases the receive buffer."""
+    import threading
+
+    from dynamo_kvtc.codec.spans import host_bytes
+
+    codec = _codec(cal2)
+    _, blobs = _blobs(synth, codec)
+    buf, offs = _receive(blobs)
+    ends = [group_ends(b) for b in blobs]
+    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
+    srcs = [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
+    _land(buf, offs, blobs, ends, 0)
+    arrival.landed(0)
+
+    def land_rest():
+        _land(buf, offs, blobs, ends, 1)
+        arrival.landed(1)
+
+    threading.Timer(0.2, land_rest).start()  # the second range lands while host_bytes waits for it
+    got = [bytes(host_bytes(x)) for x in srcs]
+    assert got == [bytes(b) for b in blobs] and arrival.is_consumed
+    ref = KvtcCodec(cal2, ratio=8, device="cpu", fused=False, window=32)
+    k, _ = ref.decode(got[0])
+    assert torch.isfinite(k.float()).all()
+    t = torch.frombuffer(bytearray(blobs[1]), dtype=torch.uint8)
+    assert bytes(host_bytes((t, 0, len(blobs[1])))) == bytes(blobs[1])  # a host tensor: a view, as before
+
+
 def test_a_reader_failing_between_ranges_fails_after_group_zero(synth, cal2):
     codec = _codec(cal2)
     parts, blobs = _blobs(synth, codec)

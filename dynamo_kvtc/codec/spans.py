@@ -77,9 +77,16 @@ class Encoded:
 
 
 def host_bytes(blob: Any) -> Any:
-    """A bytes-like view of a blob given as bytes or as ``(tensor, offset, length)`` (no copy)."""
+    """A bytes-like view of a blob given as bytes or as ``(tensor, offset, length)`` (no copy from host memory).
+    A blob still landing (a hand-off's arriving blob: it has ``settle``) is waited for and copied out; one in device
+    memory is copied to the host (the reference path's input, e.g. after the fused path was turned off)."""
+    settle = getattr(blob, "settle", None)
+    if callable(settle):
+        return settle()
     if isinstance(blob, tuple):
         t, off, n = blob
+        if t.device.type != "cpu":
+            return t[off : off + n].cpu().numpy().tobytes()
         return memoryview(t.numpy())[off : off + n]
     return blob
 
