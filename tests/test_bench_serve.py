@@ -296,6 +296,19 @@ def test_bad_arguments_exit_2(args, capsys):
     assert e.value.code == 2 and capsys.readouterr().err.startswith("dynamo-kvtc: error:")
 
 
+def test_layer_groups_are_refused_on_the_cpu_with_a_clear_error(capsys):
+    """``--layer-groups`` shapes the GPU synthetic calibration; on the CPU more than one group is a clear error
+    (exit 2), not a silently different calibration; ``--layer-groups 0`` is refused by the parser."""
+    from dynamo_kvtc.cli.main import build_parser, main
+
+    argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--systems", "none", "--no-warmup"]
+    assert main([*argv, "--layer-groups", "2"]) == 2
+    assert "--layer-groups 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*argv, "--layer-groups", "0"])
+    assert e.value.code == 2
+
+
 def test_cli_models_are_the_benchmarks():
     from dynamo_kvtc.bench.serve.run import SERVE_MODELS
     from dynamo_kvtc.cli.bench_serve import MODELS

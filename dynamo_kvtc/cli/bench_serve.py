@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=types.positive_int, default=16)
     p.add_argument("--span-tokens", type=types.positive_int, default=1024)
     p.add_argument("--window", type=types.nonneg_int, default=128, help="raw tokens at the end of a saved sequence")
+    p.add_argument(
+        "--layer-groups", type=types.positive_int, default=1,
+        help="the synthetic calibration's layer groups, each with its own basis (CUDA only; 1: one joint basis, as "
+        "the shipped calibrations): a restore decodes group 0 before later groups' bytes have landed",
+    )  # fmt: skip
     p.add_argument("--slo", type=types.positive_float, default=2.0, help="TTFT SLO (goodput; p90 in --qps), seconds")
     p.add_argument("--disk-gb", type=types.nonneg_float, default=0.0, help="a disk tier of this size (0: none)")
     p.add_argument("--disk-dir", type=types.existing_dir, default=None, help="where the disk tiers' folders go")

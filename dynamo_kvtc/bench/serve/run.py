@@ -40,11 +40,15 @@ SERVE_MODELS: dict[str, tuple[ModelDims, Shape]] = {
 SERVE_MODELS["tiny"] = (ModelDims(128, 4, 256, 32000, True, True), Shape(4, 2, 32, 1e4))
 
 
-def make_calibration(name: str, s: Shape, ratios: tuple[float, ...], device: str):
+def make_calibration(name: str, s: Shape, ratios: tuple[float, ...], device: str, layer_groups: int = 1):
+    """The synthetic calibration: on a GPU bench gpu's (``layer_groups`` consecutive groups of layers, each with its
+    own basis: a restore decodes group 0 before later groups' bytes arrive); on the CPU one group."""
     if torch.device(device).type == "cuda":
         from ..gpu_model import synthetic_calibration_gpu
 
-        return synthetic_calibration_gpu(name, s, ratios, dev=torch.device(device))[0]
+        return synthetic_calibration_gpu(name, s, ratios, layer_groups=layer_groups, dev=torch.device(device))[0]
+    if layer_groups != 1:
+        raise ConfigError(f"--layer-groups {layer_groups}: bench serve builds multi-group calibrations on CUDA only")
     from ...calibration.synthetic import synthetic_calibration
 
     return synthetic_calibration(s.layers, s.kv_heads, s.head_dim, s.theta, ratios=ratios, dp_rows=512, name=name)
@@ -54,10 +58,12 @@ class ServeBench:
     """One model, one calibration and one workload, run against systems at host budgets. Owns the decoder and the
     calibration (built once); builds a fresh store per run and closes it after; never changes the workload."""
 
-    def __init__(self, model: str, workload: wl.Workload, cfg: EngineConfig, device: str, **tier_kw: Any) -> None:
+    def __init__(
+        self, model: str, workload: wl.Workload, cfg: EngineConfig, device: str, layer_groups: int = 1, **tier_kw: Any
+    ) -> None:
         dims, self.shape = SERVE_MODELS[model]
         self.model, self.cfg, self.device, self.tier_kw = model, cfg, device, tier_kw
-        self.cal = make_calibration(model, self.shape, (16.0, 32.0), device)
+        self.cal = make_calibration(model, self.shape, (16.0, 32.0), device, layer_groups)
         self.decoder = RandomDecoder(dims, self.shape, torch.device(device))
         s = self.shape
         self.bytes_per_token = 2 * s.layers * s.kv_heads * s.head_dim * 2  # K and V, bf16
@@ -240,7 +246,7 @@ def run_bench_serve(args) -> int:
     tier_kw: dict[str, Any] = {"window": args.window}
     if args.disk_gb:
         tier_kw["disk_bytes"] = int(args.disk_gb * 1e9)
-    bench = ServeBench(args.model, w, cfg, args.device, **tier_kw)
+    bench = ServeBench(args.model, w, cfg, args.device, getattr(args, "layer_groups", 1), **tier_kw)
     print(f"bench serve: {args.model} on {args.device} ({NOTE}); workload {w.name}: {w.stats()}")
     print(f"raw working set: {bench.ws_blocks} blocks = {bench.ws_bytes / 1e9:.3f} GB")
     if not args.no_warmup:
@@ -253,6 +259,7 @@ def run_bench_serve(args) -> int:
         "device": args.device,
         "engine": asdict(cfg),
         "window": args.window,
+        "layer_groups": len(bench.cal.groups),
         "disk_gb": args.disk_gb,
         "workload": wl.describe(w),
         "raw_working_set_bytes": bench.ws_bytes,
