@@ -121,15 +121,15 @@ def test_single_group_calibrations_are_unchanged(synth):
 
 
 @pytest.mark.model
-def test_smollm2_single_group_calibration_is_unchanged(smol_samples, smol_fp):
+def test_smollm2_single_group_calibration_is_unchanged(smollm2, smol_fp):
     """A SmolLM2 joint-basis calibration (the shipped calibration's recipe on 4096 tokens) has the id the
     pre-shared-budget code gave (this CPU VM, torch 2.13)."""
     from dynamo_kvtc.calibration.data import calibration_texts
-    from dynamo_kvtc.calibration.models import iter_model_kv, load_model
+    from dynamo_kvtc.calibration.models import iter_model_kv
 
     if not torch.__version__.startswith("2.13"):
         pytest.skip("ids recorded with torch 2.13 on the CPU")
-    model, tok = load_model("smollm2-135m-instruct")
+    model, tok = smollm2
     smol = list(iter_model_kv(model, tok, calibration_texts(), seq_len=2048, max_tokens=4096))
     cal = calibrate(smol, smol_fp, ratios=(8, 16, 32, 64), rank=512, niter=4, dp_tokens=2048, progress=False, seed=0)
     assert cal.id == "9e2d791079909986eeaabda448a2cfa1" and "group_budget" not in cal.provenance
@@ -218,3 +218,22 @@ def test_checkpoint_keeps_the_longest_sample(win_synth):
     back.load_state_dict(cal.state_dict())
     assert cal.max_len == back.max_len == 300
     assert back.finish().provenance["group_budget"]["span_tokens"] == 300
+
+
+def test_k_and_v_can_share_one_budget(win_synth, win_samples):
+    """share_kv: one DP over K and V of every group; K and V bits together stay within the ratio's budget and the
+    token-weighted relative error over both kinds is never above the one of a budget per kind."""
+    per_kind = _cal(win_synth, win_samples)
+    joint = _cal(win_synth, win_samples, share_kv=True)
+    assert joint.provenance["group_budget"]["share_kv"] and "share_kv" not in per_kind.provenance["group_budget"]
+    feats = [g.k_basis.shape[0] for g in joint.groups]
+    for r in (4, 8, 16):
+        st = joint.provenance["stats"]
+        bits = [st[f"g{g}.{kind}.{r}x"]["bits_per_token"] * w for g, w in ((0, 1), (1, 4)) for kind in "kv"]
+        assert sum(bits) <= int(16 * 2 * (feats[0] + 4 * feats[1]) / r)
+
+        def werr(c, r=r):
+            s = c.provenance["stats"]
+            return sum(w * s[f"g{g}.{k}.{r}x"]["relative_error_dp_sample"] for g, w in ((0, 1), (1, 4)) for k in "kv")
+
+        assert werr(joint) <= werr(per_kind) * (1 + 1e-9)

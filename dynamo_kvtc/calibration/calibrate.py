@@ -68,6 +68,7 @@ class CalibrationConfig:
     shared_budget: bool = True  # one DP over all groups when their token sets differ (calibration/group_budget.py)
     budget_tokens: int = 0  # span length that weights the shared budget (0: the longest calibration sample)
     group_error_weights: tuple[float, ...] = ()  # error weight per basis group in the shared DP (default 1 each)
+    share_kv: bool = False  # the shared DP also spends K's and V's bits from one budget
     budget_error: str = "relative"  # shared DP objective: "relative" (each layer's error over its energy) or "absolute"
     device: str = "cpu"
     progress: bool = True
@@ -501,24 +502,26 @@ class Calibrator:
         ew = list(cfg.group_error_weights) or [1.0] * len(self.slices)
         if len(ew) != len(self.slices):
             raise ConfigError(f"group_error_weights has {len(ew)} entries for {len(self.slices)} basis groups")
-        out = {}
-        for kind in "kv":
-            fk = [fits[(g, kind)] for g in range(len(self.slices))]
-            scale = [1.0] * len(fk)
-            if cfg.budget_error == "relative":  # a group's squared error over its mean energy per layer and row
-                scale = [(b - a) * f.rows / max(f.energy, 1e-30) for (a, b), f in zip(self.slices, fk)]
-            tables = [
-                GroupTable(f.zero, f.errs, feats[g], f.rows, weights[g], ew[g] * scale[g]) for g, f in enumerate(fk)
-            ]
+        out: dict[tuple[int, str], list[Allocation]] = {}
+        for kinds in ("kv",) if cfg.share_kv else ("k", "v"):
+            keys = [(g, kind) for kind in kinds for g in range(len(self.slices))]
+            tables = []
+            for g, kind in keys:
+                f = fits[(g, kind)]
+                scale = 1.0  # "relative": a group's squared error over its mean energy per layer and row
+                if cfg.budget_error == "relative":
+                    scale = (self.slices[g][1] - self.slices[g][0]) * f.rows / max(f.energy, 1e-30)
+                tables.append(GroupTable(f.zero, f.errs, feats[g], f.rows, weights[g], ew[g] * scale))
             for r_allocs in share_budget(tables, cfg.ratios):
-                for g, al in enumerate(r_allocs):
-                    out.setdefault((g, kind), []).append(al)
+                for key, al in zip(keys, r_allocs):
+                    out.setdefault(key, []).append(al)
         prov = {
             "group_budget": {
                 "span_tokens": length,
                 "token_weights": weights,
                 "error_weights": ew,
                 "error": cfg.budget_error,
+                **({"share_kv": True} if cfg.share_kv else {}),
             }
         }
         return out, prov
