@@ -180,7 +180,11 @@ def test_cli_length_mix_is_recorded_and_part_of_the_resume_key(tmp_path, smollm2
     assert stop.returncode == 3, stop.stderr[-2000:]
     other = subprocess.run(cli + ["--length-mix", "128:1,512:1"], capture_output=True, text=True)
     assert other.returncode != 0 and "different arguments" in other.stderr  # another mix never resumes this one
-    done = subprocess.run(cli + ["--length-mix", "128:1,256:1"], capture_output=True, text=True)
+    # the shared-budget DP's options act only at the end: a run may resume under other values of them
+    done = subprocess.run(
+        cli + ["--length-mix", "128:1,256:1", "--budget-tokens", "4096", "--budget-error", "absolute"],
+        capture_output=True, text=True,
+    )  # fmt: skip
     assert done.returncode == 0 and "resuming" in done.stdout, done.stderr[-2000:]
     prov = Calibration.load(tmp_path / "a").provenance
     assert prov["length_mix"] == {"lengths": [128, 256], "token_shares": [0.5, 0.5]} and prov["seq_len"] == 256

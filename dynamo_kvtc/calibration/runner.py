@@ -91,6 +91,11 @@ def run_calibrate(args) -> int:
         tp_rank=args.tp_rank,
         tp_size=args.tp_size,
         remove_rope=not args.keep_rope,
+        shared_budget=not getattr(args, "no_shared_budget", False),
+        budget_tokens=getattr(args, "budget_tokens", 0),
+        group_error_weights=tuple(getattr(args, "group_error_weights", None) or ()),
+        share_kv=getattr(args, "share_kv", False),
+        budget_error=getattr(args, "budget_error", "relative"),
     )
     model, tok = load_model(args.model)
     fp = fingerprint_of(model, tok)
@@ -100,7 +105,9 @@ def run_calibrate(args) -> int:
     key = hashlib.sha256(
         json.dumps(
             {
-                "cfg": {k: str(v) for k, v in vars(cfg).items() if k != "progress"},
+                # the shared-budget DP's options act only when the calibration is finished: a checkpoint taken
+                # under other values (or before they existed) holds the same capture
+                "cfg": {k: str(v) for k, v in vars(cfg).items() if k not in _DP_ONLY},
                 "model": fp.to_dict(),
                 "seq_len": args.seq_len,
                 "length_mix": win_prov.get("length_mix"),
@@ -162,6 +169,9 @@ def _finish(cal: Calibrator, prov: dict, out: Path, t0: float) -> None:
         f"wrote {out} (id {result.id}, {result.layer_groups} layer groups, {result.provenance['tokens']} tokens, "
         f"{result.provenance['seconds']['total']:.0f} s calibration, {time.time() - t0:.0f} s this run)"
     )
+
+
+_DP_ONLY = ("progress", "shared_budget", "budget_tokens", "group_error_weights", "share_kv", "budget_error")
 
 
 def _checkpoint(partial: Path, cal: Calibrator, key: str, windows: int) -> None:

@@ -58,6 +58,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="long-context calibration: windows of these lengths with token shares W (default equal), cut from the "
         "documents concatenated in order, e.g. 1024:1,2048:1,4096:2,8192:4 (replaces --seq-len)",
     )
+    p.add_argument(
+        "--budget-tokens", type=types.nonneg_int, default=0,
+        help="models with per-layer token sets (sliding-window layers): one bit budget across basis groups, exact "
+        "for spans of this many tokens (longer spans are coded a little below the ratio, shorter above; default 0: "
+        "the longest calibration window)",
+    )  # fmt: skip
+    p.add_argument(
+        "--budget-error", choices=("relative", "absolute"), default="relative",
+        help="the shared budget's objective: each group's error relative to its energy per layer, or plain squared",
+    )  # fmt: skip
+    p.add_argument(
+        "--group-error-weights", type=types.positive_floats, default=None, metavar="W,...",
+        help="error weight per basis group in the shared budget (default 1 each)",
+    )  # fmt: skip
+    p.add_argument("--share-kv", action="store_true", help="the shared budget also spends K's and V's bits together")
+    p.add_argument(
+        "--no-shared-budget", action="store_true", help="one DP per basis group at the ratio (before 2026-12-02)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tp-rank", type=types.nonneg_int, default=0)

@@ -43,15 +43,20 @@ def nonneg_int(s: str) -> int:
     return x
 
 
-def ratios(s: str) -> tuple[float, ...]:
-    """Comma-separated positive compression ratios: ``8,16,32``."""
+def positive_floats(s: str, what: str = "values") -> tuple[float, ...]:
+    """Comma-separated positive numbers: ``1,2.5``."""
     try:
         out = tuple(float(x) for x in s.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"ratios must be comma-separated numbers, got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"{what} must be comma-separated numbers, got {s!r}") from None
     if not out or any(not r > 0 for r in out):
-        raise argparse.ArgumentTypeError(f"ratios must be positive, got {s!r}")
+        raise argparse.ArgumentTypeError(f"{what} must be positive, got {s!r}")
     return out
+
+
+def ratios(s: str) -> tuple[float, ...]:
+    """Comma-separated positive compression ratios: ``8,16,32``."""
+    return positive_floats(s, "ratios")
 
 
 def positive_ints(s: str) -> list[int]:
