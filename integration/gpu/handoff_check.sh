@@ -12,12 +12,13 @@
 # Knobs (environment): PREFILL_DEVICE, DECODE_DEVICE (cuda:0 both), SHAPES (mistral-nemo-12b), TOKENS (8192,32768),
 # LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each; on a GPU bench gpu's
 # calibration, min(p_g, 10240) components per group), RANK (10240: components of a LAYER_GROUPS=1 calibration),
-# REPEAT (2), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps every finished
+# REPEAT (2), PROBE=0 to skip the UCX transport probe (it runs when UCX_TLS is unset and exports the fastest
+# candidate of PROBE_TLS), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps every finished
 # row), WHEELS=0 to skip the wheel install, PY.
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
-# Writes to $OUT: env.txt, pytest-handoff.log, bench-transfer-handoff.{json,log}, table.md (and -host.{json,log}: the host
+# Writes to $OUT: env.txt, probe.jsonl and probe/ (the transport probe), pytest-handoff.log, bench-transfer-handoff.{json,log}, table.md (and -host.{json,log}: the host
 # staging path at 8K, only when the device-memory run failed).
 # Exit status: 0 all good, 1 setup failure, 2 GPU tests failed, 3 benchmark failed or ran out of time.
 set -uo pipefail
@@ -45,7 +46,7 @@ if [ "${WHEELS:-1}" != 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 else
   step "no .whl/: NIXL must already be importable"
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # UCX prints the protocols it selects (to the bench log): whether the READs went GPU to GPU (cuda_ipc) or not
@@ -61,6 +62,22 @@ step "environment"
   echo "prefill $PREFILL_DEVICE -> decode $DECODE_DEVICE, UCX_TLS=${UCX_TLS:-default}"
 } 2>&1 | tee "$OUT/env.txt"
 grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above; no zmq: add a pyzmq cp312 wheel to .whl/)"
+
+if [ "${PROBE:-1}" != 0 ] && [ -z "${UCX_TLS:-}" ]; then
+  # two processes on one GPU read at 3.3 Gb/s with UCX's default transports (2026-12-01): measure each candidate's
+  # READ rate between these two devices (integration/gpu/ucx_probe.py) and run the benchmark on the fastest
+  step "UCX transport probe ($PREFILL_DEVICE -> $DECODE_DEVICE)"
+  timeout 200 "$PY" integration/gpu/ucx_probe.py "$OUT/probe" "$PREFILL_DEVICE" "$DECODE_DEVICE" \
+    --tls "${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,cuda_ipc+cuda_copy+sm+self,cuda_copy+tcp}" \
+    >"$OUT/probe.jsonl" 2>"$OUT/probe.err"
+  cut -c1-240 "$OUT/probe.jsonl"
+  BEST=$("$PY" -c "import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
+ok = [r for r in rows if r.get('ok')]
+print(max(ok, key=lambda r: r['gbps_GBs'])['tls'] if ok else 'default')" "$OUT/probe.jsonl" 2>/dev/null || echo default)
+  [ "$BEST" != default ] && export UCX_TLS=${BEST//+/,}
+  echo "probe: fastest UCX_TLS=${UCX_TLS:-default}" | tee -a "$OUT/env.txt"
+fi
 
 TEST_STATUS=0
 if [ "${TESTS:-1}" != 0 ]; then
