@@ -354,9 +354,45 @@ def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
         close_store(dst)
 
 
+def test_range_reads_are_posted_one_after_another(world2):
+    """Posted together, the group READs share the link and group 0 lands with the last (the H200 run of
+    2026-12-02): each READ is posted only once the one before it is done, and every range is read."""
+    dst = make_store(world2, True, host=64 << 20)
+    try:
+        with _peers(world2) as (srv, client, seqs):
+            real, posted, done, early = client.agent.agent, [], set(), []
+
+            class Spy:
+                def __getattr__(self, name):
+                    return getattr(real, name)
+
+                def transfer(self, h):
+                    early.extend(p for p in posted if p not in done)  # a READ posted before this one is unfinished
+                    posted.append(id(h))
+                    state = real.transfer(h)
+                    if state == "DONE":
+                        done.add(id(h))
+                    return state
+
+                def check_xfer_state(self, h):
+                    state = real.check_xfer_state(h)
+                    if state == "DONE":
+                        done.add(id(h))
+                    return state
+
+            client.agent.agent = Spy()
+            hashes, out = _fetch_restore(world2, dst, client, srv.port, seqs[0])
+            assert out.ok, out.error
+            assert Expect(world2, True).check(hashes, 0, out.k, out.v) == (0, 0)
+            assert len(posted) == client.last["ranges"] == 2 and not early
+            client.agent.agent = real
+    finally:
+        close_store(dst)
+
+
 @pytest.mark.parametrize("mode", ["err_state", "stall", "raise"])
 def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
-    """All range READs are in flight at once; the second one errs, stalls past the deadline or is refused when
+    """The range READs are posted in order; the second one errs, stalls past the deadline or is refused when
     posted: the restore fails (recompute), nothing is quarantined (every handle released), the lease is released,
     and the next fetch restores exactly."""
     dst = make_store(world2, True, host=64 << 20)

@@ -13,8 +13,8 @@
 # LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each; on a GPU bench gpu's
 # calibration, min(p_g, 10240) components per group), RANK (10240: components of a LAYER_GROUPS=1 calibration),
 # REPEAT (2), PROBE=0 to skip the UCX transport probe (it runs when UCX_TLS is unset and exports the fastest
-# candidate of PROBE_TLS), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps every finished
-# row), WHEELS=0 to skip the wheel install, PY.
+# candidate of PROBE_TLS), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps
+# every finished row), WHEELS=0 to skip the wheel install, PY.
 # CPU check of the same commands (numbers meaningless):
 #   WHEELS=0 TESTS=0 PY=.venv/bin/python PREFILL_DEVICE=cpu DECODE_DEVICE=cpu SHAPES=smollm2-135m TOKENS=1024 \
 #     RANK=256 REPEAT=1 LINKS=0,2 UCX_NET_DEVICES=lo OUT=/tmp/handoff bash integration/gpu/handoff_check.sh
@@ -68,15 +68,17 @@ if [ "${PROBE:-1}" != 0 ] && [ -z "${UCX_TLS:-}" ]; then
   # READ rate between these two devices (integration/gpu/ucx_probe.py) and run the benchmark on the fastest
   step "UCX transport probe ($PREFILL_DEVICE -> $DECODE_DEVICE)"
   timeout 200 "$PY" integration/gpu/ucx_probe.py "$OUT/probe" "$PREFILL_DEVICE" "$DECODE_DEVICE" \
-    --tls "${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,cuda_ipc+cuda_copy+sm+self,cuda_copy+tcp}" \
+    --tls "${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,default@UCX_PROTO_ENABLE=n,cuda_ipc+cuda_copy+tcp@UCX_PROTO_ENABLE=n}" \
     >"$OUT/probe.jsonl" 2>"$OUT/probe.err"
   cut -c1-240 "$OUT/probe.jsonl"
   BEST=$("$PY" -c "import json, sys
 rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
 ok = [r for r in rows if r.get('ok')]
 print(max(ok, key=lambda r: r['gbps_GBs'])['tls'] if ok else 'default')" "$OUT/probe.jsonl" 2>/dev/null || echo default)
-  [ "$BEST" != default ] && export UCX_TLS=${BEST//+/,}
-  echo "probe: fastest UCX_TLS=${UCX_TLS:-default}" | tee -a "$OUT/env.txt"
+  TLS=${BEST%%@*}
+  [ "$TLS" != default ] && export UCX_TLS=${TLS//+/,}
+  if [ "$BEST" != "$TLS" ]; then for kv in $(echo "${BEST#*@}" | tr '@' ' '); do export "$kv"; done; fi
+  echo "probe: fastest $BEST (UCX_TLS=${UCX_TLS:-default})" | tee -a "$OUT/env.txt"
 fi
 
 TEST_STATUS=0

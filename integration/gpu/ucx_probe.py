@@ -3,7 +3,8 @@
 
     python integration/gpu/ucx_probe.py OUT_DIR [DEVICE_A DEVICE_B] [--tls default,cuda_ipc+cuda_copy+tcp ...]
 
-For each ``--tls`` entry ('+' joins transports; ``default`` leaves UCX_TLS unset) it starts a server and a client
+For each ``--tls`` entry ('+' joins transports; ``default`` leaves UCX_TLS unset; ``@VAR=VALUE`` suffixes set more
+UCX variables, e.g. ``default@UCX_PROTO_ENABLE=n``) it starts a server and a client
 process (UCX reads its environment once, at start), the server registers a 512 MiB buffer on DEVICE_A, the client
 READs it into DEVICE_B in 64 MiB descriptors, five times after one warm-up READ, and checks the bytes. One JSON line
 per entry on stdout (GB/s, ok); each pair's UCX log (UCX_PROTO_INFO, UCX_LOG_LEVEL=info) goes to OUT_DIR.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -112,15 +114,18 @@ def main() -> int:
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for tls in a.tls.split(","):
-        work = out / f"work-{tls}"
+    for entry in a.tls.split(","):
+        tls, *extra = entry.split("@")
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", entry)
+        work = out / f"work-{label}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": os.environ.get("UCX_LOG_LEVEL", "info")}
         env.pop("UCX_TLS", None)
         if tls != "default":
             env["UCX_TLS"] = tls.replace("+", ",")
-        log = open(out / f"ucx-{tls}.log", "w")
+        env.update(kv.split("=", 1) for kv in extra)
+        log = open(out / f"ucx-{label}.log", "w")
         args = [sys.executable, __file__, str(out), *a.devices, "--work", str(work)]
         srv = subprocess.Popen(args + ["--role", "server"], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -137,7 +142,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 srv.kill()
             log.close()
-        text = (out / f"ucx-{tls}.log").read_text(errors="replace")
+        text = (out / f"ucx-{label}.log").read_text(errors="replace")
         row["transports_named"] = sorted(
             {
                 t
@@ -148,7 +153,7 @@ def main() -> int:
         row["lanes"] = sorted(
             {ln.split("INFO", 1)[1].strip() for ln in text.splitlines() if " cfg#" in ln and "INFO" in ln}
         )
-        print(json.dumps({"tls": tls, "devices": a.devices, **row}), flush=True)
+        print(json.dumps({"tls": entry, "devices": a.devices, **row}), flush=True)
     return 0
 
 

@@ -176,9 +176,9 @@ class HandoffClient:
         return self._runs(buf, runs, arrival)
 
     def _read(self, arrival: GroupArrival, parts: list, buf: torch.Tensor, src: tuple, where: tuple, info: tuple):
-        """The reader thread: READ the byte ranges — all in flight at once, or one after another through the token
-        bucket of an emulated link — and mark each landed; on a fault fail the arrival (the waiting restore raises).
-        Then release the lease and learn the link."""
+        """The reader thread: READ the byte ranges — in order, each posted the moment the one before it landed, or
+        through the token bucket of an emulated link — and mark each landed; on a fault fail the arrival (the waiting
+        restore raises). Then release the lease and learn the link."""
         (peer, rmem), (host, port, lease), (ask_s, nbytes) = src, where, info
 
         def landed(a: int) -> None:
