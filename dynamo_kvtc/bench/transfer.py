@@ -30,6 +30,7 @@ are about bytes and time, not accuracy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,9 +46,11 @@ from typing import Any
 import torch
 
 from ..calibration.artifact import Calibration
+from ..codec.gpu.restore import ArrivingBlob
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.linkpolicy import RAW, LinkPolicy
+from ..connector.handoff.stream import GroupArrival
 from ..errors import TransferError
 from ..tiers.channel import ReqClient
 from ..tiers.config import TierConfig
@@ -192,6 +195,108 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
     return runs
 
 
+def _replayed(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args, gbps: float) -> list[dict]:
+    """The compressed path on an emulated link faster than the real one (``--replay-gbps``): one real fetch lands
+    the blobs in the receive buffer; each timed round then restores them from there in place, its source waiting
+    the real fetch's ``ask_s`` (control round trip + prefill staging, measured) and byte range g released to the
+    restore at ``bytes of ranges 0..g / rate`` after that — the arrival schedule of one READ per group, in order, on
+    a link of ``gbps``. The decode side's work (waits, kernels, the paged writes) is real; the link is a schedule."""
+    dev = store.device
+    hashes = sequence_hashes(prompt_tokens(tokens), BS)
+    dst = list(range(1, tokens // BS + 1))
+    runs0 = client.fetch("127.0.0.1", pre["port"], hashes)
+    client.flush()  # every READ over: the bytes are in the receive buffer
+    arrival0 = runs0[0].blob.arrival
+    if arrival0.error is not None or None in arrival0.landed_s:
+        raise TransferError(f"replay: the real fetch failed: {arrival0.error}")
+    ask_s, n, rate = client.last["ask_s"], arrival0.ranges, gbps * 1e9 / 8
+    ends = [sum(r.blob.ends[g] for r in runs0) for g in range(n)]  # bytes landed once READ g is done
+    out = []
+    try:
+        for i in range(args.repeat + 1):
+            arr = GroupArrival(n, len(runs0), args.timeout)
+            runs = [dataclasses.replace(r, blob=ArrivingBlob(*r.blob, arr, r.blob.ends)) for r in runs0]
+
+            def link(arr=arr) -> None:
+                arr.started = t = time.perf_counter()
+                for g in range(n):
+                    time.sleep(max(0.0, t + ends[g] / rate - time.perf_counter()))
+                    arr.landed(g)
+                arr.finished.set()
+
+            def source(runs=runs, link=link):
+                time.sleep(ask_s)
+                threading.Thread(target=link, daemon=True).start()
+                return runs
+
+            layer0: dict[str, Any] = {}
+            t0 = time.perf_counter()
+            h = store.start_onboard(hashes, dst, source=source)
+            probe = _layer0_probe(h, dev, t0, layer0)
+            if not h.wait(args.timeout):
+                raise TransferError(f"replayed restore failed: {h.error}")
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            total = time.perf_counter() - t0
+            probe.join(args.timeout)
+            client.link.observe_restore(pre["raw_bytes"], max(total - ask_s - ends[-1] / rate, 1e-6))
+            if i:
+                out.append(
+                    {
+                        "fetch_s": ask_s,
+                        "ask_s": ask_s,
+                        "transfer_s": ends[-1] / rate,
+                        "first_range_s": ends[0] / rate,
+                        "ranges": n,
+                        "first_layer_s": layer0.get("s", total),
+                        "all_layers_s": total,
+                        "bytes": ends[-1],
+                    }
+                )
+    finally:
+        for r in runs0:  # read out: the receive buffer may take the next fetch
+            r.blob.consumed()
+    return out
+
+
+def _replay_rows(shape: str, tokens: int, args, pre: dict, store, client, err: dict) -> list[dict[str, Any]]:
+    """One row per ``--replay-gbps`` rate: raw = its bytes at the rate (a NixlConnector READ does nothing else),
+    compressed = :func:`_replayed`, and the policy choosing from what it learned of both."""
+    rows = []
+    for gbps in args.replay_gbps:
+        peer = f"127.0.0.1:{pre['port']}"
+        client.link = LinkPolicy(gpu=store.device.type == "cuda")
+        raw_s = pre["raw_bytes"] * 8 / (gbps * 1e9)
+        client.link.observe(peer, pre["raw_bytes"], raw_s)
+        raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
+        comp = _med(_replayed(store, client, pre, tokens, args, gbps))
+        client.link.observe_staging(int(comp["bytes"]), comp["ask_s"])
+        comp["ranges"] = int(comp["ranges"])
+        comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
+        comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
+        comp["read_share_of_link"] = comp["read_gbps"] / gbps
+        row = {
+            "shape": shape,
+            "tokens": tokens,
+            "link_gbps": gbps,
+            "emulation": "replay",
+            "layers": store.cal.fingerprint.num_layers,
+            "layer_groups": len(store.cal.groups),
+            "raw_bytes": pre["raw_bytes"],
+            "compressed_bytes": comp["bytes"],
+            "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
+            "prefill_encode_s": pre["encode_s"],
+            "staging": pre.get("staging"),
+            "compressed": comp,
+            "raw": raw,
+            "policy": _policy(client, pre, raw, comp),
+            **err,
+        }
+        _print_row(row)
+        rows.append(row)
+    return rows
+
+
 def _med(runs: list[dict]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -219,6 +324,7 @@ def _policy(client: HandoffClient, pre: dict, raw: dict, comp: dict) -> dict[str
 def _print_row(row: dict[str, Any]) -> None:
     comp, raw, pol = row["compressed"], row["raw"], row["policy"]
     link = f"{row['link_gbps']:g} Gb/s" if row["link_gbps"] else "uncapped"
+    link += " replay" if row.get("emulation") == "replay" else ""
     print(
         f"{row['shape']:>18} {row['tokens']:>6} {link:>11} | raw {row['raw_bytes'] / 2**20:8.1f} MiB"
         f" {1000 * raw['all_layers_s']:8.1f} ms | kvtc {comp['bytes'] / 2**20:7.2f} MiB ({row['bytes_ratio']:4.1f}x)"
@@ -301,6 +407,7 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
         err["raw_bit_exact"] = bool(torch.equal(raw_peer.dst_k, k_ref) and torch.equal(raw_peer.dst_v, v_ref))
         del k_ref, v_ref
         rows = _link_rows(shape, tokens, args, pre, store, client, raw_peer, err)
+        rows += _replay_rows(shape, tokens, args, pre, store, client, err)
         for row in rows:
             row["raw"]["bit_exact"] = err["raw_bit_exact"]
         raw_peer.close()
@@ -325,6 +432,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         share = f" ({100 * c['read_share_of_link']:.0f}%)" if "read_share_of_link" in c else ""
         best = min(raw["all_layers_s"], c["all_layers_s"])
         link = f"{r['link_gbps']:g} Gb/s" if r["link_gbps"] else "uncapped"
+        link += " (replay)" if r.get("emulation") == "replay" else ""
         out.append(
             f"| {r['shape']} | {r['tokens'] // 1024}K | {link} "
             f"| {r['raw_bytes'] / 2**20:.0f} MiB | {1e3 * raw['all_layers_s']:.1f} | {c['bytes'] / 2**20:.1f} MiB "
@@ -341,6 +449,7 @@ def run_bench_transfer(args) -> int:
     args.link_gbps = list(getattr(args, "link_gbps", None) or [0.0])
     args.chunk_mb = getattr(args, "chunk_mb", 4.0)
     args.layer_groups = getattr(args, "layer_groups", 4)
+    args.replay_gbps = list(getattr(args, "replay_gbps", None) or [])
     shapes = args.shapes.split(",") if isinstance(args.shapes, str) else list(args.shapes)
     lengths = [int(x) for x in args.tokens.split(",")] if isinstance(args.tokens, str) else list(args.tokens)
     rows = []
@@ -376,6 +485,9 @@ def run_bench_transfer(args) -> int:
                         "layer_groups": args.layer_groups,
                         "link_emulation": "token bucket pacing both paths' NIXL READs in chunks of at least "
                         f"{args.chunk_mb:g} MiB, at most 16 per READ (rate only, no added latency); 0 = uncapped",
+                        "replay_emulation": "rows with emulation=replay: the compressed blobs landed by one real "
+                        "fetch, then restored from the receive buffer with byte range g released at ask_s + bytes "
+                        "of ranges 0..g / rate; raw = raw bytes / rate",
                         "rows": rows,
                         "machine": machine(),
                         "synthetic": True,

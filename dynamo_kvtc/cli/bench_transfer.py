@@ -48,6 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="emulated link rates in Gb/s, comma-separated, 0 = uncapped: a token bucket paces both paths' READs",
     )
     p.add_argument(
+        "--replay-gbps",
+        type=link_rates,
+        default=None,
+        help="also emulate these link rates (Gb/s) by replay, for links faster than the real path between the two "
+        "processes: the compressed restore runs on the bytes of one real fetch, each layer group released when a "
+        "link of that rate would have delivered it; raw = its bytes at the rate",
+    )
+    p.add_argument(
         "--chunk-mb",
         type=types.positive_float,
         default=4.0,

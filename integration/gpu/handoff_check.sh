@@ -10,7 +10,8 @@
 #   command: PREFILL_DEVICE=cuda:0 DECODE_DEVICE=cuda:1 bash integration/gpu/handoff_check.sh   (two GPUs: UCX
 #            should move GPU to GPU over NVLink by CUDA IPC; env.txt records the UCX transports seen)
 # Knobs (environment): PREFILL_DEVICE, DECODE_DEVICE (cuda:0 both), SHAPES (mistral-nemo-12b), TOKENS (8192,32768),
-# LINKS (0,100,200,400; 0 = uncapped), LAYER_GROUPS (4: one READ and one restore step each; on a GPU bench gpu's
+# LINKS (0,100,200,400; 0 = uncapped), REPLAY (none; e.g. 100,200,400: --replay-gbps, rates emulated by releasing
+# one real fetch's bytes to the restore on the link's schedule — for rates above the real path), LAYER_GROUPS (4: one READ and one restore step each; on a GPU bench gpu's
 # calibration, min(p_g, 10240) components per group), RANK (10240: components of a LAYER_GROUPS=1 calibration),
 # REPEAT (2), PROBE=0 to skip the UCX transport probe (it runs when UCX_TLS is unset and exports the fastest
 # candidate of PROBE_TLS), TESTS=0 to skip the GPU tests, TOTAL_S (390: everything stops there; the JSON keeps
@@ -28,6 +29,7 @@ TOTAL_S=${TOTAL_S:-390}
 SHAPES=${SHAPES:-mistral-nemo-12b}
 TOKENS=${TOKENS:-8192,32768}
 LINKS=${LINKS:-0,100,200,400}
+REPLAY=${REPLAY:-}
 RANK=${RANK:-10240}
 LAYER_GROUPS=${LAYER_GROUPS:-4}
 REPEAT=${REPEAT:-2}
@@ -94,10 +96,11 @@ BENCH_STATUS=0
 if [ "$LEFT" -lt 30 ]; then
   step "no time left for the benchmark"; BENCH_STATUS=3
 else
-  step "dynamo-kvtc bench transfer --shapes $SHAPES --tokens $TOKENS --link-gbps $LINKS --layer-groups $LAYER_GROUPS ($PREFILL_DEVICE -> $DECODE_DEVICE, stops in ${LEFT}s)"
+  step "dynamo-kvtc bench transfer --shapes $SHAPES --tokens $TOKENS --link-gbps $LINKS ${REPLAY:+--replay-gbps $REPLAY }--layer-groups $LAYER_GROUPS ($PREFILL_DEVICE -> $DECODE_DEVICE, stops in ${LEFT}s)"
   timeout "$LEFT" "$PY" -m dynamo_kvtc.cli.main bench transfer --shapes "$SHAPES" --tokens "$TOKENS" \
     --link-gbps "$LINKS" --prefill-device "$PREFILL_DEVICE" --decode-device "$DECODE_DEVICE" --rank "$RANK" \
     --layer-groups "$LAYER_GROUPS" --repeat "$REPEAT" --timeout 60 --json "$OUT/bench-transfer-handoff.json" \
+    ${REPLAY:+--replay-gbps "$REPLAY"} \
     >"$OUT/bench-transfer-handoff.log" 2>&1 || BENCH_STATUS=3
   grep -vE "(NIXL INFO|^INFO|^WARNING|^[|+]|^\[[0-9.]+\] \[)" "$OUT/bench-transfer-handoff.log" | tail -20
   # the table is printed last (UCX's protocol tables also start with "|")
