@@ -11,7 +11,7 @@ HELP = "offline accuracy: kvtc vs baselines on held-out tasks (JSON, Markdown, P
 
 PROJECTIONS = ("fp16", "fp8")
 # evaluation.tasks.PRESETS and TASKS (listed here: `dynamo-kvtc --help` must not import torch; a test checks they agree)
-PRESETS = ("quick", "short", "fidelity", "ruler", "long", "full")
+PRESETS = ("quick", "short", "fidelity", "ruler", "long", "haystacks", "full")
 TASKS = ("ppl", "passkey", "copy", "kv", "vt", "gen", "mkey", "mvalue")
 
 

@@ -248,6 +248,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mkey": [4096, 4096, 7500, 7500],
         "mvalue": [4096, 7500],
     },
+    # more long passkey haystacks than "full"/"long" (which vary the key with --seed but keep their texts): 16 at
+    # 7.5K tokens whose windows start 3027 tokens apart in the held-out essays (the third element is the haystack
+    # index, offset 1009 tokens each), the needle at five depths in turn
+    "haystacks": {
+        "passkey": [(7500, (0.1, 0.3, 0.5, 0.7, 0.9)[j % 5], 3 * j + 30) for j in range(16)],
+    },
     "full": {
         "ppl": [(n, 0) for n in (1024, 2048, 4096, 8000)],
         "passkey": [(n, d) for n in (1024, 2048, 4096, 7500) for d in (0.1, 0.5, 0.9)],
@@ -291,7 +297,7 @@ def _build(tokenizer: Any, preset: str, tasks: tuple[str, ...] | None, seed: int
             if task == "ppl":
                 yield b.ppl(args[0], i)
             elif task == "passkey":
-                yield b.passkey(args[0], args[1], i)
+                yield b.passkey(args[0], args[1], args[2] if len(args) > 2 else i)
             elif task == "copy":
                 yield b.copy(args[0], args[1], i)
             elif task == "kv":
