@@ -61,3 +61,4 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
     assert c["ranges"] == 4 and 0 < c["first_range_s"] < c["transfer_s"]
     assert c["first_layer_s"] >= c["ask_s"] + c["first_range_s"] and c["all_layers_s"] >= c["ask_s"] + c["transfer_s"]
     assert abs(c["read_share_of_link"] - 1.0) < 1e-9
+    assert abs(replay["policy"]["link_gbps_learned"] - 1.0) < 1e-6  # the emulated link only, not the real fetch's

@@ -206,6 +206,7 @@ def _replayed(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, a
     dst = list(range(1, tokens // BS + 1))
     runs0 = client.fetch("127.0.0.1", pre["port"], hashes)
     client.flush()  # every READ over: the bytes are in the receive buffer
+    client.link = LinkPolicy(gpu=dev.type == "cuda")  # that fetch's rate is the real path's, not this row's link
     arrival0 = runs0[0].blob.arrival
     if arrival0.error is not None or None in arrival0.landed_s:
         raise TransferError(f"replay: the real fetch failed: {arrival0.error}")
@@ -265,11 +266,11 @@ def _replay_rows(shape: str, tokens: int, args, pre: dict, store, client, err: d
     rows = []
     for gbps in args.replay_gbps:
         peer = f"127.0.0.1:{pre['port']}"
-        client.link = LinkPolicy(gpu=store.device.type == "cuda")
         raw_s = pre["raw_bytes"] * 8 / (gbps * 1e9)
-        client.link.observe(peer, pre["raw_bytes"], raw_s)
         raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
-        comp = _med(_replayed(store, client, pre, tokens, args, gbps))
+        comp = _med(_replayed(store, client, pre, tokens, args, gbps))  # leaves a policy that knows only restores
+        client.link.observe(peer, pre["raw_bytes"], raw_s)  # the policy learns the emulated link from both paths
+        client.link.observe(peer, int(comp["bytes"]), comp["transfer_s"])
         client.link.observe_staging(int(comp["bytes"]), comp["ask_s"])
         comp["ranges"] = int(comp["ranges"])
         comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
