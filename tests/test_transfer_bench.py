@@ -62,3 +62,13 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
     assert c["first_layer_s"] >= c["ask_s"] + c["first_range_s"] and c["all_layers_s"] >= c["ask_s"] + c["transfer_s"]
     assert abs(c["read_share_of_link"] - 1.0) < 1e-9
     assert abs(replay["policy"]["link_gbps_learned"] - 1.0) < 1e-6  # the emulated link only, not the real fetch's
+
+
+def test_replay_needs_a_positive_rate():
+    p = subprocess.run(
+        [sys.executable, "-m", "dynamo_kvtc.cli.main", "bench", "transfer", "--tokens", "64", "--replay-gbps", "100,0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode != 0 and "--replay-gbps rates must be > 0" in p.stderr

@@ -51,7 +51,7 @@ from ..connector.config import ConnectorConfig
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.linkpolicy import RAW, LinkPolicy
 from ..connector.handoff.stream import GroupArrival
-from ..errors import TransferError
+from ..errors import InputError, TransferError
 from ..tiers.channel import ReqClient
 from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
@@ -272,30 +272,36 @@ def _replay_rows(shape: str, tokens: int, args, pre: dict, store, client, err: d
         client.link.observe(peer, pre["raw_bytes"], raw_s)  # the policy learns the emulated link from both paths
         client.link.observe(peer, int(comp["bytes"]), comp["transfer_s"])
         client.link.observe_staging(int(comp["bytes"]), comp["ask_s"])
-        comp["ranges"] = int(comp["ranges"])
-        comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
-        comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
-        comp["read_share_of_link"] = comp["read_gbps"] / gbps
-        row = {
-            "shape": shape,
-            "tokens": tokens,
-            "link_gbps": gbps,
-            "emulation": "replay",
-            "layers": store.cal.fingerprint.num_layers,
-            "layer_groups": len(store.cal.groups),
-            "raw_bytes": pre["raw_bytes"],
-            "compressed_bytes": comp["bytes"],
-            "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
-            "prefill_encode_s": pre["encode_s"],
-            "staging": pre.get("staging"),
-            "compressed": comp,
-            "raw": raw,
-            "policy": _policy(client, pre, raw, comp),
-            **err,
-        }
-        _print_row(row)
-        rows.append(row)
+        rows.append(_row(shape, tokens, gbps, store, client, pre, raw, comp, err, emulation="replay"))
     return rows
+
+
+def _row(shape: str, tokens: int, gbps: float, store, client, pre: dict, raw: dict, comp: dict, err: dict, **extra):
+    """One printed result row: both paths' medians, the policy's choice and the reconstruction error."""
+    comp["ranges"] = int(comp["ranges"])
+    comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
+    comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
+    if gbps:
+        comp["read_share_of_link"] = comp["read_gbps"] / gbps
+    row = {
+        "shape": shape,
+        "tokens": tokens,
+        "link_gbps": gbps,
+        **extra,
+        "layers": store.cal.fingerprint.num_layers,
+        "layer_groups": len(store.cal.groups),
+        "raw_bytes": pre["raw_bytes"],
+        "compressed_bytes": comp["bytes"],
+        "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
+        "prefill_encode_s": pre["encode_s"],
+        "staging": pre.get("staging"),
+        "compressed": comp,
+        "raw": raw,
+        "policy": _policy(client, pre, raw, comp),
+        **err,
+    }
+    _print_row(row)
+    return row
 
 
 def _med(runs: list[dict]) -> dict[str, float]:
@@ -351,29 +357,7 @@ def _link_rows(shape: str, tokens: int, args, pre: dict, store, client, raw_peer
         raw_s = statistics.median(raw_runs[1:])
         raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
         comp = _med(_compressed_runs(store, client, pre, tokens, args, store.device))
-        comp["ranges"] = int(comp["ranges"])
-        comp["first_layer_share"] = comp["first_layer_s"] / comp["all_layers_s"]
-        comp["read_gbps"] = 8 * comp["bytes"] / comp["transfer_s"] / 1e9
-        row = {
-            "shape": shape,
-            "tokens": tokens,
-            "link_gbps": gbps,
-            "layers": store.cal.fingerprint.num_layers,
-            "layer_groups": len(store.cal.groups),
-            "raw_bytes": pre["raw_bytes"],
-            "compressed_bytes": comp["bytes"],
-            "bytes_ratio": pre["raw_bytes"] / comp["bytes"],
-            "prefill_encode_s": pre["encode_s"],
-            "staging": pre.get("staging"),
-            "compressed": comp,
-            "raw": raw,
-            "policy": _policy(client, pre, raw, comp),
-            **err,
-        }
-        if gbps:
-            row["compressed"]["read_share_of_link"] = comp["read_gbps"] / gbps
-        _print_row(row)
-        rows.append(row)
+        rows.append(_row(shape, tokens, gbps, store, client, pre, raw, comp, err))
     return rows
 
 
@@ -451,6 +435,8 @@ def run_bench_transfer(args) -> int:
     args.chunk_mb = getattr(args, "chunk_mb", 4.0)
     args.layer_groups = getattr(args, "layer_groups", 4)
     args.replay_gbps = list(getattr(args, "replay_gbps", None) or [])
+    if any(not g > 0 for g in args.replay_gbps):
+        raise InputError(f"--replay-gbps rates must be > 0 Gb/s (a replayed link needs a rate), got {args.replay_gbps}")
     shapes = args.shapes.split(",") if isinstance(args.shapes, str) else list(args.shapes)
     lengths = [int(x) for x in args.tokens.split(",")] if isinstance(args.tokens, str) else list(args.tokens)
     rows = []
