@@ -152,7 +152,24 @@ def _layer0_probe(h, dev: torch.device, t0: float, box: dict) -> threading.Threa
     return t
 
 
-def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args, dev) -> list[dict]:
+def _timed_restore(store: KvtcStore, hashes: list[int], dst: list[int], source, timeout: float, what: str):
+    """Restore ``hashes`` into blocks ``dst`` from ``source``: (seconds until all layers are usable — on a GPU
+    finished on the device — and until layer 0 is)."""
+    dev = store.device
+    layer0: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    h = store.start_onboard(hashes, dst, source=source)
+    probe = _layer0_probe(h, dev, t0, layer0)
+    if not h.wait(timeout):
+        raise TransferError(f"{what} restore failed: {h.error}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    total = time.perf_counter() - t0
+    probe.join(timeout)
+    return total, layer0.get("s", total)
+
+
+def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, args) -> list[dict]:
     """Fetch the blobs over NIXL (one READ per layer group) and restore them group by group as they land,
     ``args.repeat`` times after one warm-up."""
     hashes = sequence_hashes(prompt_tokens(tokens), BS)
@@ -160,7 +177,6 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
     runs = []
     for i in range(args.repeat + 1):
         fetch: dict[str, float] = {}
-        layer0: dict[str, Any] = {}
 
         def source(fetch=fetch):
             t = time.perf_counter()
@@ -168,15 +184,7 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
             fetch["s"] = time.perf_counter() - t
             return got
 
-        t0 = time.perf_counter()
-        h = store.start_onboard(hashes, dst, source=source)
-        probe = _layer0_probe(h, dev, t0, layer0)
-        if not h.wait(args.timeout):
-            raise TransferError(f"compressed restore failed: {h.error}")
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        total = time.perf_counter() - t0
-        probe.join(args.timeout)
+        total, first = _timed_restore(store, hashes, dst, source, args.timeout, "compressed")
         client.flush()  # the READs' numbers are in place
         client.link.observe_restore(pre["raw_bytes"], max(total - client.last["read_s"], 1e-6))
         if i:  # the first round warms up connections and kernels
@@ -187,7 +195,7 @@ def _compressed_runs(store: KvtcStore, client: HandoffClient, pre: dict, tokens:
                     "transfer_s": client.last["read_s"],  # first READ posted -> last READ done
                     "first_range_s": client.last["first_range_s"],  # first READ posted -> group 0 landed
                     "ranges": int(client.last["ranges"]),
-                    "first_layer_s": layer0.get("s", total),
+                    "first_layer_s": first,
                     "all_layers_s": total,
                     "bytes": int(client.last["bytes"]),
                 }
@@ -230,16 +238,7 @@ def _replayed(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, a
                 threading.Thread(target=link, daemon=True).start()
                 return runs
 
-            layer0: dict[str, Any] = {}
-            t0 = time.perf_counter()
-            h = store.start_onboard(hashes, dst, source=source)
-            probe = _layer0_probe(h, dev, t0, layer0)
-            if not h.wait(args.timeout):
-                raise TransferError(f"replayed restore failed: {h.error}")
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            total = time.perf_counter() - t0
-            probe.join(args.timeout)
+            total, first = _timed_restore(store, hashes, dst, source, args.timeout, "replayed")
             client.link.observe_restore(pre["raw_bytes"], max(total - ask_s - ends[-1] / rate, 1e-6))
             if i:
                 out.append(
@@ -249,7 +248,7 @@ def _replayed(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, a
                         "transfer_s": ends[-1] / rate,
                         "first_range_s": ends[0] / rate,
                         "ranges": n,
-                        "first_layer_s": layer0.get("s", total),
+                        "first_layer_s": first,
                         "all_layers_s": total,
                         "bytes": ends[-1],
                     }
@@ -356,7 +355,7 @@ def _link_rows(shape: str, tokens: int, args, pre: dict, store, client, raw_peer
             client.link.observe(f"127.0.0.1:{pre['port']}", pre["raw_bytes"], s)
         raw_s = statistics.median(raw_runs[1:])
         raw = {"bytes": pre["raw_bytes"], "transfer_s": raw_s, "first_layer_s": raw_s, "all_layers_s": raw_s}
-        comp = _med(_compressed_runs(store, client, pre, tokens, args, store.device))
+        comp = _med(_compressed_runs(store, client, pre, tokens, args))
         rows.append(_row(shape, tokens, gbps, store, client, pre, raw, comp, err))
     return rows
 
@@ -381,7 +380,7 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
         )
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
         client = HandoffClient(cfg, dev)
-        _compressed_runs(store, client, pre, tokens, args, dev)  # one round to measure the error
+        _compressed_runs(store, client, pre, tokens, args)  # one round to measure the error
         k_ref, v_ref = grouped_kv(cal, tokens, device=str(dev))
         k_got, v_got = store.kv.gather(list(range(1, n + 1)))
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
