@@ -7,20 +7,17 @@ gone — each a failed restore (the engine recomputes), no wrong KV, no lease le
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
-from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
 from dynamo_kvtc.connector.handoff.staging import StagingArena, copy_in  # noqa: E402
 from dynamo_kvtc.errors import TierFullError, TransferError  # noqa: E402
-from dynamo_kvtc.reliability.transfer_faults import LIES, lying_server, transfer_sequences  # noqa: E402
-from dynamo_kvtc.reliability.world import BS, Expect, World, close_store, make_store, offload, restore  # noqa: E402
+from dynamo_kvtc.reliability.transfer_faults import LIES, in_process_peers, lying_server  # noqa: E402
+from dynamo_kvtc.reliability.world import BS, Expect, World, close_store, make_store, restore  # noqa: E402
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
 from dynamo_kvtc.tiers.nixl_io import PeerAgent, TokenBucket, split_descs  # noqa: E402
 
@@ -38,24 +35,6 @@ def world(tmp_path, synth_cal):
     return World(tmp_path, seed=0, cal=synth_cal)
 
 
-@contextlib.contextmanager
-def peers(world, device, server=HandoffServer, seqs=3):
-    """A prefill store behind a hand-off server and a decode client, in this process; yields (server, client, seqs)."""
-    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32)
-    src = make_store(world, True, host=64 << 20)
-    tokens = transfer_sequences(world, seqs)
-    for toks in tokens:
-        offload(world, src, toks)
-    srv = server(cfg, src, device=device)
-    client = HandoffClient(cfg, device)
-    try:
-        yield srv, client, tokens
-    finally:
-        client.close()
-        srv.close()
-        close_store(src)
-
-
 def _fetch_restore(world, store, client, srv, toks):
     hashes = _hashes(toks)
     return hashes, restore(world, store, hashes, 60, source=lambda: client.fetch("127.0.0.1", srv.port, hashes))
@@ -71,7 +50,7 @@ def test_registered_once_fetches_restore_exactly(world, device):
     dst = make_store(world, True, host=64 << 20)
     expect = Expect(world, True)
     try:
-        with peers(world, dev) as (srv, client, seqs):
+        with in_process_peers(world, dev) as (srv, client, seqs):
             mem = "VRAM" if dev == "cuda" else "DRAM"
             assert client.recv.mem == mem
             for _ in range(2):
@@ -99,7 +78,7 @@ def test_stale_receive_registration_is_a_recompute_then_recovers(world, device):
     dev = _device(device)
     dst = make_store(world, True, host=64 << 20)
     try:
-        with peers(world, dev, seqs=1) as (srv, client, seqs):
+        with in_process_peers(world, dev, seqs=1) as (srv, client, seqs):
             assert _fetch_restore(world, dst, client, srv, seqs[0])[1].ok
             client.agent.agent.deregister_memory(client.recv.registration)  # stale: NIXL no longer knows it
             _, out = _fetch_restore(world, dst, client, srv, seqs[0])
@@ -117,11 +96,8 @@ def test_stale_receive_registration_is_a_recompute_then_recovers(world, device):
 def test_replies_that_misdescribe_staged_bytes_fail_cleanly(world, lie):
     dst = make_store(world, True, host=64 << 20)
     try:
-        with peers(world, "cpu", server=lambda cfg, s, device: lying_server(cfg, s, lie, device), seqs=1) as (
-            srv,
-            client,
-            seqs,
-        ):
+        liar = lambda cfg, s, device: lying_server(cfg, s, lie, device)  # noqa: E731
+        with in_process_peers(world, "cpu", server=liar, seqs=1) as (srv, client, seqs):
             hashes, out = _fetch_restore(world, dst, client, srv, seqs[0])
             assert out.status == "failed", (lie, out.status, out.error)
             client.flush()
@@ -140,7 +116,7 @@ def test_replies_that_misdescribe_staged_bytes_fail_cleanly(world, lie):
 def test_peer_gone_before_the_read_is_a_recompute(world):
     dst = make_store(world, True, host=64 << 20)
     try:
-        with peers(world, "cpu", seqs=1) as (srv, client, seqs):
+        with in_process_peers(world, "cpu", seqs=1) as (srv, client, seqs):
             port = srv.port
             srv.close()
             hashes = _hashes(seqs[0])

@@ -17,7 +17,6 @@ receive buffer in place.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -34,10 +33,15 @@ nixl = pytest.importorskip("nixl_cu13")
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
 from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.connector.handoff.messages import plan_reply, range_descs  # noqa: E402
-from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
 from dynamo_kvtc.connector.handoff.stream import GroupArrival, group_ends  # noqa: E402
 from dynamo_kvtc.reliability.nixl_faults import FaultyAgent  # noqa: E402
-from dynamo_kvtc.reliability.transfer_faults import RANGE_LIES, PeerProcess, lying_server, transfer_sequences  # noqa: E402
+from dynamo_kvtc.reliability.transfer_faults import (  # noqa: E402
+    RANGE_LIES,
+    PeerProcess,
+    in_process_peers,
+    lying_server,
+    transfer_sequences,
+)
 from dynamo_kvtc.reliability.world import (  # noqa: E402
     BS,
     SPAN,
@@ -45,7 +49,6 @@ from dynamo_kvtc.reliability.world import (  # noqa: E402
     World,
     close_store,
     make_store,
-    offload,
     restore,
     tier_config,
 )
@@ -283,23 +286,6 @@ def world2(tmp_path, cal2):
     return World(tmp_path, seed=0, cal=cal2)
 
 
-@contextlib.contextmanager
-def _peers(world, server=HandoffServer, device="cpu"):
-    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32)
-    src = make_store(world, True, host=64 << 20)
-    seqs = transfer_sequences(world, 2)
-    for toks in seqs:
-        offload(world, src, toks)
-    srv = server(cfg, src, device=device)
-    client = HandoffClient(cfg, device)
-    try:
-        yield srv, client, seqs
-    finally:
-        client.close()
-        srv.close()
-        close_store(src)
-
-
 def _hashes(toks):
     return sequence_hashes(toks[: len(toks) // BS * BS], BS)
 
@@ -318,7 +304,7 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
     dst = KvtcStore(world2.cal, tier_config(True, 64 << 20), block_size=BS, span_tokens=SPAN, device=device)
     expect = Expect(world2, True)
     try:
-        with _peers(world2, device=device) as (srv, client, seqs):
+        with in_process_peers(world2, device, seqs=2) as (srv, client, seqs):
             assert client.recv.mem == ("VRAM" if device == "cuda" else "DRAM")
             for _ in range(2):
                 for toks in seqs:
@@ -341,7 +327,7 @@ def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
     dst = make_store(world2, True, host=64 << 20)
     try:
         liar = lambda cfg, s, device: lying_server(cfg, s, lie, device)  # noqa: E731
-        with _peers(world2, server=liar) as (srv, client, seqs):
+        with in_process_peers(world2, server=liar, seqs=2) as (srv, client, seqs):
             hashes, out = _fetch_restore(world2, dst, client, srv.port, seqs[0])
             if lie == "ranges_misplaced":  # they tile the blob, just not by group: exact, only later
                 assert out.ok, out.error
@@ -359,7 +345,7 @@ def test_range_reads_are_posted_one_after_another(world2):
     2026-12-02): each READ is posted only once the one before it is done, and every range is read."""
     dst = make_store(world2, True, host=64 << 20)
     try:
-        with _peers(world2) as (srv, client, seqs):
+        with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             real, posted, done, early = client.agent.agent, [], set(), []
 
             class Spy:
@@ -397,7 +383,7 @@ def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
     and the next fetch restores exactly."""
     dst = make_store(world2, True, host=64 << 20)
     try:
-        with _peers(world2) as (srv, client, seqs):
+        with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             fa = FaultyAgent(client.agent.agent)
             client.agent.agent = fa
             post, posts = fa.transfer, []

@@ -30,6 +30,30 @@ def transfer_sequences(world: World, n: int) -> list[list[int]]:
     return [world.tokens(("xfer", i), (6 + 3 * i) * BS + 5) for i in range(n)]
 
 
+@contextlib.contextmanager
+def in_process_peers(world: World, device: Any = "cpu", server: Any = None, seqs: int = 3):
+    """A prefill store (``seqs`` transfer sequences offloaded) behind a hand-off server and a decode client, both in
+    this process (staging and receive memory on ``device``); yields ``(server, client, sequences)``. ``server``
+    builds the server from ``(cfg, store, device=...)`` (default :class:`HandoffServer`; a liar for fault tests)."""
+    from ..connector.config import ConnectorConfig
+    from ..connector.handoff.client import HandoffClient
+    from ..connector.handoff.server import HandoffServer
+
+    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32)
+    src = make_store(world, True, host=64 << 20)
+    tokens = transfer_sequences(world, seqs)
+    for toks in tokens:
+        offload(world, src, toks)
+    srv = (server or HandoffServer)(cfg, src, device=device)
+    client = HandoffClient(cfg, device)
+    try:
+        yield srv, client, tokens
+    finally:
+        client.close()
+        srv.close()
+        close_store(src)
+
+
 def child_server(world: World, args: dict) -> None:
     from ..connector.config import ConnectorConfig
     from ..connector.handoff.server import HandoffServer
