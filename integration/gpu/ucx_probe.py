@@ -82,7 +82,7 @@ def client(work: Path, device: str) -> dict:
         t = time.perf_counter()
         state = agent.transfer(h)
         while state != "DONE":
-            if state == "ERR" or time.perf_counter() - t > 60:
+            if state == "ERR" or time.perf_counter() - t > 20:
                 raise RuntimeError(f"READ {i}: {state}")
             state = agent.check_xfer_state(h)
         times.append(time.perf_counter() - t)
@@ -103,6 +103,7 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("devices", nargs="*", default=["cuda:0", "cuda:0"])
     p.add_argument("--tls", default="default,cuda_ipc+cuda_copy+tcp,cuda_ipc+cuda_copy+sm+self,cuda_copy+tcp")
+    p.add_argument("--client-timeout", type=float, default=120.0, help="seconds for one candidate's client process")
     p.add_argument("--role", choices=["server", "client"])
     p.add_argument("--work")
     a = p.parse_args()
@@ -129,7 +130,8 @@ def main() -> int:
         args = [sys.executable, __file__, str(out), *a.devices, "--work", str(work)]
         srv = subprocess.Popen(args + ["--role", "server"], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            r = subprocess.run(args + ["--role", "client"], env=env, capture_output=True, text=True, timeout=120)
+            client_cmd = args + ["--role", "client"]
+            r = subprocess.run(client_cmd, env=env, capture_output=True, text=True, timeout=a.client_timeout)
             log.write(r.stdout + r.stderr)
             res = [ln[7:] for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
             row = json.loads(res[0]) if res else {"error": (r.stderr or r.stdout)[-400:]}
