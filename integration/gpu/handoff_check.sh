@@ -70,7 +70,7 @@ if [ "${PROBE:-1}" != 0 ] && [ -z "${UCX_TLS:-}" ]; then
   # READ rate between these two devices (integration/gpu/ucx_probe.py) and run the benchmark on the fastest
   step "UCX transport probe ($PREFILL_DEVICE -> $DECODE_DEVICE)"
   timeout 200 "$PY" integration/gpu/ucx_probe.py "$OUT/probe" "$PREFILL_DEVICE" "$DECODE_DEVICE" --client-timeout 60 \
-    --tls "${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,default@UCX_PROTO_ENABLE=n,cuda_ipc+cuda_copy+tcp@UCX_PROTO_ENABLE=n}" \
+    --tls "${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,default@UCX_RMA_PPLN_ENABLE=y,cuda_ipc+cuda_copy+tcp@UCX_RMA_PPLN_ENABLE=y}" \
     >"$OUT/probe.jsonl" 2>"$OUT/probe.err"
   cut -c1-240 "$OUT/probe.jsonl"
   BEST=$("$PY" -c "import json, sys
