@@ -112,6 +112,17 @@ def _land(buf, offs, blobs, ends, a):
         buf[off + s : off + e[a]] = torch.frombuffer(bytearray(b[s : e[a]]), dtype=torch.uint8).to(buf.device)
 
 
+def _group0_landed(blobs, ends=None, device="cpu"):
+    """A receive buffer holding only range 0 of every blob (by default range g = layer group g), its arrival marked
+    so, and the blobs as arriving views of it: (buf, offs, ends, arrival, srcs)."""
+    buf, offs = _receive(blobs, device)
+    ends = ends or [group_ends(b) for b in blobs]
+    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
+    _land(buf, offs, blobs, ends, 0)
+    arrival.landed(0)
+    return buf, offs, ends, arrival, [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
+
+
 def _plain(codec, blobs, parts, device="cpu"):
     dest, kk, vv = _dest(parts, device)
     job = codec.fused.open(blobs)
@@ -139,12 +150,7 @@ def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
     codec = _codec(cal2)
     parts, blobs = _blobs(synth, codec)
     want_k, want_v = _plain(codec, blobs, parts)
-    buf, offs = _receive(blobs)
-    ends = [group_ends(b) for b in blobs]
-    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
-    srcs = [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
-    _land(buf, offs, blobs, ends, 0)
-    arrival.landed(0)
+    buf, offs, ends, arrival, srcs = _group0_landed(blobs)
     dest, kk, vv = _dest(parts)
     job = codec.fused.open(srcs)
     gen = job.layers(dest=dest)
@@ -169,12 +175,7 @@ def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
 
     codec = _codec(cal2)
     _, blobs = _blobs(synth, codec)
-    buf, offs = _receive(blobs)
-    ends = [group_ends(b) for b in blobs]
-    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
-    srcs = [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
-    _land(buf, offs, blobs, ends, 0)
-    arrival.landed(0)
+    buf, offs, ends, arrival, srcs = _group0_landed(blobs)
 
     def land_rest():
         _land(buf, offs, blobs, ends, 1)
@@ -193,14 +194,10 @@ def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
 def test_a_reader_failing_between_ranges_fails_after_group_zero(synth, cal2):
     codec = _codec(cal2)
     parts, blobs = _blobs(synth, codec)
-    buf, offs = _receive(blobs)
-    ends = [group_ends(b) for b in blobs]
-    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
-    _land(buf, offs, blobs, ends, 0)
-    arrival.landed(0)
+    _, _, _, arrival, srcs = _group0_landed(blobs)
     arrival.fail(TransferError("peer gone"))
     dest, kk, _ = _dest(parts)
-    job = codec.fused.open([ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)])
+    job = codec.fused.open(srcs)
     got = []
     with pytest.raises(TransferError, match="before byte range 1 landed: peer gone"):
         for layer in job.layers(dest=dest):
@@ -216,16 +213,12 @@ def test_ranges_that_lie_about_groups_only_delay_the_decode(synth, cal2):
     codec = _codec(cal2)
     parts, blobs = _blobs(synth, codec)
     want_k, _ = _plain(codec, blobs, parts)
-    buf, offs = _receive(blobs)
-    ends = [[20, len(b)] for b in blobs]
-    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
-    _land(buf, offs, blobs, ends, 0)
-    arrival.landed(0)
+    buf, offs, ends, arrival, srcs = _group0_landed(blobs, ends=[[20, len(b)] for b in blobs])
     dest, kk, _ = _dest(parts)
     box: dict = {}
 
     def run():
-        job = codec.fused.open([ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)])
+        job = codec.fused.open(srcs)
         box["first"] = time.perf_counter()
         list(job.layers(dest=dest))
         job.finish()
@@ -449,16 +442,11 @@ def test_blobs_in_device_memory_restore_like_host_bytes(synth, cal2, arriving):
     codec = _codec(cal2, "cuda")
     parts, blobs = _blobs(synth, codec, "cuda", lens=(256, 192))
     want_k, want_v = _plain(codec, blobs, parts, "cuda")
-    buf, offs = _receive(blobs, "cuda")
-    ends = [group_ends(b) for b in blobs]
-    arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
-    for a in range(2):
-        _land(buf, offs, blobs, ends, a)
-        arrival.landed(a)
+    buf, offs, ends, arrival, srcs = _group0_landed(blobs, device="cuda")
+    _land(buf, offs, blobs, ends, 1)
+    arrival.landed(1)
     torch.cuda.synchronize()
-    if arriving:
-        srcs = [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
-    else:
+    if not arriving:
         srcs = [(buf, o, len(b)) for o, b in zip(offs, blobs)]
     dest, kk, vv = _dest(parts, "cuda")
     job = codec.fused.open(srcs)
