@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -66,6 +67,16 @@ class SyntheticKV:
 @pytest.fixture(scope="session")
 def synth():
     return SyntheticKV(make_fp())
+
+
+SLIDING_W = 100  # the artificial sliding window of layers 0 and 2 of the sliding-window synthetic model
+
+
+@pytest.fixture(scope="module")
+def win_synth():
+    """A sliding-window model (layers 0 and 2 keep the last SLIDING_W tokens): a fresh source per test module."""
+    fp = dataclasses.replace(make_fp(name="synthetic-sliding"), windows=(SLIDING_W, 0, SLIDING_W, 0))
+    return SyntheticKV(fp, seed=3)
 
 
 @pytest.fixture(scope="session")

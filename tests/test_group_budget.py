@@ -8,8 +8,6 @@ its bits where they lower the error while its blobs keep the ratio at the repres
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -22,7 +20,7 @@ from dynamo_kvtc.codec.kvtc import KvtcCodec
 from dynamo_kvtc.codec.quant import group_cost_bits
 from dynamo_kvtc.errors import CalibrationError, ConfigError
 
-from .conftest import SyntheticKV, make_fp
+from .conftest import SLIDING_W, SyntheticKV, make_fp
 
 SIZES = (1, 16)
 
@@ -91,13 +89,7 @@ def test_padding_is_never_coded_and_groups_stay_in_their_features():
 
 
 # ------------------------------------------------------------------ calibrations
-W = 100
-
-
-@pytest.fixture(scope="module")
-def win_synth():
-    fp = dataclasses.replace(make_fp(name="synthetic-sliding"), windows=(W, 0, W, 0))
-    return SyntheticKV(fp, seed=3)
+W = SLIDING_W
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,9 @@ from dynamo_kvtc.codec.kvtc import KvtcCodec
 from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
 from dynamo_kvtc.errors import CorruptBlobError, InputError, TierError
 
-from .conftest import SyntheticKV, make_fp, rel
+from .conftest import SLIDING_W, make_fp, rel
 
-W = 100  # the artificial sliding window of layers 0 and 2
-
-
-@pytest.fixture(scope="module")
-def win_synth():
-    fp = dataclasses.replace(make_fp(name="synthetic-sliding"), windows=(W, 0, W, 0))
-    return SyntheticKV(fp, seed=3)
+W = SLIDING_W  # the artificial sliding window of layers 0 and 2
 
 
 @pytest.fixture(scope="module")
