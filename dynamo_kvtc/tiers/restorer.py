@@ -186,6 +186,27 @@ class Restorer:
             out.append(BlobRun(blob, r.first, r.count, r.at, meta))
         return out
 
+    def export_leased(self, hashes: Sequence[int]) -> tuple[list[BlobRun], list[HostLease]]:
+        """Like :meth:`export`, without copies: host-resident blobs come as views of the host tier's (pinned) pages
+        under a lease, so a peer's staging is one DMA per blob; the caller releases the leases once done."""
+        runs: list[BlobRun] = []
+        held: list[HostLease] = []
+        try:
+            for r in self.index.plan(hashes):
+                meta = self.index.meta(r.blob_id)
+                if meta is None:
+                    raise TierError(f"blob {r.blob_id} left the tiers while being exported")
+                got = self.placement.read(r.blob_id)
+                if isinstance(got, HostLease):
+                    held.append(got)
+                    got = got.view() or got.tobytes()
+                runs.append(BlobRun(got, r.first, r.count, r.at, meta))
+        except BaseException:
+            for h in held:
+                h.release()
+            raise
+        return runs, held
+
     def prefetch(self, hashes: Sequence[int]) -> int:
         """Promote disk-resident blobs of the matched prefix of ``hashes`` into the host tier; returns blobs moved."""
         moved = 0

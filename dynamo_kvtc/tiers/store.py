@@ -41,7 +41,7 @@ from ..errors import TierError
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
 from .disk import DiskTier
-from .host import HostTier
+from .host import HostLease, HostTier
 from .index import BlockIndex
 from .keys import sequence_hashes
 from .layout import PagedKV
@@ -323,6 +323,11 @@ class KvtcStore:
     def export(self, hashes: Sequence[int]) -> list[BlobRun]:
         """Blobs covering ``hashes``, for a peer: :class:`BlobRun` s with their ``meta`` set."""
         return self.restorer.export(hashes)
+
+    def export_leased(self, hashes: Sequence[int]) -> tuple[list[BlobRun], list[HostLease]]:
+        """:meth:`export` without copies: host-resident blobs as views of their pinned pages, under leases the caller
+        releases once it has copied them (the hand-off server's staging)."""
+        return self.restorer.export_leased(hashes)
 
     async def prefetch(self, hashes: Sequence[int]) -> int:
         """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard; returns blobs moved."""

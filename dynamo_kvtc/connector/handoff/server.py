@@ -18,15 +18,14 @@ from typing import Any
 
 import torch
 
+from ...codec.spans import host_bytes
 from ...errors import TierError
-from ...tiers.blobs import BlobRun
 from ...tiers.channel import RepServer
-from ...tiers.host import HostLease
 from ...tiers.nixl_io import PeerAgent
 from ..config import ConnectorConfig
 from .auth import channel_auth
 from .messages import LIMITS, check_fetch, fetch_mem
-from .staging import StagingArena, blob_len, host_view, memory_device
+from .staging import StagingArena, blob_len, memory_device
 from .stream import group_ends
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ class HandoffServer:
 
     Owns a NIXL agent, the staging arenas (each registered with NIXL once: host memory, made on the first ``DRAM``
     fetch, and device memory on a GPU worker) and the leases on them. It reads the store only through its public
-    lookup, index and placement (host-tier leases, released as soon as the blobs are staged); it never writes to the
+    lookup and leased export (host-tier leases, released as soon as the blobs are staged); it never writes to the
     store and never serves bytes it did not stage."""
 
     def __init__(self, cfg: ConnectorConfig, store: Any, device: Any = None) -> None:
@@ -105,10 +104,10 @@ class HandoffServer:
         hashes, peer, md = check_fetch(msg)
         arena = self.arena(fetch_mem(msg))
         self._wait_stored(hashes)
-        runs, held = self._export(hashes)
+        runs, held = self.store.export_leased(hashes)
         lease = f"{peer}/{next(_ids)}"
         try:
-            ends = [group_ends(host_view(run.blob)) for run in runs]  # one READ per layer group on the decode side
+            ends = [group_ends(host_bytes(run.blob)) for run in runs]  # one READ per layer group on the decode side
             descs = arena.stage(lease, [run.blob for run in runs])
             with self.agent.lock:
                 self.agent.add_remote(peer, md)
@@ -136,30 +135,6 @@ class HandoffServer:
         self.served += 1
         reply = {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
         return {**reply, "mem": arena.mem, "dev": arena.dev}
-
-    def _export(self, hashes: list[int]) -> tuple[list[BlobRun], list[HostLease]]:
-        """The runs covering ``hashes`` with their meta; blobs held in the host tier come as views of its (pinned)
-        pages under a lease, so staging is one DMA per blob and no host copy (the caller releases the leases)."""
-        index, place = getattr(self.store, "index", None), getattr(self.store, "placement", None)
-        if index is None or place is None:
-            return self.store.export(hashes), []
-        runs: list[BlobRun] = []
-        held: list[HostLease] = []
-        try:
-            for r in index.plan(hashes):
-                meta = index.meta(r.blob_id)
-                if meta is None:
-                    raise TierError(f"blob {r.blob_id} left the tiers while being exported")
-                got = place.read(r.blob_id)
-                if isinstance(got, HostLease):
-                    held.append(got)
-                    got = got.view() or got.tobytes()
-                runs.append(BlobRun(got, r.first, r.count, r.at, meta))
-        except BaseException:
-            for h in held:
-                h.release()
-            raise
-        return runs, held
 
     def _release(self, lease: str) -> None:
         arena, _ = self._leases.pop(lease, (None, 0))

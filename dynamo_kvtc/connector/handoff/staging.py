@@ -58,14 +58,6 @@ def blob_len(b: Any) -> int:
     return b[2] if isinstance(b, tuple) else len(memoryview(b).cast("B"))
 
 
-def host_view(b: Any) -> memoryview:
-    """A host blob (bytes-like or ``(CPU tensor, offset, length)``) as a memoryview, without a copy."""
-    if isinstance(b, tuple):
-        t, o, n = b
-        return memoryview(t.numpy())[o : o + n]
-    return memoryview(b).cast("B")
-
-
 def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
     """Copy ``blobs`` (bytes-like, or ``(CPU tensor, offset, length)`` views: from pinned memory one asynchronous
     DMA each) back to back into ``dst`` at 256-byte aligned offsets; (offset, size) of each. On a GPU the copies are
