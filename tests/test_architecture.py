@@ -12,7 +12,8 @@ PKG = Path(__file__).resolve().parents[1] / "dynamo_kvtc"
 
 # room -> rooms it must never import (anything above it in docs/architecture.md's picture)
 ABOVE = {
-    "codec": {"calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "codec": {"calibration", "transport", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "transport": {"codec", "calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
     "calibration": {"evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
     "tiers": {"evaluation", "connector", "bench", "reliability", "demo", "cli"},
     "connector": {"evaluation", "bench", "reliability", "demo", "cli"},
@@ -96,13 +97,14 @@ def _calls(tree: ast.AST, attr: str):
 
 
 def test_one_control_channel():
-    """Control messages are parsed in tiers/channel.py only (the blob header in codec/container.py is the blob
+    """Control messages are parsed in transport/channel.py only (the blob header in codec/container.py is the blob
     format, below the tiers); ZMQ sockets are made there only (the reliability harness's fake peers, which must send
-    arbitrary bytes, excepted); one NIXL wait loop (tiers/nixl_io.py; the harness's fault-injecting agent excepted)."""
+    arbitrary bytes, excepted); one NIXL wait loop (transport/nixl_io.py; the harness's fault-injecting agent
+    excepted)."""
     homes = {
-        "unpackb": {"tiers/channel.py", "codec/container.py"},
-        "socket": {"tiers/channel.py", "reliability/transfer_faults.py"},
-        "check_xfer_state": {"tiers/nixl_io.py", "reliability/nixl_faults.py"},
+        "unpackb": {"transport/channel.py", "codec/container.py"},
+        "socket": {"transport/channel.py", "reliability/transfer_faults.py"},
+        "check_xfer_state": {"transport/nixl_io.py", "reliability/nixl_faults.py"},
     }
     bad = []
     for rel, tree in _modules():

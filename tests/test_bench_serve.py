@@ -405,7 +405,7 @@ def test_conversation_and_long_doc_traces_run_through_the_loop(tiny_bench):
 def test_disk_tier_serves_what_the_host_budget_cannot_hold(tiny_bench, tmp_path):
     from dynamo_kvtc.bench.serve.run import ServeBench
     from dynamo_kvtc.errors import ConfigError
-    from dynamo_kvtc.tiers.nixl_io import import_nixl
+    from dynamo_kvtc.transport.nixl_io import import_nixl
 
     try:
         import_nixl()

@@ -1,4 +1,4 @@
-"""The control channel (dynamo_kvtc/tiers/channel.py) over real ZMQ sockets on loopback and IPC."""
+"""The control channel (dynamo_kvtc/transport/channel.py) over real ZMQ sockets on loopback and IPC."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, TransferError
-from dynamo_kvtc.tiers.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
+from dynamo_kvtc.transport.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
 
 LIMITS = Limits(max_message=4096, max_str=64, max_bin=128, max_array=32, max_map=8)
 

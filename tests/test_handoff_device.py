@@ -19,7 +19,7 @@ from dynamo_kvtc.errors import TierFullError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import LIES, in_process_peers, lying_server  # noqa: E402
 from dynamo_kvtc.reliability.world import BS, Expect, World, close_store, make_store, restore  # noqa: E402
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
-from dynamo_kvtc.tiers.nixl_io import PeerAgent, TokenBucket, split_descs  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import PeerAgent, TokenBucket, split_descs  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -53,8 +53,8 @@ from dynamo_kvtc.reliability.world import (  # noqa: E402
     tier_config,
 )
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
-from dynamo_kvtc.tiers.nixl_io import TokenBucket  # noqa: E402
 from dynamo_kvtc.tiers.store import KvtcStore  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import TokenBucket  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 

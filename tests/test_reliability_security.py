@@ -187,7 +187,7 @@ def test_lookup_socket_lives_in_a_private_directory(tmp_path, monkeypatch):
 def test_control_messages_are_bounded():
     """Every channel parses with the one bounded unpack under its own limits."""
     from dynamo_kvtc.connector.handoff import messages
-    from dynamo_kvtc.tiers.channel import unpack
+    from dynamo_kvtc.transport.channel import unpack
 
     for limits in (messages.LIMITS, lookup.LIMITS):
         with pytest.raises(TransferError):

@@ -137,7 +137,7 @@ class TierBench:
     def raw_disk_s(self, directory: str) -> tuple[float, float]:
         """Reference: the same K/V bytes uncompressed through the same NIXL POSIX path — (write s, read + copy-back
         s), the read from a file whose pages were dropped from the page cache. Median of ``repeat`` after a warm-up."""
-        from ..tiers.nixl_io import NixlFiles
+        from ..transport.nixl_io import NixlFiles
 
         io = NixlFiles(timeout_s=600)
         data = [t.detach().contiguous().cpu().view(torch.uint8).reshape(-1) for t in (self.k, self.v)]

@@ -10,7 +10,7 @@ each group as soon as its READ landed; or the raw K/V straight into its device m
 does: every layer's K and V, layer 0 usable only when the whole READ is done).
 
 Link emulation (``--link-gbps 0,100,200,400``; 0 = uncapped): a token bucket in this process paces both paths' READs
-the same way (:class:`~dynamo_kvtc.tiers.nixl_io.TokenBucket`): a READ goes out in chunks of ``--chunk-mb`` (larger
+the same way (:class:`~dynamo_kvtc.transport.nixl_io.TokenBucket`): a READ goes out in chunks of ``--chunk-mb`` (larger
 where that would make more than 16), each
 posted no earlier than ``start + bytes before it / rate``, done no earlier than ``start + bytes / rate``. The compressed
 path's per-group READs share one bucket (one paced transfer). It emulates a link's rate, not its latency. Per row
@@ -52,12 +52,12 @@ from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.linkpolicy import RAW, LinkPolicy
 from ..connector.handoff.stream import GroupArrival
 from ..errors import InputError, TransferError
-from ..tiers.channel import ReqClient
 from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
-from ..tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from ..tiers.store import KvtcStore
+from ..transport.channel import ReqClient
+from ..transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from .output import machine, write_json
 from .shapes import SHAPES
 from .transfer_prefill import BS, RAW_LIMITS, grouped_calibration, grouped_kv, prompt_tokens, raw_descs

@@ -23,11 +23,11 @@ from ..codec.rope import apply_rope
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.server import HandoffServer
 from ..errors import TransferError
-from ..tiers.channel import Limits, RepServer
 from ..tiers.config import TierConfig
 from ..tiers.keys import sequence_hashes
-from ..tiers.nixl_io import PeerAgent
 from ..tiers.store import KvtcStore
+from ..transport.channel import Limits, RepServer
+from ..transport.nixl_io import PeerAgent
 from .gpu_model import synthetic_calibration_gpu
 from .shapes import Shape
 

@@ -43,7 +43,7 @@ class ConnectorConfig:
     transfer_port: int = _d("transfer_port")
     transfer_timeout_s: float = _d("transfer_timeout_s")
     transfer_staging_mb: int = _d("transfer_staging_mb")  # prefill side: NIXL-registered staging arena, MiB
-    transfer_secret_file: Path | None = _d("transfer_secret_file")  # HMAC key of the hand-off (see handoff.auth)
+    transfer_secret_file: Path | None = _d("transfer_secret_file")  # HMAC key of the hand-off (see transport.auth)
 
     def __post_init__(self) -> None:
         if self.flush_tokens < 1:

@@ -2,8 +2,9 @@
 
 :class:`LazyLookup` is the factory the scheduler gets: the worker itself when vLLM runs it in the same process, else
 :class:`LookupClient`, one ZMQ REQ/REP pair over an IPC socket named after the engine id, through the control channel
-(:mod:`dynamo_kvtc.tiers.channel`: msgpack with size limits, never pickle; deadlines on every request). The socket lives
-in a private directory (``$TMPDIR/kvtc-<uid>``, 0700, owned by this user, not a symlink): other users cannot connect
+(:mod:`dynamo_kvtc.transport.channel`: msgpack with size limits, never pickle; deadlines on every request). The
+socket lives in a private directory (``$TMPDIR/kvtc-<uid>``, 0700, owned by this user, not a symlink): other users
+cannot connect
 to it or plant a socket of their own under its name. A slow or absent worker is a miss, never a stall: the client
 gives up after a deadline.
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from ..errors import ConfigError, TransferError
-from ..tiers.channel import Limits, RepServer, ReqClient
+from ..transport.channel import Limits, RepServer, ReqClient
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 22  # 4 MiB: ~500K hashes, far above any request

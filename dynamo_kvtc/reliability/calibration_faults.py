@@ -9,8 +9,8 @@ import zlib
 from ..calibration.artifact import Calibration
 from ..errors import CalibrationError, DecodeError
 from ..tiers import KvtcStore
-from ..tiers.channel import pack, unpack
 from ..tiers.disk_format import RECORD_LIMITS
+from ..transport.channel import pack, unpack
 from .ledger import Ledger
 from .world import (
     BS,

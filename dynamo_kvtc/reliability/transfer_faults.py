@@ -17,8 +17,8 @@ import msgpack
 
 from ..connector.handoff.messages import LIMITS
 from ..errors import TransferError
-from ..tiers.channel import Limits, pack, unpack
 from ..tiers.keys import sequence_hashes
+from ..transport.channel import Limits, pack, unpack
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
 from .process import child_cmd, drain, wait_marker

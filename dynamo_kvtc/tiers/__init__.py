@@ -2,10 +2,10 @@
 
 :class:`KvtcStore` (store.py) is the facade; its parts: blobs.py (records), index.py (hash -> blob, listeners),
 base.py / host.py / disk.py (the blob tiers; disk_format.py the file format), placement.py (host <-> disk moves),
-offloader.py (encode worker), restorer.py (restore worker, :class:`OnboardHandle`); channel.py is the one control
-channel and nixl_io.py the one NIXL wait; the fused-or-reference codec choice is codec/spans.py.
+offloader.py (encode worker), restorer.py (restore worker, :class:`OnboardHandle`); the control channel and the NIXL
+I/O they use live below, in :mod:`dynamo_kvtc.transport`; the fused-or-reference codec choice is codec/spans.py.
 
-Exports load lazily (PEP 562): ``dynamo_kvtc.tiers.disk_format`` and ``.channel`` import without torch.
+Exports load lazily (PEP 562): ``dynamo_kvtc.tiers.disk_format`` imports without torch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ _EXPORTS = {
     "sequence_hashes": "keys",
     "to_signed": "keys",
     "PagedKV": "layout",
-    "NixlFiles": "nixl_io",
     "OffloadFilter": "policy",
     "RatioPolicy": "policy",
     "OnboardHandle": "restorer",

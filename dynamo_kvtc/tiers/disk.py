@@ -46,10 +46,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import ConfigError, TierError, TierFullError, TransferError
+from ..transport.channel import pack
+from ..transport.nixl_io import NixlFiles
 from .base import BlobTier
-from .channel import pack
 from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, parse_record
-from .nixl_io import NixlFiles
 
 log = logging.getLogger(__name__)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

@@ -13,7 +13,7 @@ import zlib
 from typing import Any
 
 from ..errors import TierError
-from .channel import Limits, unpack
+from ..transport.channel import Limits, unpack
 
 MAGIC = b"KVTCD001"
 PREFIX = struct.Struct("<8sII")

@@ -15,7 +15,7 @@ with atheris.instrument_imports(include=["dynamo_kvtc"]):
     from dynamo_kvtc.connector import lookup
     from dynamo_kvtc.connector.handoff import messages
     from dynamo_kvtc.errors import TransferError
-    from dynamo_kvtc.tiers import channel
+    from dynamo_kvtc.transport import channel
 
 REQUESTED = [11, 22, 33, 44]
 

@@ -58,7 +58,7 @@ step "environment"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   nproc; free -g | head -2
-  "$PY" -c "import torch, zmq, dynamo_kvtc.bench.transfer; from dynamo_kvtc.tiers.nixl_io import import_nixl; import_nixl(); print('IMPORTS OK', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), 'zmq', zmq.__version__)"
+  "$PY" -c "import torch, zmq, dynamo_kvtc.bench.transfer; from dynamo_kvtc.transport.nixl_io import import_nixl; import_nixl(); print('IMPORTS OK', torch.__version__, torch.cuda.is_available() and torch.cuda.get_device_name(0), 'zmq', zmq.__version__)"
   "$PY" -c "from dynamo_kvtc.codec.entropy import nvcomp_available; print('nvcomp', nvcomp_available())"
   "$PY" -c "import torch; n = torch.cuda.device_count(); print('gpus', n, [torch.cuda.can_device_access_peer(0, i) for i in range(1, n)])" || true
   echo "prefill $PREFILL_DEVICE -> decode $DECODE_DEVICE, UCX_TLS=${UCX_TLS:-default}"

@@ -28,7 +28,7 @@ PIECE = 64 * MB
 
 
 def _agent(name: str):
-    from dynamo_kvtc.tiers.nixl_io import import_nixl
+    from dynamo_kvtc.transport.nixl_io import import_nixl
 
     nixl_agent, nixl_agent_config, _ = import_nixl()
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))

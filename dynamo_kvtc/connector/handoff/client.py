@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
+from ... import settings
 from ...codec.gpu.restore import ArrivingBlob
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
-from ...tiers.channel import ReqClient
-from ...tiers.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
+from ...transport.auth import channel_auth
+from ...transport.channel import ReqClient
+from ...transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
 from ..config import ConnectorConfig
-from .auth import channel_auth
 from .linkpolicy import LinkChoice, LinkPolicy
 from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
 from .staging import RecvBuffer, memory_device
@@ -72,7 +73,9 @@ class HandoffClient:
         pace: TokenBucket | None = None,
     ) -> None:
         self.cfg = cfg
-        self.auth = channel_auth(cfg)  # before the agent: a bad secret is a ConfigError at start-up
+        self.auth = channel_auth(
+            cfg.transfer_secret_file, settings.env_value("transfer_secret"), cfg.transfer, cfg.transfer_host
+        )  # before the agent: a bad secret is a ConfigError at start-up
         self.agent = PeerAgent(cfg.nixl_backend, "kvtc-decode")
         self.device = memory_device(device)
         self.recv = RecvBuffer(self.agent, self.device)

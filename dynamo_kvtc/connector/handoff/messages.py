@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import TransferError
-from ...tiers.channel import Limits
+from ...transport.channel import Limits
 
 MAX_MESSAGE = 1 << 24
 MAX_FETCH_BLOCKS = 1 << 16  # 1M tokens at block size 16

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from ... import settings
 from ...codec.spans import host_bytes
 from ...errors import TierError
-from ...tiers.channel import RepServer
-from ...tiers.nixl_io import PeerAgent
+from ...transport.auth import channel_auth
+from ...transport.channel import RepServer
+from ...transport.nixl_io import PeerAgent
 from ..config import ConnectorConfig
-from .auth import channel_auth
 from .messages import LIMITS, check_fetch, fetch_mem
 from .staging import StagingArena, blob_len, memory_device
 from .stream import group_ends
@@ -52,7 +53,14 @@ class HandoffServer:
         self.served = 0  # fetches answered with staged blobs (releases are not counted)
         endpoint = f"tcp://{cfg.transfer_host}" + (f":{cfg.transfer_port}" if cfg.transfer_port else "")
         self._rep = RepServer(
-            endpoint, self._handle, LIMITS, name="kvtc-handoff", tick=self._expire, auth=channel_auth(cfg)
+            endpoint,
+            self._handle,
+            LIMITS,
+            name="kvtc-handoff",
+            tick=self._expire,
+            auth=channel_auth(
+                cfg.transfer_secret_file, settings.env_value("transfer_secret"), cfg.transfer, cfg.transfer_host
+            ),
         )
         self.host, self.port = cfg.transfer_host, self._rep.port
         log.info("kvtc hand-off server on tcp://%s:%d (NIXL %s)", self.host, self.port, cfg.nixl_backend)

@@ -24,7 +24,7 @@ import torch
 
 from ... import settings
 from ...errors import TierFullError, TransferError
-from ...tiers.nixl_io import PeerAgent
+from ...transport.nixl_io import PeerAgent
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # every extent starts on a 256-byte boundary (CUDA copies, NIXL descriptors)
