@@ -14,7 +14,7 @@ from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.cli.main import build_parser, main
 from dynamo_kvtc.errors import ConfigError
 from dynamo_kvtc.evaluation.methods import Kvtc
-from dynamo_kvtc.evaluation.runner import ablation_ratios_of, methods_for
+from dynamo_kvtc.evaluation.sweep import ablation_ratios_of, methods_for
 
 
 @pytest.fixture(scope="module")

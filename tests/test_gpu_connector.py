@@ -12,7 +12,7 @@ import torch
 
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.protocol import LoadOp, SaveOp, StepPlan
+from dynamo_kvtc.connector.step_plan import LoadOp, SaveOp, StepPlan
 from dynamo_kvtc.connector.worker import KvtcWorker
 from dynamo_kvtc.tiers.keys import sequence_hashes
 

@@ -1,4 +1,4 @@
-"""The link-aware raw-vs-compressed choice of the hand-off (connector/handoff/linkpolicy.py), with the sizes and rates
+"""The link-aware raw-vs-compressed choice of the hand-off (connector/handoff/link_choice.py), with the sizes and rates
 measured on H200s (docs/performance.md): NeMo-12B 8K = 1280 MiB of raw KV, 90.6 MiB of KVTC blobs; Llama-3.1-8B 32K =
 4096 MiB raw, 236 MiB of blobs; raw GPU->GPU over NVLink at 270-360 GB/s."""
 
@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dynamo_kvtc.connector.handoff.linkpolicy import COMPRESSED, RAW, LinkPolicy
+from dynamo_kvtc.connector.handoff.link_choice import COMPRESSED, RAW, LinkPolicy
 from dynamo_kvtc.errors import ConfigError
 
 MiB = 1 << 20
@@ -62,7 +62,7 @@ def test_restore_rate_is_learned_and_a_slow_restore_makes_raw_win():
 def test_choices_are_counted_and_logged_once_per_peer_and_change(caplog):
     p = LinkPolicy(100, H200_RESTORE_GBS)
     raw, comp = NEMO_8K
-    with caplog.at_level(logging.INFO, logger="dynamo_kvtc.connector.handoff.linkpolicy"):
+    with caplog.at_level(logging.INFO, logger="dynamo_kvtc.connector.handoff.link_choice"):
         for _ in range(5):
             p.choose("a", raw, comp)
         p.choose("b", raw, comp)
@@ -99,7 +99,7 @@ def _request(params, tokens=8193):
 
 def _remote(side, link=None, mode="policy", monkeypatch=None):
     from dynamo_kvtc.connector.config import ConnectorConfig
-    from dynamo_kvtc.connector.handoff.policy import RemotePrefill
+    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
 
     monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", mode)
     cfg = ConnectorConfig(transfer=side, transfer_port=5555)

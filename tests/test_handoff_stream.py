@@ -35,14 +35,7 @@ from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.connector.handoff.messages import plan_reply, range_descs  # noqa: E402
 from dynamo_kvtc.connector.handoff.stream import GroupArrival, group_ends  # noqa: E402
 from dynamo_kvtc.reliability.nixl_faults import FaultyAgent  # noqa: E402
-from dynamo_kvtc.reliability.transfer_faults import (  # noqa: E402
-    RANGE_LIES,
-    PeerProcess,
-    in_process_peers,
-    lying_server,
-    transfer_sequences,
-)
-from dynamo_kvtc.reliability.world import (  # noqa: E402
+from dynamo_kvtc.reliability.testbed import (  # noqa: E402
     BS,
     SPAN,
     Expect,
@@ -51,6 +44,13 @@ from dynamo_kvtc.reliability.world import (  # noqa: E402
     make_store,
     restore,
     tier_config,
+)
+from dynamo_kvtc.reliability.transfer_faults import (  # noqa: E402
+    RANGE_LIES,
+    PeerProcess,
+    in_process_peers,
+    lying_server,
+    transfer_sequences,
 )
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
 from dynamo_kvtc.tiers.store import KvtcStore  # noqa: E402

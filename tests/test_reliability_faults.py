@@ -18,8 +18,8 @@ from dynamo_kvtc.reliability.nixl_faults import scenario_nixl_disk
 from dynamo_kvtc.reliability.process import scenario_kill9
 from dynamo_kvtc.reliability.soak import scenario_soak
 from dynamo_kvtc.reliability.tenant_faults import scenario_tenant_keys
+from dynamo_kvtc.reliability.testbed import World
 from dynamo_kvtc.reliability.transfer_faults import scenario_transfer, scenario_transfer_auth
-from dynamo_kvtc.reliability.world import World
 
 
 @pytest.fixture(scope="module")

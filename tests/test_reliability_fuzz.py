@@ -28,7 +28,9 @@ from dynamo_kvtc.codec.container import MAGIC, PREFIX, parse_blob
 from dynamo_kvtc.connector import lookup
 from dynamo_kvtc.connector.handoff import messages
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, DecodeError, TierError, TransferError
-from dynamo_kvtc.tiers import DiskTier, NixlFiles, TierConfig, channel, disk_format
+from dynamo_kvtc.tiers import DiskTier, TierConfig, disk_format
+from dynamo_kvtc.transport import channel
+from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 FUZZ = settings(
     deadline=None,

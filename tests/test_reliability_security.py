@@ -16,7 +16,8 @@ import pytest
 
 from dynamo_kvtc.connector import lookup
 from dynamo_kvtc.errors import ConfigError, KvtcError, TierError, TransferError
-from dynamo_kvtc.tiers import DiskTier, HostTier, NixlFiles, TierConfig
+from dynamo_kvtc.tiers import DiskTier, HostTier, TierConfig
+from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 PKG = Path(__file__).resolve().parents[1] / "dynamo_kvtc"
 SOURCES = sorted(PKG.rglob("*.py"))

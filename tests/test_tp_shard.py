@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from dynamo_kvtc import KvtcCodec, calibrate
 from dynamo_kvtc.calibration import Calibration
-from dynamo_kvtc.calibration.shard import head_layout, sharded_codec
+from dynamo_kvtc.calibration.tensor_parallel import head_layout, sharded_codec
 from dynamo_kvtc.codec.container import parse_blob, section_chunks
 from dynamo_kvtc.codec.entropy import EntropyCoder
-from dynamo_kvtc.codec.shard import HeadLayout, ShardedKvtcCodec, allreduce_bytes_per_token
+from dynamo_kvtc.codec.sharded import HeadLayout, ShardedKvtcCodec, allreduce_bytes_per_token
 from dynamo_kvtc.errors import ConfigError
 
 from .conftest import SyntheticKV, make_fp, rel

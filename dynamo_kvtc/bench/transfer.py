@@ -49,7 +49,7 @@ from ..calibration.artifact import Calibration
 from ..codec.gpu.restore import ArrivingBlob
 from ..connector.config import ConnectorConfig
 from ..connector.handoff.client import HandoffClient
-from ..connector.handoff.linkpolicy import RAW, LinkPolicy
+from ..connector.handoff.link_choice import RAW, LinkPolicy
 from ..connector.handoff.stream import GroupArrival
 from ..errors import InputError, TransferError
 from ..tiers.config import TierConfig

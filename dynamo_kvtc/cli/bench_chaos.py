@@ -39,6 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..reliability.runner import run_bench_chaos
+    from ..reliability.chaos import run_bench_chaos
 
     return run_bench_chaos(args)

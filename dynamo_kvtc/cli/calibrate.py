@@ -1,4 +1,4 @@
-"""``dynamo-kvtc calibrate`` (the work: :mod:`dynamo_kvtc.calibration.runner`)."""
+"""``dynamo-kvtc calibrate`` (the work: :mod:`dynamo_kvtc.calibration.build`)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..calibration.runner import run_calibrate
+    from ..calibration.build import run_calibrate
 
     return run_calibrate(args)

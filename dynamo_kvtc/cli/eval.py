@@ -1,4 +1,4 @@
-"""``dynamo-kvtc eval`` (the work: :mod:`dynamo_kvtc.evaluation.runner`)."""
+"""``dynamo-kvtc eval`` (the work: :mod:`dynamo_kvtc.evaluation.sweep`)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..evaluation.runner import run_eval
+    from ..evaluation.sweep import run_eval
 
     return run_eval(args)

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         info = card(args.path)
     else:
         from ..codec.container import parse_blob
-        from ..codec.tags import GPU_ONLY_TAGS
+        from ..codec.entropy_tags import GPU_ONLY_TAGS
         from ..tiers.disk_format import MAGIC, split_file
 
         data, info = args.path.read_bytes(), {}

@@ -16,9 +16,9 @@ _EXPORTS = {
     "BlobHeader": "container",
     "parse_blob": "container",
     "write_blob": "container",
-    "CHUNK_BYTES": "tags",
-    "GPU_ONLY_TAGS": "tags",
-    "TAGS": "tags",
+    "CHUNK_BYTES": "entropy_tags",
+    "GPU_ONLY_TAGS": "entropy_tags",
+    "TAGS": "entropy_tags",
     "EntropyCoder": "entropy",
     "CodecConfig": "kvtc",
     "KvtcCodec": "kvtc",
@@ -74,11 +74,11 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .container import FORMAT_VERSION, MAGIC, BlobHeader, parse_blob, write_blob
     from .entropy import EntropyCoder
+    from .entropy_tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
     from .kvtc import CodecConfig, KvtcCodec
     from .model import BasisGroup, CalibrationLike, ModelFingerprint
     from .plan import GROUP_SIZES, Plan, decode_coefficients, encode_coefficients
     from .quant import BITS, KINDS, META_BITS, dequantize, group_cost_bits, quantize
     from .rope import RotaryConfig, apply_rope, remove_rope
-    from .tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
 
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -48,7 +48,7 @@ from typing import Any
 import msgpack
 
 from ..errors import CorruptBlobError, InputError
-from .tags import CHUNK_BYTES, TAGS
+from .entropy_tags import CHUNK_BYTES, TAGS
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1

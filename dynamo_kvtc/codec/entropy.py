@@ -24,7 +24,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import ConfigError, CorruptBlobError, UnsupportedCodecError
-from .tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS, chunk_sizes
+from .entropy_tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS, chunk_sizes
 
 __all__ = [
     "CHUNK_BYTES",

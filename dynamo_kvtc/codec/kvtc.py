@@ -51,11 +51,11 @@ from .container import (
     write_blob,
 )
 from .entropy import EntropyCoder, check_readable
+from .entropy_tags import TAGS
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name, group_layer_ids
 from .plan import decode_coefficients, encode_coefficients
 from .rope import RotaryConfig, rotate
 from .sinks import decode_sinks, encode_sinks, sink_bytes
-from .tags import TAGS
 
 log = logging.getLogger(__name__)
 

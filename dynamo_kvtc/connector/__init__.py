@@ -2,7 +2,7 @@
 
 - :mod:`.vllm` — ``KvtcConnector`` (vLLM's ``KVConnectorBase_V1``): builds exactly one of the two halves by role and
   delegates every hook to it. :mod:`.vllm_parts` holds its vLLM-specific helpers (KV events, CPU layout probe).
-- :mod:`.scheduler` — ``KvtcScheduler``: matching, load and save plans (:mod:`.protocol`: what it sends the workers).
+- :mod:`.scheduler` — ``KvtcScheduler``: matching, load and save plans (:mod:`.step_plan`: what it sends the workers).
 - :mod:`.worker` — ``KvtcWorker``: the store of one TP rank, layer-by-layer restore, copy-out and encode.
 - :mod:`.lookup` — how the scheduler asks the worker's store (in-process, or the IPC lookup channel).
 - :mod:`.handoff` — the compressed prefill→decode hand-off (policy, server, client, messages).

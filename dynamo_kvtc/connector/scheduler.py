@@ -22,9 +22,9 @@ from typing import Any
 
 from ..tiers.keys import TenantKey, block_hashes, chain
 from .config import ConnectorConfig
-from .handoff.policy import RemotePrefill
+from .handoff.remote_prefill import RemotePrefill
 from .lookup import Matcher
-from .protocol import LoadOp, SaveOp, StepPlan
+from .step_plan import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -37,10 +37,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..errors import KvtcError
 from .config import ConnectorConfig
-from .handoff.policy import RemotePrefill
+from .handoff.remote_prefill import RemotePrefill
 from .lookup import LazyLookup
-from .protocol import StepPlan
 from .scheduler import KvtcScheduler
+from .step_plan import StepPlan
 from .vllm_parts import EventCollector, EventQueue, KvtcKVEvents, probe_cpu_offsets
 from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .worker import SUPPORTED_KV_DTYPES, KvtcWorker

@@ -36,7 +36,7 @@ from ..tiers.config import TierConfig
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
-from .protocol import LoadOp, SaveOp, StepPlan
+from .step_plan import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
 

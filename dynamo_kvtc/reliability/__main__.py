@@ -10,7 +10,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_child"]:
-        from .runner import child_main
+        from .chaos import child_main
 
         child_main(argv[1], argv[2])
         return 0

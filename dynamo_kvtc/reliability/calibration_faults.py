@@ -12,7 +12,7 @@ from ..tiers import KvtcStore
 from ..tiers.disk_format import RECORD_LIMITS
 from ..transport.channel import pack, unpack
 from .ledger import Ledger
-from .world import (
+from .testbed import (
     BS,
     SPAN,
     Expect,

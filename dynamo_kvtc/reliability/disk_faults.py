@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 from .ledger import Ledger
-from .world import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload, restore
+from .testbed import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload, restore
 
 log = logging.getLogger(__name__)
 

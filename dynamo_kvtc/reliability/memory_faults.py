@@ -16,7 +16,7 @@ from ..errors import KvtcError
 from ..tiers.keys import sequence_hashes
 from .ledger import KEYS, Ledger
 from .process import child_cmd
-from .world import BS, Expect, Sink, World, close_store, make_store, offload, restore
+from .testbed import BS, Expect, Sink, World, close_store, make_store, offload, restore
 
 
 def scenario_host_flips(world: World, ledger: Ledger, rounds: int) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .ledger import Ledger
-from .world import (
+from .testbed import (
     BS,
     Expect,
     World,

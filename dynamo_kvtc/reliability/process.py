@@ -17,7 +17,7 @@ from typing import Any
 
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
-from .world import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload
+from .testbed import BS, Expect, World, check_blobs, close_store, committed_blobs, make_store, offload
 
 
 # ====================================================================================================== kill -9

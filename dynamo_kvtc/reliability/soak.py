@@ -14,7 +14,7 @@ from ..errors import KvtcError
 from ..tiers.keys import sequence_hashes
 from .ledger import Ledger
 from .memory_faults import rss_bytes
-from .world import BS, Expect, Sink, World, close_store, make_store
+from .testbed import BS, Expect, Sink, World, close_store, make_store
 
 
 # ====================================================================================================== soak

@@ -12,7 +12,7 @@ import random
 
 from ..tiers.keys import TenantKey, sequence_hashes
 from .ledger import Ledger
-from .world import BS, Expect, World, close_store, make_store, restore
+from .testbed import BS, Expect, World, close_store, make_store, restore
 
 
 def _tenants(r: int) -> list[TenantKey]:

@@ -22,7 +22,7 @@ from ..transport.channel import Limits, pack, unpack
 from .ledger import Ledger
 from .nixl_faults import FaultyAgent
 from .process import child_cmd, drain, wait_marker
-from .world import BS, Expect, Outcome, World, account_faulted_restore, close_store, make_store, offload, restore
+from .testbed import BS, Expect, Outcome, World, account_faulted_restore, close_store, make_store, offload, restore
 
 
 # ====================================================================================================== transfer

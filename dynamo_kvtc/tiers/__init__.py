@@ -27,8 +27,8 @@ _EXPORTS = {
     "sequence_hashes": "keys",
     "to_signed": "keys",
     "PagedKV": "layout",
-    "OffloadFilter": "policy",
-    "RatioPolicy": "policy",
+    "OffloadFilter": "admission",
+    "RatioPolicy": "admission",
     "OnboardHandle": "restorer",
     "KvtcStore": "store",
 }

@@ -16,12 +16,12 @@ import torch
 from ..codec.kvtc import KvtcCodec
 from ..codec.spans import EncodeSpan, PagedView, SpanCoder
 from ..errors import KvtcError, TierError
+from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, OffloadRequest, OffloadResult
 from .config import TierConfig
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
-from .policy import OffloadFilter, RatioPolicy
 from .streams import codec_stream
 
 log = logging.getLogger(__name__)

@@ -38,6 +38,7 @@ from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
 from ..codec.spans import EncodeSpan, RestoreRun, SpanCoder
 from ..errors import TierError
+from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
 from .disk import DiskTier
@@ -47,7 +48,6 @@ from .keys import sequence_hashes
 from .layout import PagedKV
 from .offloader import Offloader
 from .placement import Placement
-from .policy import OffloadFilter, RatioPolicy
 from .restorer import OnboardHandle, Restorer, Source
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ import atheris
 
 with atheris.instrument_imports(include=["dynamo_kvtc"]):
     from dynamo_kvtc.errors import TierError
-    from dynamo_kvtc.tiers import DiskTier, NixlFiles, disk_format
+    from dynamo_kvtc.tiers import DiskTier, disk_format
+    from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 from common import resign_disk_file  # noqa: E402
 

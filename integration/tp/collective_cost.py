@@ -21,10 +21,10 @@ import time
 import torch
 
 from dynamo_kvtc.bench.shapes import SHAPES
-from dynamo_kvtc.calibration.shard import sharded_codec
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
+from dynamo_kvtc.calibration.tensor_parallel import sharded_codec
 from dynamo_kvtc.codec.kvtc import KvtcCodec
-from dynamo_kvtc.codec.shard import allreduce_bytes_per_token
+from dynamo_kvtc.codec.sharded import allreduce_bytes_per_token
 
 
 class Solo:

@@ -7,7 +7,7 @@ together), and compares reconstruction error, bytes, and what the model predicts
 against the uncompressed cache). Nothing here needs a GPU; on a multi-GPU host the per-rank calibrations are what
 each rank's worker loads (``<calibration>/rank<r>/``).
 
-The "joint, row-sharded" rows use the JOINT calibration under TP (:mod:`dynamo_kvtc.codec.shard`): ``--tp`` CPU
+The "joint, row-sharded" rows use the JOINT calibration under TP (:mod:`dynamo_kvtc.codec.sharded`): ``--tp`` CPU
 processes (torch.distributed, gloo: integration/tp/sharded_roundtrip.py) each hold only their heads, project them on
 their rows of the joint basis, all-reduce the partial coefficients and reconstruct their heads from the shared blob;
 once with a float32 all-reduce and once with bfloat16 (half the bytes). Every row compresses the same context.

@@ -3,7 +3,7 @@
 The parent starts one process per TP rank (this file with ``--rank``); they meet through a file store in ``--out``.
 Each rank loads the JOINT calibration and the full KV (``--kv``: safetensors with ``k``, ``v`` ``[L, T, H, D]`` and
 ``pos`` ``[T]``), keeps only its heads (vLLM's split), encodes them with
-:class:`~dynamo_kvtc.codec.shard.ShardedKvtcCodec` (one all-reduce of partial coefficients per layer group, sinks and
+:class:`~dynamo_kvtc.codec.sharded.ShardedKvtcCodec` (one all-reduce of partial coefficients per layer group, sinks and
 window all-gathered), decodes its heads back from the blob, and writes ``rank<r>.safetensors`` (``k``, ``v``: its
 decoded heads; ``blob``: the bytes, uint8) and ``rank<r>.json`` (timings, blob size, all-reduced bytes).
 Used by tests/test_tp_shard.py and integration/tp/shard_accuracy.py; nothing here needs a GPU.
@@ -63,8 +63,8 @@ def worker(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
     from dynamo_kvtc.calibration import Calibration
-    from dynamo_kvtc.calibration.shard import sharded_codec
-    from dynamo_kvtc.codec.shard import allreduce_bytes_per_token
+    from dynamo_kvtc.calibration.tensor_parallel import sharded_codec
+    from dynamo_kvtc.codec.sharded import allreduce_bytes_per_token
 
     torch.set_num_threads(1)
     store = Path(args.out) / "store"

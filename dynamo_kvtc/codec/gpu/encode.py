@@ -21,11 +21,11 @@ import torch
 
 from ...errors import InputError
 from ..container import SectionRecord, frame_header
+from ..entropy_tags import CHUNK_BYTES, chunk_sizes
 from ..model import DTYPES, dtype_name
 from ..plan import iter_sections, pack_codes
 from ..quant import BITS
 from ..sinks import encode_sinks, sink_bytes
-from ..tags import CHUNK_BYTES, chunk_sizes
 from .batch_entropy import EncodeOut
 from .clock import Clock
 from .layouts import Span, gather_tokens

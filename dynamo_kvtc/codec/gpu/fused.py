@@ -50,8 +50,8 @@ import torch
 from ... import settings
 from ...errors import ConfigError, InputError
 from ..entropy import nvcomp_available
+from ..entropy_tags import GPU_ONLY_TAGS
 from ..model import DTYPES
-from ..tags import GPU_ONLY_TAGS
 from .batch_entropy import BatchEntropy
 from .encode import EncodeRun, F16Overflow
 from .layouts import DenseKV, PagedBlocks, Span

@@ -40,10 +40,10 @@ import torch
 
 from ...errors import CorruptBlobError, InputError
 from ..container import MAX_HEADER_BYTES, PREFIX, runs_to_positions
+from ..entropy_tags import CHUNK_BYTES, chunk_sizes
 from ..model import DTYPES
 from ..plan import iter_sections
 from ..sinks import decode_sinks
-from ..tags import CHUNK_BYTES, chunk_sizes
 from .clock import Clock
 from .ops import ALIGN, align, device_tensor
 

@@ -11,6 +11,6 @@ recomputes. NIXL's own descriptor serialisation (pickle) is not used.
 """
 
 from .messages import MAX_FETCH_BLOCKS, MAX_FETCH_BYTES, MAX_MESSAGE
-from .policy import RemotePrefill
+from .remote_prefill import RemotePrefill
 
 __all__ = ["MAX_FETCH_BLOCKS", "MAX_FETCH_BYTES", "MAX_MESSAGE", "RemotePrefill"]

@@ -31,7 +31,7 @@ from ...transport.auth import channel_auth
 from ...transport.channel import ReqClient
 from ...transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
 from ..config import ConnectorConfig
-from .linkpolicy import LinkChoice, LinkPolicy
+from .link_choice import LinkChoice, LinkPolicy
 from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
 from .staging import RecvBuffer, memory_device
 from .stream import GroupArrival

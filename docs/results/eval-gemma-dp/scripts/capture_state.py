@@ -9,9 +9,9 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from dynamo_kvtc.calibration.build import _texts
 from dynamo_kvtc.calibration.calibrate import CalibrationConfig, Calibrator, KvSample
 from dynamo_kvtc.calibration.models import capture_kv, fingerprint_of, iter_windows, load_model
-from dynamo_kvtc.calibration.runner import _texts
 
 out = Path(sys.argv[1])
 args = argparse.Namespace(data=None)

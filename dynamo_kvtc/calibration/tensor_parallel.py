@@ -2,7 +2,7 @@
 
 :func:`head_layout` is the split :func:`~dynamo_kvtc.calibration.calibrate.shard_heads` defines (contiguous, as vLLM
 splits KV heads; replicated when tp > heads) for every rank; :func:`sharded_codec` builds rank ``t``'s
-:class:`~dynamo_kvtc.codec.shard.ShardedKvtcCodec` from the JOINT calibration (all heads, ``tp_size`` 1). The
+:class:`~dynamo_kvtc.codec.sharded.ShardedKvtcCodec` from the JOINT calibration (all heads, ``tp_size`` 1). The
 per-rank calibrations ``calibrate(..., tp_rank=, tp_size=)`` makes are a different design (one basis per shard, lower
 accuracy: docs/accuracy.md's TP section).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codec.model import CalibrationLike
-from ..codec.shard import Collective, HeadLayout, ShardedKvtcCodec, TorchCollective
+from ..codec.sharded import Collective, HeadLayout, ShardedKvtcCodec, TorchCollective
 from .calibrate import shard_heads
 
 
@@ -31,7 +31,7 @@ def sharded_codec(
     **codec_kw: Any,
 ) -> ShardedKvtcCodec:
     """Rank ``tp_rank``'s row-sharded codec of the joint ``calibration``. ``collective`` defaults to
-    :class:`~dynamo_kvtc.codec.shard.TorchCollective` over ``group`` (a ``torch.distributed`` process group; None:
+    :class:`~dynamo_kvtc.codec.sharded.TorchCollective` over ``group`` (a ``torch.distributed`` process group; None:
     the default group). ``codec_kw``: ``ratio``, ``device``, ``sinks``, ``window``, ``min_tokens``, ``tag``,
     ``reduce_dtype``."""
     layout = head_layout(calibration.fingerprint.num_kv_heads, tp_size)

@@ -48,8 +48,8 @@ from .nixl_faults import scenario_nixl_disk
 from .process import child_kill9, scenario_kill9
 from .soak import scenario_soak
 from .tenant_faults import scenario_tenant_keys
+from .testbed import World
 from .transfer_faults import child_server, scenario_transfer, scenario_transfer_auth
-from .world import World
 
 log = logging.getLogger(__name__)
 
