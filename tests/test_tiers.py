@@ -17,7 +17,6 @@ from dynamo_kvtc.tiers import (
     DiskTier,
     HostTier,
     KvtcStore,
-    NixlFiles,
     OffloadFilter,
     PagedKV,
     RatioPolicy,
@@ -26,6 +25,7 @@ from dynamo_kvtc.tiers import (
     sequence_hashes,
     to_signed,
 )
+from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 BS = 16
 
