@@ -138,7 +138,7 @@ COMPARE_RUN_S=${COMPARE_RUN_S:-90}   # the first run's limit; later runs plan wi
 COMPARE_EXTRA=${COMPARE_EXTRA:-}
 
 # each check's minimum (skipped below it) and cap (seconds; override with <CHECK>_S)
-declare -A MIN=([tests]=45 [codec]=40 [gpu]=120 [tiers]=45 [serve]=60 [handoff]=90 [profile]=45 [compare]=100)
+declare -A MIN=([tests]=45 [codec]=40 [gpu]=120 [tiers]=45 [serve]=60 [handoff]=90 [profile]=45 [compare]=130)
 declare -A CAP=([tests]=${TESTS_S:-240} [codec]=${CODEC_S:-150} [gpu]=${GPU_S:-330} [tiers]=${TIERS_S:-150}
   [serve]=${SERVE_S:-470} [handoff]=${HANDOFF_S:-390} [profile]=${PROFILE_S:-240} [compare]=${COMPARE_S:-$TOTAL_S})
 if [ "$SMOKE" != 0 ]; then MIN[gpu]=30; MIN[compare]=60; fi
@@ -467,7 +467,8 @@ check_compare() {
       dir=$ROOT
       [ "$side" = old ] && dir=$(cd "$OLD_TREE" && pwd)
       l=$((end - $(el)))
-      [ "$l" -gt $((slow + 60)) ] && [ "$pair" -lt "$COMPARE_PAIRS" ] && l=$((slow + 60))
+      [ "$side" = old ] && l=$((l / 2))  # the new run of the pair gets as long as the old one
+      [ "$l" -gt $((slow + 60)) ] && l=$((slow + 60))
       [ "$l" -lt 20 ] && { echo "!! no time left for $side $pair"; st=3; break 2; }
       t=$(el)
       (cd "$dir" && PYTHONPATH=$dir${BASE_PYTHONPATH:+:$BASE_PYTHONPATH} \
