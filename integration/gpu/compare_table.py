@@ -5,8 +5,8 @@
 DIR holds ``old-1.json``, ``new-1.json``, ``old-2.json``, ... (one ``bench gpu --json`` each, run alternately in one
 device call). For the first configuration of each run it reads the restore, TTFT, decompress and compress times and
 prints, per metric, every run's value, each side's median and spread (min-max), and new/old of the medians; it also
-writes ``compare.json`` (the same numbers) into DIR. "Within noise" reads: the new median lies inside the old runs'
-spread, or the two spreads overlap.
+writes ``compare.json`` (the same numbers) into DIR. The last column says whether the two sides' min-max ranges
+overlap: "yes" on every row is what "within noise of the one before" means here.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def main() -> int:
     names = [n for pair in zip(runs["old"], runs["new"]) for n, _ in pair]
     names += [n for n, _ in runs["old"][len(runs["new"]) :] + runs["new"][len(runs["old"]) :]]
     by_name = dict(runs["old"] + runs["new"])
-    print("| metric | " + " | ".join(names) + " | old median (min-max) | new median (min-max) | new/old |")
-    print("|---|" + "---|" * len(names) + "---|---|---|")
+    print("| metric | " + " | ".join(names) + " | old median (min-max) | new median (min-max) | new/old | overlap |")
+    print("|---|" + "---|" * len(names) + "---|---|---|---|")
     out = {"old_tree": old_tree, "runs": names, "metrics": {}}
     for label, path in METRICS:
         vals = {n: _get(by_name[n], path) for n in names}
@@ -77,10 +77,13 @@ def main() -> int:
             continue
         mo, mn = statistics.median(o), statistics.median(w)
         cells = " | ".join("-" if vals[n] is None else f"{vals[n]:.1f}" for n in names)
+        overlap = max(min(o), min(w)) <= min(max(o), max(w))  # the two sides' ranges share a value
         print(f"| {label} | {cells} | {mo:.1f} ({min(o):.1f}-{max(o):.1f}) | {mn:.1f} ({min(w):.1f}-{max(w):.1f}) "
-              f"| {mn / mo:.3f} |")  # fmt: skip
-        out["metrics"][label] = {"values": vals, "old_median": mo, "new_median": mn, "ratio": mn / mo,
-                                 "old_range": [min(o), max(o)], "new_range": [min(w), max(w)]}  # fmt: skip
+              f"| {mn / mo:.3f} | {'yes' if overlap else 'NO'} |")  # fmt: skip
+        out["metrics"][label] = {
+            "values": vals, "old_median": mo, "new_median": mn, "ratio": mn / mo,
+            "old_range": [min(o), max(o)], "new_range": [min(w), max(w)], "overlap": overlap,
+        }  # fmt: skip
     (d / "compare.json").write_text(json.dumps(out, indent=1))
     return 0
 
