@@ -469,7 +469,7 @@ check_compare() {
       l=$((end - $(el)))
       [ "$side" = old ] && l=$((l / 2))  # the new run of the pair gets as long as the old one
       [ "$l" -gt $((slow + 60)) ] && l=$((slow + 60))
-      [ "$l" -lt 20 ] && { echo "!! no time left for $side $pair"; st=3; break 2; }
+      [ "$l" -lt 15 ] && { echo "!! no time left for $side $pair"; st=3; break 2; }
       t=$(el)
       (cd "$dir" && PYTHONPATH=$dir${BASE_PYTHONPATH:+:$BASE_PYTHONPATH} \
         x "$d/$side-$pair.log" "$l" "$PY" -m dynamo_kvtc.cli.main "${args[@]}" --json "$d/$side-$pair.json") \
@@ -481,7 +481,7 @@ check_compare() {
   done
   [ "$DRY" = 1 ] && return 0
   "$PY" integration/gpu/compare_table.py "$d" "$OLD_TREE" | tee "$d/table.md"
-  KEEP+=("compare/table.md")
+  KEEP+=("compare/table.md" "compare/compare.json")
   return "$st"
 }
 
