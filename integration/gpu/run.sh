@@ -164,6 +164,10 @@ x() {
     printf '   + timeout %ss' "$secs"; printf ' %q' "$@"; printf ' >%s\n' "$log"
     return 0
   fi
+  if [ "$secs" -lt 5 ]; then  # (timeout 0 would mean no limit at all)
+    echo "!! no time left for: ${*:1:6} ..." | tee "$log"
+    return 124
+  fi
   timeout -s INT -k 20 "$secs" "$@" >"$log" 2>&1
 }
 quiet() { grep -vE "(NIXL INFO|^INFO|^WARNING|^[0-9-]+ [0-9:]+ NIXL|^\[[0-9.]+\] \[)" "$@"; }
