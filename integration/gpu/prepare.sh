@@ -5,8 +5,8 @@
 #   bash integration/gpu/prepare.sh [--old REV] [--keep-calibrations]   # before the call(s)
 #   bash integration/gpu/prepare.sh --undo                               # after them
 #
-# 1. .whl/: the nvCOMP, NIXL and pytest-asyncio wheels (../shared/tools/gpu-wheels.sh fills it when it is empty),
-#    nvCOMP's slimmed in place (its command-line tool, C headers and the extension modules of other Pythons dropped:
+# 1. .whl/: the nvCOMP, NIXL and pytest-asyncio wheels (../shared/tools/gpu-wheels.sh fills it when it is empty) and
+#    pyzmq (0.8 MB, for the hand-off's control channel), nvCOMP's slimmed in place (its command-line tool, C headers and the extension modules of other Pythons dropped:
 #    34 -> 24 MB) so that wheels and tree fit the 64 MiB one call carries; .whl/COMMIT = this tree's commit.
 # 2. calibrations/ (35 MB, which no GPU check reads) is untracked for the call and ignored (--undo tracks it again;
 #    commit nothing in between). --keep-calibrations leaves it.
@@ -42,6 +42,12 @@ exclude /.whl/
 if ! ls .whl/*.whl >/dev/null 2>&1; then
   [ -x ../shared/tools/gpu-wheels.sh ] || { echo "no wheels in .whl/ and no ../shared/tools/gpu-wheels.sh"; exit 1; }
   ../shared/tools/gpu-wheels.sh
+fi
+# the hand-off's control channel needs zmq, which the H200 image lacks (the issue-17 runs carried pyzmq 27.1)
+if ! ls .whl/pyzmq-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+    -d .whl "pyzmq==27.1.0" || echo "!! no pyzmq wheel: the hand-off tests and run.sh handoff will miss zmq"
 fi
 python3 - <<'EOF'
 import pathlib, re, shutil, tempfile, zipfile
