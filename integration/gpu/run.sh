@@ -225,7 +225,7 @@ import sys
 import torch
 print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-for mod, attr in (("triton", "__version__"), ("nvidia.nvcomp", "__version__"), ("nixl", None), ("zmq", "__version__")):
+for mod, attr in (("triton", "__version__"), ("nvidia.nvcomp", "__version__"), ("nixl_cu13", None), ("zmq", "__version__")):
     try:
         m = __import__(mod, fromlist=["_"])
         print(f"{mod} {getattr(m, attr, '?') if attr else 'ok'}")
