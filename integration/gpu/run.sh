@@ -132,7 +132,7 @@ COMPARE_SHAPE=${COMPARE_SHAPE:-mistral-nemo-12b}
 COMPARE_CONFIG=${COMPARE_CONFIG:-8x8192}
 COMPARE_LAYER_GROUPS=${COMPARE_LAYER_GROUPS:-1}
 COMPARE_REPEAT=${COMPARE_REPEAT:-5}
-COMPARE_SKIP=${COMPARE_SKIP:-accuracy $COMPARE_SHAPE,nvCOMP sync check,overlap check,codec choice,layer-group variant,cpu path}
+COMPARE_SKIP=${COMPARE_SKIP-accuracy $COMPARE_SHAPE,nvCOMP sync check,overlap check,codec choice,layer-group variant,cpu path}
 COMPARE_PAIRS=${COMPARE_PAIRS:-3}    # at most this many old/new pairs; fewer when time runs short (at least one)
 COMPARE_RUN_S=${COMPARE_RUN_S:-90}   # the first run's limit; later runs plan with the slowest measured run
 COMPARE_EXTRA=${COMPARE_EXTRA:-}
@@ -456,7 +456,7 @@ check_compare() {
   }
   # shellcheck disable=SC2206  # COMPARE_EXTRA is a list of arguments
   args=(bench gpu --shapes "$COMPARE_SHAPE" --configs "$COMPARE_CONFIG" --layer-groups "$COMPARE_LAYER_GROUPS"
-    --repeat "$COMPARE_REPEAT" --skip "$COMPARE_SKIP" --budget-s 600 $COMPARE_EXTRA)
+    --repeat "$COMPARE_REPEAT" ${COMPARE_SKIP:+--skip "$COMPARE_SKIP"} --budget-s 600 $COMPARE_EXTRA)
   echo "   old $OLD_TREE: commit $(commit_of "$OLD_TREE") code-sha256 $(code_hash "$OLD_TREE" 2>/dev/null)" \
     | tee -a "$OUT/env.txt"
   echo "   command (both trees): dynamo-kvtc ${args[*]}" | tee "$d/command.txt"
