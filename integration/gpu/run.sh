@@ -171,7 +171,6 @@ x() {
   timeout -s INT -k 20 "$secs" "$@" >"$log" 2>&1
 }
 quiet() { grep -vE "(NIXL INFO|^INFO|^WARNING|^[0-9-]+ [0-9:]+ NIXL|^\[[0-9.]+\] \[)" "$@"; }
-kvtc() { "$PY" -m dynamo_kvtc.cli.main "$@"; }
 
 # grant NAME INDEX: seconds for the check at INDEX of CHECKS, or nothing when it must be skipped
 grant() {
@@ -189,14 +188,13 @@ grant() {
 
 # ------------------------------------------------------------------------------------------------- setup, once
 step "run.sh ${CHECKS[*]} (TOTAL_S=$TOTAL_S, OUT=$OUT$([ "$SMOKE" != 0 ] && echo ", smoke")$([ $DRY = 1 ] && echo ", dry run"))"
-SITE=/tmp/site
 if [ "$WHEELS" != 0 ] && ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1; then
   step "install wheels from $WHEEL_DIR/: $(find "$WHEEL_DIR" -maxdepth 1 -name '*.whl' -printf '%f\n' | sed 's/-.*//' | sort | tr '\n' ' ')"
   if [ "$DRY" = 0 ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$WHEEL_DIR"/*.whl || die "wheel install failed"
   fi
-  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 else
   step "no wheels installed ($WHEEL_DIR/*.whl absent or WHEELS=0): nvCOMP/NIXL only if already importable"
 fi
@@ -220,29 +218,13 @@ step "environment -> $OUT/env.txt"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.sm --format=csv,noheader 2>/dev/null \
     || echo "no nvidia-smi"
   echo "cpus $(nproc); $(free -g 2>/dev/null | awk '/^Mem/ {print "memory " $2 " GiB"}')"
-  "$PY" - <<'EOF'
-import sys
-import torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
-      "| gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
-for mod, attr in (("triton", "__version__"), ("nvidia.nvcomp", "__version__"), ("nixl_cu13", None), ("zmq", "__version__")):
-    try:
-        m = __import__(mod, fromlist=["_"])
-        print(f"{mod} {getattr(m, attr, '?') if attr else 'ok'}")
-    except Exception as e:  # noqa: BLE001 - a missing optional package is a line, not a failure
-        print(f"{mod} absent ({type(e).__name__})")
-from dynamo_kvtc.codec.gpu import default_gpu_tag, fused_status
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-print("fused", fused_status(dev), "| GPU entropy default", default_gpu_tag())
-print("IMPORTS OK")
-EOF
+  "$PY" integration/gpu/env_check.py
   env | grep -E "^(DYN_KVTC_|UCX_)" | sort
 } 2>&1 | tee "$OUT/env.txt"
 grep -q "IMPORTS OK" "$OUT/env.txt" || [ "$DRY" = 1 ] || die "import check failed (output above)"
 
 # ------------------------------------------------------------------------------------------------- checks
 # each takes its directory and its seconds; returns 0 (passed) or not; KEEP+=(files worth bringing back on their own)
-
 check_tests() {
   local d=$1 s=$2 st=0
   # shellcheck disable=SC2086  # TEST_FILES is a list of paths
@@ -279,23 +261,7 @@ check_codec() {
 }
 
 fused_smoke() {  # one strict round trip through the Triton kernels against the reference path
-  DYN_KVTC_FUSED_STRICT=1 x "$1/fused-smoke.log" 120 "$PY" - <<'EOF'
-import time
-from dynamo_kvtc import KvtcCodec
-from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
-t0 = time.time()
-cal = synthetic_calibration(8, 4, 64, theta=1e4, ratios=(16,), rank=512, dp_rows=1024, device="cuda")
-k, v, pos = synthetic_kv(cal, 1000, device="cuda")
-ref = KvtcCodec(cal, ratio=16, device="cuda", tag="deflate", fused=False)
-fus = KvtcCodec(cal, ratio=16, device="cuda", tag="ans", fused=True)
-kf, vf = fus.decode(fus.encode(k, v, pos))
-kr, vr = ref.decode(ref.encode(k, v, pos))
-e = lambda a, x: float((a.float() - x.float())[:, 4:-128].norm() / x.float()[:, 4:-128].norm())
-print(f"fused smoke ok in {time.time() - t0:.1f} s: ops={fus.fused.ops.name}, rel err K fused {e(kf, k):.4f} vs "
-      f"reference {e(kr, k):.4f}, V {e(vf, v):.4f} vs {e(vr, v):.4f}, nvCOMP decode {fus.fused.entropy.decode_mode!r}")
-assert fus.fused.ops.name == "triton" and not fus.fused.kernel_errors
-assert abs(e(kf, k) - e(kr, k)) < 0.05 * e(kr, k) + 1e-3
-EOF
+  DYN_KVTC_FUSED_STRICT=1 x "$1/fused-smoke.log" 120 "$PY" integration/gpu/fused_smoke.py --device cuda
 }
 
 # gpu_args ARRAY-NAME: the bench gpu arguments the knobs describe
