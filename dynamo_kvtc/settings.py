@@ -6,18 +6,26 @@ who reads it:
 
 - ``tier``: a :class:`~dynamo_kvtc.tiers.config.TierConfig` field (``TierConfig.from_env``; the connector too),
 - ``connector``: a :class:`~dynamo_kvtc.connector.config.ConnectorConfig` field (``ConnectorConfig.from_sources``),
-- ``process``: a process-wide knob read from the environment only, where it is used, through :func:`env_value`.
+- ``process``: a process-wide knob, environment only. A serving process parses these at start-up into its config
+  objects too (``TierConfig.codec``/``codec_sms``, the hand-off's ``ConnectorConfig`` fields) and passes them down;
+  the offline tools' paths and switches are :func:`tool_settings`. Nothing else reads the environment.
 
 Tier and connector settings come from ``kv_connector_extra_config`` (wins) or the environment. Every raw value goes
 through :func:`parse`, which returns the typed value or raises :class:`~dynamo_kvtc.errors.ConfigError` naming the
-key, where the value came from and what is wrong. ``python -m dynamo_kvtc.settings`` prints the reference table of
-``docs/configuration.md``; ``--check PATH`` fails when that file's table is stale, ``--write PATH`` regenerates it.
+key, where the value came from and what is wrong; a config built directly checks its typed fields with :func:`check`
+(the same bounds and choices). A ``DYN_KVTC_*`` variable that is not in the table gets one warning naming the
+closest known one (:func:`warn_unknown`, run whenever settings are read from the environment).
+
+``python -m dynamo_kvtc.settings`` prints the reference table of ``docs/configuration.md``; ``--check PATH`` fails
+when that file's table is stale, ``--write PATH`` regenerates it.
 
 This is a foundation module: it imports the standard library and :mod:`.errors` only.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import sys
@@ -28,7 +36,9 @@ from typing import Any
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
 GB = 1 << 30
+PREFIX = "DYN_KVTC_"
 SCOPES = ("tier", "connector", "process")
 TYPES = ("gb", "float", "int", "bool", "path", "str")
 PORT = "a port number (0-65535)"
@@ -99,7 +109,7 @@ SETTINGS: tuple[Setting, ...] = (
        "tier", choices=("fixed", "raw_first", "raw")),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
-       default_doc="the shipped one"),
+       default_doc="found by the model's name under `DYN_KVTC_CALIBRATIONS`, then `<cache>/calibrations`"),
     _s("flush_tokens", "int", 256, "while decoding, offload once this many new tokens filled blocks", "connector",
        lo=1),
     _s("load_timeout_s", "float", 30, "longest wait for one layer's restore before falling back", "connector", lo=0,
@@ -267,7 +277,57 @@ def default(key: str) -> Any:
     return None if s.default is None else parse(key, s.default)
 
 
+def check(key: str, value: Any) -> Any:
+    """A typed value of setting ``key`` (a config field's: bytes for sizes, a path or str for paths) checked against
+    the same rule :func:`parse` applies, for configs built directly in code; returns it normalised (a path becomes a
+    ``Path``). None passes where the setting's default is None (unset). Raises ConfigError naming the field."""
+    s = BY_KEY[key]
+    if value is None and s.default is None:
+        return None
+    try:
+        if s.type in ("gb", "int"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError("expected an integer" + (" number of bytes" if s.type == "gb" else ""))
+            _check_bounds(s, value / GB if s.type == "gb" else value)
+        elif s.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError("expected a finite number")
+            _check_bounds(s, value)
+        elif s.type == "bool":
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+        elif s.type == "path":
+            if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+                raise ValueError("expected a path")
+            return Path(value)
+        elif not isinstance(value, str) or (not s.choices and value.strip() == ""):
+            raise ValueError("expected a string")
+        elif s.choices and value not in s.choices:
+            raise ValueError(f"{s.field} must be one of {_say_choices(s, quote=chr(39))}")
+    except ValueError as e:
+        shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:60] + "..."
+        raise ConfigError(f"{s.field}={shown} is invalid: {e}") from None
+    return value
+
+
 # ---------------------------------------------------------------------------------------------------------- reading
+_WARNED: set[str] = set()  # unknown variables already warned about (once per process)
+
+
+def warn_unknown(env: Mapping[str, str] | None = None) -> list[str]:
+    """Log one warning per ``DYN_KVTC_*`` variable of ``env`` (``os.environ`` when None) that is not a setting,
+    naming the closest known one, once per variable per process; the variables warned about now."""
+    env = os.environ if env is None else env
+    new = sorted(k for k in env if k.startswith(PREFIX) and k not in BY_ENV and k not in _WARNED)
+    for name in new:
+        _WARNED.add(name)
+        tail = name[len(PREFIX) :]  # compared without the prefix every name shares
+        close = difflib.get_close_matches(tail, [v[len(PREFIX) :] for v in BY_ENV], n=1, cutoff=0.6)
+        hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
+        log.warning("%s is not a dynamo_kvtc setting%s; ignored", name, hint)
+    return new
+
+
 def select(scope_or_keys: str | Iterable[str]) -> list[Setting]:
     """The settings of some scopes and/or keys, in table order."""
     names = {scope_or_keys} if isinstance(scope_or_keys, str) else set(scope_or_keys)
@@ -283,6 +343,7 @@ def _raw(
     chosen = select(scope_or_keys)
     extra = dict(extra or {})
     env = os.environ if env is None else env
+    warn_unknown(env)
     known = sorted(s.key for s in chosen if s.extra)
     unknown = sorted(set(extra) - set(known))
     if unknown:
@@ -324,6 +385,28 @@ def env_is_set(key: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether the environment sets this process-wide knob (a default and an explicit choice can differ in effect)."""
     env = os.environ if env is None else env
     return env.get(BY_KEY[key].env, "") != ""
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The process-wide settings of the offline tools (calibrate, eval, demo, bench), read once by
+    :func:`tool_settings` and passed to the functions that use them. ``calibrations`` None: the repository's
+    ``calibrations/``; ``data`` None: only the default data folders."""
+
+    cache: Path  # converted embedded models, made calibrations, downloaded data
+    calibrations: Path | None = None
+    data: Path | None = None
+    bench_smoke: bool = False
+
+
+TOOL_KEYS = ("calibrations", "data", "cache", "bench_smoke")
+
+
+def tool_settings(env: Mapping[str, str] | None = None) -> ToolSettings:
+    """The offline tools' settings from ``DYN_KVTC_*`` variables (``os.environ`` when ``env`` is None)."""
+    values = {k: default(k) for k in TOOL_KEYS}
+    values.update(resolve(TOOL_KEYS, None, env))
+    return ToolSettings(**values)
 
 
 def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:
