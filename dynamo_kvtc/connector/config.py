@@ -29,6 +29,12 @@ HANDOFF_KEYS = ("handoff_choice", "handoff_memory", "link_gbps", "handoff_restor
 _d = settings.default  # field defaults are the table's
 
 
+def handoff_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The hand-off's process-wide knobs from the environment, as keyword arguments: for tools that set the connector
+    fields in code but honour the process's hand-off settings (``ConnectorConfig(..., **handoff_settings())``)."""
+    return settings.resolve(HANDOFF_KEYS, None, env)
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything the vLLM connector is configured with: its tiers and its own settings (calibration, flushing,

@@ -37,6 +37,14 @@ def codec_options(values: Mapping[str, Any]) -> CodecOptions:
     return CodecOptions(**{k: values[k] for k in CODEC_KEYS if k in values})
 
 
+def process_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The process-wide knobs a TierConfig carries (``codec``, ``codec_sms``) from the environment, as keyword
+    arguments: for tools that set the tier fields in code but honour the process's codec settings
+    (``TierConfig(host_bytes=..., **process_settings())``)."""
+    values = settings.resolve(PROCESS_KEYS, None, env)
+    return {"codec": codec_options(values), "codec_sms": values.get("codec_sms", _d("codec_sms"))}
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """What the compressed tiers may hold, how they choose a ratio, and how their codec runs. Owns validation of its
