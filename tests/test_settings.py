@@ -358,3 +358,16 @@ def test_tool_settings_are_read_once_into_one_value():
     assert got == settings.ToolSettings(cache=Path("/c"), data=Path("/d"), bench_smoke=True)
     plain = settings.tool_settings({})
     assert plain.calibrations is None and plain.cache == Path.home() / ".cache" / "dynamo_kvtc"
+
+
+def test_the_offline_tools_take_their_folders_as_arguments(tmp_path):
+    from dynamo_kvtc.calibration.catalog import REPO_CALIBRATIONS, find_calibration, shipped_calibrations
+    from dynamo_kvtc.calibration.models import cache_dir
+
+    (tmp_path / "cache" / "calibrations" / "m").mkdir(parents=True)
+    (tmp_path / "cache" / "calibrations" / "m" / "calibration.json").write_text("{}")
+    tools = settings.ToolSettings(cache=tmp_path / "cache", calibrations=tmp_path / "none")
+    assert find_calibration("m", tools) == tmp_path / "cache" / "calibrations" / "m"
+    assert cache_dir(tools) == tmp_path / "cache" and shipped_calibrations(tools) == tmp_path / "none"
+    assert shipped_calibrations(settings.ToolSettings(cache=tmp_path)) == REPO_CALIBRATIONS
+    assert find_calibration("m", settings.ToolSettings(cache=tmp_path)) is None
