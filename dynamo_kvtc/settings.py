@@ -42,6 +42,11 @@ PREFIX = "DYN_KVTC_"
 SCOPES = ("tier", "connector", "process")
 TYPES = ("gb", "float", "int", "bool", "path", "str")
 PORT = "a port number (0-65535)"
+RB_CONN = "`ConnectorConfig` (hand-off)"  # what parses a process-wide setting at start-up and passes it down
+RB_CODEC = "`TierConfig.codec`"
+RB_TIER = "`TierConfig.codec_sms`"
+RB_TOOL = "`tool_settings()` (offline tools)"
+RB_LOOKUP = "`tool_settings()` (offline tools; the worker's calibration lookup)"
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
@@ -62,10 +67,13 @@ class Setting:
     rule: str = ""  # how to say the bounds, where the derived wording would be unclear ("a port number")
     default_doc: str = ""  # how to show the default where the value alone says too little
     env: str = ""  # the environment variable (default: DYN_KVTC_<KEY>)
+    read_by: str = ""  # process scope: what parses it at start-up and carries it (the reference table says so)
 
     def __post_init__(self) -> None:
         if self.type not in TYPES or self.scope not in SCOPES:
             raise ConfigError(f"setting {self.key}: bad type {self.type!r} or scope {self.scope!r}")
+        if (self.scope == "process") != bool(self.read_by):
+            raise ConfigError(f"setting {self.key}: a process-wide setting, and only one, names what reads it")
         object.__setattr__(self, "field", self.field or self.key)
         object.__setattr__(self, "env", self.env or "DYN_KVTC_" + self.key.upper())
 
@@ -133,41 +141,42 @@ SETTINGS: tuple[Setting, ...] = (
        "Secret): every control message and reply carries an HMAC-SHA256, replays are refused. Unset: "
        "`DYN_KVTC_TRANSFER_SECRET`, else unauthenticated", "connector", default_doc="unset"),
     _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
-       "kv_connector_extra_config; `transfer_secret_file` wins)", "process", default_doc="unset"),
+       "kv_connector_extra_config; `transfer_secret_file` wins)", "process", read_by=RB_CONN, default_doc="unset"),
     _s("link_gbps", "float", 0, "hand-off: the prefill<->decode link rate in Gbit/s for the raw-vs-compressed "
-       "choice (0: learned per peer from the transfers themselves)", "process", lo=0, default_doc="0 (learn)"),
+       "choice (0: learned per peer from the transfers themselves)", "process", read_by=RB_CONN, lo=0,
+       default_doc="0 (learn)"),
     _s("handoff_restore_gbs", "float", 0, "hand-off: GB/s of raw KV the compressed path restores, for the "
        "raw-vs-compressed choice (0: learned from restores; before that 80 on a GPU, 0.04 on a CPU)", "process",
-       lo=0, default_doc="0 (learn)"),
+       read_by=RB_CONN, lo=0, default_doc="0 (learn)"),
     _s("handoff_choice", "str", "compressed", "hand-off: `compressed` (every `do_remote_prefill` request fetches "
        "KVTC blobs) or `policy` (KvtcConnector beside NixlConnector in a MultiConnector: the prefill side adds only "
        "its `kvtc_*` keys, the decode side fetches compressed or declines so NixlConnector READs raw KV, by the "
-       "link estimate)", "process", choices=("compressed", "policy")),
+       "link estimate)", "process", read_by=RB_CONN, choices=("compressed", "policy")),
     _s("handoff_memory", "str", "auto", "hand-off staging memory: `device` (prefill stages blobs in a NIXL-registered "
        "VRAM arena, decode READs into VRAM), `host` (DRAM both sides), `auto` (device where the worker has a GPU)",
-       "process", choices=("auto", "host", "device")),
+       "process", read_by=RB_CONN, choices=("auto", "host", "device")),
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
        "(readable on CPU-only nodes too). Unset, a store with a disk tier writes `deflate` so its files are readable "
-       "anywhere", "process", choices=("deflate", "gdeflate", "ans")),
+       "anywhere", "process", read_by=RB_CODEC, choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
-       "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
+       "`force` the fused path on every device (tests)", "process", read_by=RB_CODEC, choices=("0", "1", "force")),
     _s("projection", "str", "auto", "precision of the codec's projection GEMMs: `fp16`, `fp8` (e4m3, row-wise "
        "scales, fp32 accumulation; where FP8 tensor cores are absent it runs in fp16, on the CPU reference path it "
        "emulates the FP8 rounding), `auto` (fp8 on CUDA devices of compute capability >= 8.9, else fp16). Blobs "
-       "are the same format either way", "process", choices=("auto", "fp16", "fp8")),
+       "are the same format either way", "process", read_by=RB_CODEC, choices=("auto", "fp16", "fp8")),
     _s("codec_sms", "int", 0, "SMs the codec's CUDA streams may use (a green context, rounded up to the device's "
        "granularity), so the engine's forward pass keeps the rest; 0: the whole GPU at the lowest stream priority",
-       "process", lo=0, hi=4096),
+       "process", read_by=RB_TIER, lo=0, hi=4096),
     _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
-       "process"),
-    _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process",
+       "process", read_by=RB_CODEC),
+    _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process", read_by=RB_LOOKUP,
        default_doc="the repository's `calibrations/`"),
-    _s("data", "path", None, "folder searched first for the offline text data sets", "process",
+    _s("data", "path", None, "folder searched first for the offline text data sets", "process", read_by=RB_TOOL,
        default_doc="`<venv>/share/dynamo_kvtc`, then `<cache>/data`"),
     _s("cache", "path", "~/.cache/dynamo_kvtc", "cache of converted embedded models and made calibrations",
-       "process"),
+       "process", read_by=RB_LOOKUP),
     _s("bench_smoke", "bool", False, "`dynamo-kvtc bench gpu`: a CPU code check of the benchmark, numbers "
-       "meaningless", "process"),
+       "meaningless", "process", read_by=RB_TOOL),
 )  # fmt: skip
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
@@ -471,9 +480,11 @@ def markdown_table() -> str:
     lines += [
         f"| `{s.key}` | `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if s.extra
     ]
-    lines += ["", "Process-wide settings (environment only):", "", "| variable | value | default | meaning |"]
-    lines += ["|---|---|---|---|"]
-    lines += [f"| `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if not s.extra]
+    lines += ["", "Process-wide settings (environment only), and what parses each at start-up and passes it down:", ""]
+    lines += ["| variable | value | default | read into | meaning |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.read_by} | {s.doc} |" for s in SETTINGS if not s.extra
+    ]
     return "\n".join(lines + ["", END])
 
 

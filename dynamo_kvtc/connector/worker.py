@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration
 from ..calibration.models import fingerprint_of
@@ -119,9 +120,12 @@ def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
 
 
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
+    """The calibration directory of this rank: ``calibration`` when set, else the one found by the model's name under
+    ``DYN_KVTC_CALIBRATIONS`` (the repository's ``calibrations/``), then ``<DYN_KVTC_CACHE>/calibrations``."""
     path = cfg.calibration
     if path is None:
-        path = find_calibration(Path(model).name) or find_calibration(model)
+        tools = settings.tool_settings()  # the search folders, read once
+        path = find_calibration(Path(model).name, tools) or find_calibration(model, tools)
         if path is None:
             raise TierError(
                 f"no calibration for model {model!r}: set kv_connector_extra_config.calibration or "
