@@ -6,18 +6,26 @@ who reads it:
 
 - ``tier``: a :class:`~dynamo_kvtc.tiers.config.TierConfig` field (``TierConfig.from_env``; the connector too),
 - ``connector``: a :class:`~dynamo_kvtc.connector.config.ConnectorConfig` field (``ConnectorConfig.from_sources``),
-- ``process``: a process-wide knob read from the environment only, where it is used, through :func:`env_value`.
+- ``process``: a process-wide knob, environment only. A serving process parses these at start-up into its config
+  objects too (``TierConfig.codec``/``codec_sms``, the hand-off's ``ConnectorConfig`` fields) and passes them down;
+  the offline tools' paths and switches are :func:`tool_settings`. Nothing else reads the environment.
 
 Tier and connector settings come from ``kv_connector_extra_config`` (wins) or the environment. Every raw value goes
 through :func:`parse`, which returns the typed value or raises :class:`~dynamo_kvtc.errors.ConfigError` naming the
-key, where the value came from and what is wrong. ``python -m dynamo_kvtc.settings`` prints the reference table of
-``docs/configuration.md``; ``--check PATH`` fails when that file's table is stale, ``--write PATH`` regenerates it.
+key, where the value came from and what is wrong; a config built directly checks its typed fields with :func:`check`
+(the same bounds and choices). A ``DYN_KVTC_*`` variable that is not in the table gets one warning naming the
+closest known one (:func:`warn_unknown`, run whenever settings are read from the environment).
+
+``python -m dynamo_kvtc.settings`` prints the reference table of ``docs/configuration.md``; ``--check PATH`` fails
+when that file's table is stale, ``--write PATH`` regenerates it.
 
 This is a foundation module: it imports the standard library and :mod:`.errors` only.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
 import math
 import os
 import sys
@@ -28,10 +36,17 @@ from typing import Any
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
 GB = 1 << 30
+PREFIX = "DYN_KVTC_"
 SCOPES = ("tier", "connector", "process")
 TYPES = ("gb", "float", "int", "bool", "path", "str")
 PORT = "a port number (0-65535)"
+RB_CONN = "`ConnectorConfig` (hand-off)"  # what parses a process-wide setting at start-up and passes it down
+RB_CODEC = "`TierConfig.codec`"
+RB_TIER = "`TierConfig.codec_sms`"
+RB_TOOL = "`tool_settings()` (offline tools)"
+RB_LOOKUP = "`tool_settings()` (offline tools; the worker's calibration lookup)"
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
@@ -52,10 +67,13 @@ class Setting:
     rule: str = ""  # how to say the bounds, where the derived wording would be unclear ("a port number")
     default_doc: str = ""  # how to show the default where the value alone says too little
     env: str = ""  # the environment variable (default: DYN_KVTC_<KEY>)
+    read_by: str = ""  # process scope: what parses it at start-up and carries it (the reference table says so)
 
     def __post_init__(self) -> None:
         if self.type not in TYPES or self.scope not in SCOPES:
             raise ConfigError(f"setting {self.key}: bad type {self.type!r} or scope {self.scope!r}")
+        if (self.scope == "process") != bool(self.read_by):
+            raise ConfigError(f"setting {self.key}: a process-wide setting, and only one, names what reads it")
         object.__setattr__(self, "field", self.field or self.key)
         object.__setattr__(self, "env", self.env or "DYN_KVTC_" + self.key.upper())
 
@@ -99,7 +117,7 @@ SETTINGS: tuple[Setting, ...] = (
        "tier", choices=("fixed", "raw_first", "raw")),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
-       default_doc="the shipped one"),
+       default_doc="found by the model's name under `DYN_KVTC_CALIBRATIONS`, then `<cache>/calibrations`"),
     _s("flush_tokens", "int", 256, "while decoding, offload once this many new tokens filled blocks", "connector",
        lo=1),
     _s("load_timeout_s", "float", 30, "longest wait for one layer's restore before falling back", "connector", lo=0,
@@ -123,41 +141,42 @@ SETTINGS: tuple[Setting, ...] = (
        "Secret): every control message and reply carries an HMAC-SHA256, replays are refused. Unset: "
        "`DYN_KVTC_TRANSFER_SECRET`, else unauthenticated", "connector", default_doc="unset"),
     _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
-       "kv_connector_extra_config; `transfer_secret_file` wins)", "process", default_doc="unset"),
+       "kv_connector_extra_config; `transfer_secret_file` wins)", "process", read_by=RB_CONN, default_doc="unset"),
     _s("link_gbps", "float", 0, "hand-off: the prefill<->decode link rate in Gbit/s for the raw-vs-compressed "
-       "choice (0: learned per peer from the transfers themselves)", "process", lo=0, default_doc="0 (learn)"),
+       "choice (0: learned per peer from the transfers themselves)", "process", read_by=RB_CONN, lo=0,
+       default_doc="0 (learn)"),
     _s("handoff_restore_gbs", "float", 0, "hand-off: GB/s of raw KV the compressed path restores, for the "
        "raw-vs-compressed choice (0: learned from restores; before that 80 on a GPU, 0.04 on a CPU)", "process",
-       lo=0, default_doc="0 (learn)"),
+       read_by=RB_CONN, lo=0, default_doc="0 (learn)"),
     _s("handoff_choice", "str", "compressed", "hand-off: `compressed` (every `do_remote_prefill` request fetches "
        "KVTC blobs) or `policy` (KvtcConnector beside NixlConnector in a MultiConnector: the prefill side adds only "
        "its `kvtc_*` keys, the decode side fetches compressed or declines so NixlConnector READs raw KV, by the "
-       "link estimate)", "process", choices=("compressed", "policy")),
+       "link estimate)", "process", read_by=RB_CONN, choices=("compressed", "policy")),
     _s("handoff_memory", "str", "auto", "hand-off staging memory: `device` (prefill stages blobs in a NIXL-registered "
        "VRAM arena, decode READs into VRAM), `host` (DRAM both sides), `auto` (device where the worker has a GPU)",
-       "process", choices=("auto", "host", "device")),
+       "process", read_by=RB_CONN, choices=("auto", "host", "device")),
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
        "(readable on CPU-only nodes too). Unset, a store with a disk tier writes `deflate` so its files are readable "
-       "anywhere", "process", choices=("deflate", "gdeflate", "ans")),
+       "anywhere", "process", read_by=RB_CODEC, choices=("deflate", "gdeflate", "ans")),
     _s("fused", "str", "1", "CUDA codec path: `1` fused (Triton + batched nvCOMP), `0` the float32 reference path, "
-       "`force` the fused path on every device (tests)", "process", choices=("0", "1", "force")),
+       "`force` the fused path on every device (tests)", "process", read_by=RB_CODEC, choices=("0", "1", "force")),
     _s("projection", "str", "auto", "precision of the codec's projection GEMMs: `fp16`, `fp8` (e4m3, row-wise "
        "scales, fp32 accumulation; where FP8 tensor cores are absent it runs in fp16, on the CPU reference path it "
        "emulates the FP8 rounding), `auto` (fp8 on CUDA devices of compute capability >= 8.9, else fp16). Blobs "
-       "are the same format either way", "process", choices=("auto", "fp16", "fp8")),
+       "are the same format either way", "process", read_by=RB_CODEC, choices=("auto", "fp16", "fp8")),
     _s("codec_sms", "int", 0, "SMs the codec's CUDA streams may use (a green context, rounded up to the device's "
        "granularity), so the engine's forward pass keeps the rest; 0: the whole GPU at the lowest stream priority",
-       "process", lo=0, hi=4096),
+       "process", read_by=RB_TIER, lo=0, hi=4096),
     _s("fused_strict", "bool", False, "a failure of the fused path raises instead of falling back (tests)",
-       "process"),
-    _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process",
+       "process", read_by=RB_CODEC),
+    _s("calibrations", "path", None, "folder searched for `<model name>/` calibrations", "process", read_by=RB_LOOKUP,
        default_doc="the repository's `calibrations/`"),
-    _s("data", "path", None, "folder searched first for the offline text data sets", "process",
+    _s("data", "path", None, "folder searched first for the offline text data sets", "process", read_by=RB_TOOL,
        default_doc="`<venv>/share/dynamo_kvtc`, then `<cache>/data`"),
     _s("cache", "path", "~/.cache/dynamo_kvtc", "cache of converted embedded models and made calibrations",
-       "process"),
+       "process", read_by=RB_LOOKUP),
     _s("bench_smoke", "bool", False, "`dynamo-kvtc bench gpu`: a CPU code check of the benchmark, numbers "
-       "meaningless", "process"),
+       "meaningless", "process", read_by=RB_TOOL),
 )  # fmt: skip
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
@@ -267,7 +286,57 @@ def default(key: str) -> Any:
     return None if s.default is None else parse(key, s.default)
 
 
+def check(key: str, value: Any) -> Any:
+    """A typed value of setting ``key`` (a config field's: bytes for sizes, a path or str for paths) checked against
+    the same rule :func:`parse` applies, for configs built directly in code; returns it normalised (a path becomes a
+    ``Path``). None passes where the setting's default is None (unset). Raises ConfigError naming the field."""
+    s = BY_KEY[key]
+    if value is None and s.default is None:
+        return None
+    try:
+        if s.type in ("gb", "int"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError("expected an integer" + (" number of bytes" if s.type == "gb" else ""))
+            _check_bounds(s, value / GB if s.type == "gb" else value)
+        elif s.type == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError("expected a finite number")
+            _check_bounds(s, value)
+        elif s.type == "bool":
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+        elif s.type == "path":
+            if not isinstance(value, (str, os.PathLike)) or str(value) == "":
+                raise ValueError("expected a path")
+            return Path(value)
+        elif not isinstance(value, str) or (not s.choices and value.strip() == ""):
+            raise ValueError("expected a string")
+        elif s.choices and value not in s.choices:
+            raise ValueError(f"{s.field} must be one of {_say_choices(s, quote=chr(39))}")
+    except ValueError as e:
+        shown = repr(value) if len(repr(value)) <= 64 else repr(value)[:60] + "..."
+        raise ConfigError(f"{s.field}={shown} is invalid: {e}") from None
+    return value
+
+
 # ---------------------------------------------------------------------------------------------------------- reading
+_WARNED: set[str] = set()  # unknown variables already warned about (once per process)
+
+
+def warn_unknown(env: Mapping[str, str] | None = None) -> list[str]:
+    """Log one warning per ``DYN_KVTC_*`` variable of ``env`` (``os.environ`` when None) that is not a setting,
+    naming the closest known one, once per variable per process; the variables warned about now."""
+    env = os.environ if env is None else env
+    new = sorted(k for k in env if k.startswith(PREFIX) and k not in BY_ENV and k not in _WARNED)
+    for name in new:
+        _WARNED.add(name)
+        tail = name[len(PREFIX) :]  # compared without the prefix every name shares
+        close = difflib.get_close_matches(tail, [v[len(PREFIX) :] for v in BY_ENV], n=1, cutoff=0.6)
+        hint = f" (did you mean {PREFIX}{close[0]}?)" if close else ""
+        log.warning("%s is not a dynamo_kvtc setting%s; ignored", name, hint)
+    return new
+
+
 def select(scope_or_keys: str | Iterable[str]) -> list[Setting]:
     """The settings of some scopes and/or keys, in table order."""
     names = {scope_or_keys} if isinstance(scope_or_keys, str) else set(scope_or_keys)
@@ -283,6 +352,7 @@ def _raw(
     chosen = select(scope_or_keys)
     extra = dict(extra or {})
     env = os.environ if env is None else env
+    warn_unknown(env)
     known = sorted(s.key for s in chosen if s.extra)
     unknown = sorted(set(extra) - set(known))
     if unknown:
@@ -324,6 +394,28 @@ def env_is_set(key: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether the environment sets this process-wide knob (a default and an explicit choice can differ in effect)."""
     env = os.environ if env is None else env
     return env.get(BY_KEY[key].env, "") != ""
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """The process-wide settings of the offline tools (calibrate, eval, demo, bench), read once by
+    :func:`tool_settings` and passed to the functions that use them. ``calibrations`` None: the repository's
+    ``calibrations/``; ``data`` None: only the default data folders."""
+
+    cache: Path  # converted embedded models, made calibrations, downloaded data
+    calibrations: Path | None = None
+    data: Path | None = None
+    bench_smoke: bool = False
+
+
+TOOL_KEYS = ("calibrations", "data", "cache", "bench_smoke")
+
+
+def tool_settings(env: Mapping[str, str] | None = None) -> ToolSettings:
+    """The offline tools' settings from ``DYN_KVTC_*`` variables (``os.environ`` when ``env`` is None)."""
+    values = {k: default(k) for k in TOOL_KEYS}
+    values.update(resolve(TOOL_KEYS, None, env))
+    return ToolSettings(**values)
 
 
 def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:
@@ -388,9 +480,11 @@ def markdown_table() -> str:
     lines += [
         f"| `{s.key}` | `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if s.extra
     ]
-    lines += ["", "Process-wide settings (environment only):", "", "| variable | value | default | meaning |"]
-    lines += ["|---|---|---|---|"]
-    lines += [f"| `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.doc} |" for s in SETTINGS if not s.extra]
+    lines += ["", "Process-wide settings (environment only), and what parses each at start-up and passes it down:", ""]
+    lines += ["| variable | value | default | read into | meaning |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{s.env}` | {_say_type(s)} | {_say_default(s)} | {s.read_by} | {s.doc} |" for s in SETTINGS if not s.extra
+    ]
     return "\n".join(lines + ["", END])
 
 

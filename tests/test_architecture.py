@@ -131,6 +131,31 @@ def test_settings_are_read_through_the_table():
     assert not bad, bad
 
 
+ENV_READERS = {"settings.py", "tiers/config.py", "connector/config.py"}  # where the environment is parsed
+# Until their branches merge: the codec's own reads (the codec is getting CodecOptions from its caller) and the metrics
+# endpoint's port (connector/metrics.py, owned elsewhere). Each entry must still call it (a stale entry fails).
+ENV_READERS_PENDING = {
+    "codec/kvtc.py",
+    "codec/gpu/__init__.py",
+    "codec/gpu/fused.py",
+    "connector/metrics.py",
+}
+
+
+def test_settings_are_parsed_once_by_the_configs():
+    """``settings.env_value``/``env_is_set`` (a process knob read from the environment where it is used) are called
+    only by settings.py and the config modules: everything else gets its settings passed down from the configs built
+    at start-up (or, in the offline tools, from ``settings.tool_settings()``)."""
+    callers = set()
+    for rel, tree in _modules():
+        for attr in ("env_value", "env_is_set"):
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == attr}
+            if list(_calls(tree, attr)) or names:
+                callers.add(rel.as_posix())
+    assert callers - ENV_READERS - ENV_READERS_PENDING == set()
+    assert ENV_READERS_PENDING <= callers, f"no longer reads the environment: {ENV_READERS_PENDING - callers}"
+
+
 def test_declared_dependencies_cover_what_is_imported():
     """`pip install dynamo-kvtc` alone gives a working connector: every third-party module the package imports is
     declared in pyproject (or an extra), or is vLLM/Dynamo/NIXL/nvCOMP, which the engine's own image brings."""

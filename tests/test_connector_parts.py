@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import msgpack
@@ -131,3 +132,61 @@ def test_cpu_layout_with_the_kernel_element_order():
     assert torch.equal(slab[bs * D :].view(bs, D), v[0, :bs, 2])  # V row-major
     with pytest.raises(ConfigError, match="permutation"):
         PagedKV(caches, "cpu", bs, k_offsets=torch.zeros(bs * D, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------- services
+def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
+    import urllib.error
+    import urllib.request
+    from collections import Counter
+
+    from dynamo_kvtc.connector.services import WorkerServices
+
+    class Worker:  # what the lookup channel and the metrics read of a worker
+        stats: Counter = Counter()
+        disabled, disabled_reason, restores = "off", "calibration", []
+
+        def match(self, hashes):
+            return 0, 0
+
+        def handoff_port(self):
+            return None
+
+    stats: Counter = Counter()
+    engine = f"svc-{uuid.uuid4().hex[:8]}"
+    svc = WorkerServices(ConnectorConfig(metrics_port=0, transfer="prefill"), engine, stats)
+    with caplog.at_level("INFO", logger="dynamo_kvtc.connector.services"):
+        svc.start(Worker(), None)  # a disabled worker: no store, so no hand-off server
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "lookup channel on ipc://" in lines[0] and "metrics on :" in lines[1]
+    assert svc.handoff is None and svc.handoff_port is None and svc.metrics_port
+    client = LookupClient(engine)
+    assert client.match([1, 2]) == (0, 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=10) as r:
+        assert b"kvtc_enabled" in r.read()
+    lookup = svc.lookup
+    svc.start(Worker(), None)  # nothing runs twice
+    assert svc.lookup is lookup
+    svc.stop()
+    svc.stop()  # idempotent
+    assert svc.lookup is None and not os.path.exists(socket_path(engine))
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=2)
+    client.close()
+
+
+def test_a_handoff_server_that_cannot_start_is_counted_not_raised(caplog):
+    from collections import Counter
+
+    from dynamo_kvtc.connector.services import WorkerServices
+
+    stats: Counter = Counter()
+    cfg = ConnectorConfig(transfer="prefill", transfer_host="256.0.0.1", nixl_backend="NO_SUCH_BACKEND")
+    svc = WorkerServices(cfg, f"svc-{uuid.uuid4().hex[:8]}", stats)
+    with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.services"):
+        svc.start(None, object())  # a prefill engine whose store exists but whose server cannot start
+    try:
+        assert svc.handoff is None and stats["fallback_transfer_setup"] == 1
+        assert "hand-off unavailable" in caplog.records[-1].getMessage()
+    finally:
+        svc.stop()

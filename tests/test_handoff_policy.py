@@ -75,12 +75,17 @@ def test_choices_are_counted_and_logged_once_per_peer_and_change(caplog):
 
 
 def test_settings_feed_the_policy_and_bad_values_are_refused():
-    p = LinkPolicy.from_env(gpu=True, env={"DYN_KVTC_LINK_GBPS": "200", "DYN_KVTC_HANDOFF_RESTORE_GBS": "50"})
+    from dynamo_kvtc.connector.config import ConnectorConfig
+
+    env = {"DYN_KVTC_LINK_GBPS": "200", "DYN_KVTC_HANDOFF_RESTORE_GBS": "50"}
+    p = LinkPolicy.from_config(ConnectorConfig.from_sources(None, env), gpu=True)  # parsed once, at start-up
     assert p.link("z") == (25e9, "setting") and p.restore_rate == pytest.approx(50e9)
-    learn = LinkPolicy.from_env(gpu=False, env={})
+    learn = LinkPolicy.from_config(ConnectorConfig.from_sources(None, {}), gpu=False)
     assert learn.link("z") == (0.0, "unknown") and learn.restore_rate == pytest.approx(0.04e9)
     with pytest.raises(ConfigError, match="LINK_GBPS"):
-        LinkPolicy.from_env(gpu=True, env={"DYN_KVTC_LINK_GBPS": "-1"})
+        ConnectorConfig.from_sources(None, {"DYN_KVTC_LINK_GBPS": "-1"})
+    with pytest.raises(ConfigError, match="link_gbps=-1 is invalid"):
+        ConnectorConfig(link_gbps=-1)
     with pytest.raises(ValueError):
         LinkPolicy(0)
 
@@ -101,8 +106,8 @@ def _remote(side, link=None, mode="policy", monkeypatch=None):
     from dynamo_kvtc.connector.config import ConnectorConfig
     from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
 
-    monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", mode)
-    cfg = ConnectorConfig(transfer=side, transfer_port=5555)
+    monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", "compressed")  # the config holds the choice; nothing reads this
+    cfg = ConnectorConfig(transfer=side, transfer_port=5555, handoff_choice=mode)
     return RemotePrefill(cfg, "engine-a", 16, lambda: 5555, link=link, kv_bytes_per_token=NEMO_KV_PER_TOKEN)
 
 
@@ -204,3 +209,15 @@ def test_scheduler_claims_no_local_prefix_of_a_request_left_to_nixl(monkeypatch)
     plain = _request({}, tokens=1024)  # no offer: the local tiers answer as before
     plain.request_id = "r2"
     assert sched.get_num_new_matched_tokens(plain, 0)[0] > 0 and lookup.asked == 1
+
+
+def test_the_scheduler_policy_takes_its_link_settings_from_the_config():
+    from dynamo_kvtc.connector.config import ConnectorConfig
+    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
+
+    cfg = ConnectorConfig.from_sources(
+        {"transfer": "decode"}, {"DYN_KVTC_HANDOFF_CHOICE": "policy", "DYN_KVTC_LINK_GBPS": "100"}
+    )
+    rp = RemotePrefill(cfg, "engine-a", 16, lambda: None, kv_bytes_per_token=NEMO_KV_PER_TOKEN)
+    assert rp.choice_mode == "policy" and rp.link.link("any") == (12.5e9, "setting")
+    assert RemotePrefill(ConnectorConfig(transfer="decode"), "e", 16, lambda: None).link is None  # compressed: none

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from dynamo_kvtc import settings
-from dynamo_kvtc.connector.config import ConnectorConfig
+from dynamo_kvtc.codec.options import FUSED_MODES, GPU_TAGS, PROJECTIONS, CodecOptions
+from dynamo_kvtc.connector.config import HANDOFF_KEYS, ConnectorConfig
 from dynamo_kvtc.errors import ConfigError
+from dynamo_kvtc.tiers.config import PROCESS_KEYS as TIER_PROCESS_KEYS
 from dynamo_kvtc.tiers.config import TierConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,12 +44,25 @@ def test_table_is_consistent():
 def test_config_dataclasses_cover_their_scopes_and_take_the_table_defaults():
     tier = {f.name: f.default for f in fields(TierConfig)}
     conn = {f.name: f.default for f in fields(ConnectorConfig) if f.name != "tiers"}
-    for scope, defaults in (("tier", tier), ("connector", conn)):
+    tier_process, conn_process = ("codec_sms",), HANDOFF_KEYS  # the process-wide knobs each config carries down
+    for scope, defaults in (("tier", tier), ("connector", conn), (tier_process, tier), (conn_process, conn)):
         for s in settings.select(scope):
             assert s.field in defaults, s.key
             assert defaults[s.field] == settings.default(s.key), s.key
-    assert set(conn) == {s.field for s in settings.select("connector")}
+    assert set(conn) == {s.field for s in settings.select(("connector", *conn_process))}
     assert TierConfig().host_bytes == 1 << 30 and ConnectorConfig().transfer_staging_mb == 256
+    codec = {f.name: f.default for f in fields(CodecOptions)}  # the codec's options are the table's process keys
+    for k, v in codec.items():
+        assert settings.BY_KEY[k].scope == "process"
+        assert v is None if k == "gpu_entropy" else v == settings.default(k), k  # gpu_entropy None: unset
+        if settings.BY_KEY[k].choices:
+            assert settings.BY_KEY[k].choices == {"fused": FUSED_MODES, "projection": PROJECTIONS}.get(k, GPU_TAGS)
+
+
+def test_every_process_knob_has_one_reader():
+    """Each process-wide setting is carried by a config (parsed at start-up) or is an offline tool's setting."""
+    carried = set(settings.TOOL_KEYS) | set(HANDOFF_KEYS) | set(TIER_PROCESS_KEYS)
+    assert {s.key for s in settings.select("process")} <= carried
 
 
 # ---------------------------------------------------------------------------------------------- the doc
@@ -265,7 +280,7 @@ def test_tier_config_from_env_reads_the_tier_rows_and_overrides_win():
         TierConfig.from_env({"DYN_KVTC_MIN_TOKENS": "-3"})
     with pytest.raises(ConfigError, match="unknown tier settings"):
         TierConfig.from_env({}, host_gb=1)
-    with pytest.raises(ConfigError, match="transfer_staging_mb must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="transfer_staging_mb=0 is invalid: must be >= 1"):
         ConnectorConfig(transfer_staging_mb=0)
 
 
@@ -273,3 +288,86 @@ def test_a_path_whose_tilde_cannot_be_expanded_is_a_config_error():
     """Found by the hypothesis suite on a clean machine: '~0' (no user '0') made pathlib raise RuntimeError."""
     with pytest.raises(ConfigError, match=r"DYN_KVTC_DISK_CACHE_DIR='~no-such-user-kvtc' is invalid: cannot expand"):
         TierConfig.from_env({"DYN_KVTC_DISK_CACHE_DIR": "~no-such-user-kvtc"})
+
+
+# ---------------------------------------------------------------------------------------------- read once, at start-up
+def test_unknown_variables_get_one_warning_naming_the_closest_setting(caplog):
+    env = {"DYN_KVTC_RATO": "8", "DYN_KVTC_ZZZQQQ_UNHEARD": "1", "DYN_KVTC_RATIO": "8", "OTHER_RATO": "1"}
+    with caplog.at_level("WARNING", logger="dynamo_kvtc.settings"):
+        cfg = TierConfig.from_env(env)
+        ConnectorConfig.from_sources(None, env)  # the same variables again: no second warning
+    assert cfg.ratio == 8.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert "DYN_KVTC_RATO is not a dynamo_kvtc setting (did you mean DYN_KVTC_RATIO?); ignored" in lines
+    assert "DYN_KVTC_ZZZQQQ_UNHEARD is not a dynamo_kvtc setting; ignored" in lines
+    assert len(lines) == 2 and not any("OTHER_" in x for x in lines)
+    assert settings.warn_unknown(env) == []  # once per variable per process
+
+
+def test_process_knobs_are_parsed_into_the_configs_at_start_up():
+    env = {"DYN_KVTC_FUSED": "0", "DYN_KVTC_PROJECTION": "FP8", "DYN_KVTC_CODEC_SMS": "16",
+           "DYN_KVTC_HANDOFF_CHOICE": "policy", "DYN_KVTC_HANDOFF_MEMORY": "host", "DYN_KVTC_LINK_GBPS": "400",
+           "DYN_KVTC_HANDOFF_RESTORE_GBS": "50", "DYN_KVTC_TRANSFER_SECRET": "s3cret-0123456789abcdef"}  # fmt: skip
+    cfg = ConnectorConfig.from_sources({"ratio": 8}, env)
+    assert cfg.tiers.codec == CodecOptions(fused="0", projection="fp8") and cfg.tiers.codec.gpu_entropy is None
+    assert cfg.tiers.codec_sms == 16 and TierConfig.from_env(env).codec == cfg.tiers.codec
+    assert (cfg.handoff_choice, cfg.handoff_memory) == ("policy", "host")
+    assert (cfg.link_gbps, cfg.handoff_restore_gbs) == (400.0, 50.0)
+    assert cfg.transfer_secret == env["DYN_KVTC_TRANSFER_SECRET"] and "s3cret" not in repr(cfg)
+    assert TierConfig.from_env({"DYN_KVTC_GPU_ENTROPY": "deflate"}).codec.gpu_entropy == "deflate"
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys .*\['transfer_secret'\]"):
+        ConnectorConfig.from_sources({"transfer_secret": "never-from-extra-config"}, {})
+    with pytest.raises(ConfigError, match="DYN_KVTC_CODEC_SMS='-1' is invalid"):
+        TierConfig.from_env({"DYN_KVTC_CODEC_SMS": "-1"})
+    with pytest.raises(ConfigError, match="DYN_KVTC_HANDOFF_CHOICE='raw' is invalid"):
+        ConnectorConfig.from_sources(None, {"DYN_KVTC_HANDOFF_CHOICE": "raw"})
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"handoff_choice": "raw"}, "handoff_choice='raw' is invalid: handoff_choice must be one of"),
+        ({"handoff_memory": "VRAM"}, "handoff_memory must be one of 'auto', 'host' or 'device'"),
+        ({"link_gbps": -1.0}, "link_gbps=-1.0 is invalid: must be >= 0"),
+        ({"transfer": "both"}, "transfer must be one of 'prefill', 'decode' or unset"),
+        ({"metrics_port": 70000}, "not a port number"),
+        ({"flush_tokens": 0}, "flush_tokens=0 is invalid: must be >= 1"),
+        ({"load_timeout_s": float("inf")}, "load_timeout_s=inf is invalid: expected a finite number"),
+        ({"transfer_secret": b"bytes"}, "transfer_secret must be a string"),
+        ({"tiers": {}}, "tiers must be a TierConfig"),
+    ],
+)
+def test_connector_config_built_directly_is_checked_by_the_table(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig(**kw)
+
+
+def test_check_is_parse_for_typed_values():
+    assert settings.check("cpu_cache_gb", 3 << 30) == 3 << 30 and settings.check("disk_cache_dir", "/a") == Path("/a")
+    assert settings.check("max_ratio", None) is None and settings.check("transfer_secret_file", None) is None
+    with pytest.raises(ConfigError, match="cpu_cache_gb|host_bytes"):
+        settings.check("cpu_cache_gb", 1.5)
+    with pytest.raises(ConfigError, match=r"must be <= 2\^20"):
+        settings.check("cpu_cache_gb", (1 << 20) * settings.GB + settings.GB)
+    with pytest.raises(ConfigError, match="ratio=None is invalid"):
+        settings.check("ratio", None)
+
+
+def test_tool_settings_are_read_once_into_one_value():
+    got = settings.tool_settings({"DYN_KVTC_DATA": "/d", "DYN_KVTC_CACHE": "/c", "DYN_KVTC_BENCH_SMOKE": "1"})
+    assert got == settings.ToolSettings(cache=Path("/c"), data=Path("/d"), bench_smoke=True)
+    plain = settings.tool_settings({})
+    assert plain.calibrations is None and plain.cache == Path.home() / ".cache" / "dynamo_kvtc"
+
+
+def test_the_offline_tools_take_their_folders_as_arguments(tmp_path):
+    from dynamo_kvtc.calibration.catalog import REPO_CALIBRATIONS, find_calibration, shipped_calibrations
+    from dynamo_kvtc.calibration.models import cache_dir
+
+    (tmp_path / "cache" / "calibrations" / "m").mkdir(parents=True)
+    (tmp_path / "cache" / "calibrations" / "m" / "calibration.json").write_text("{}")
+    tools = settings.ToolSettings(cache=tmp_path / "cache", calibrations=tmp_path / "none")
+    assert find_calibration("m", tools) == tmp_path / "cache" / "calibrations" / "m"
+    assert cache_dir(tools) == tmp_path / "cache" and shipped_calibrations(tools) == tmp_path / "none"
+    assert shipped_calibrations(settings.ToolSettings(cache=tmp_path)) == REPO_CALIBRATIONS
+    assert find_calibration("m", settings.ToolSettings(cache=tmp_path)) is None

@@ -600,14 +600,15 @@ async def test_warm_up_runs_the_codec_once_and_stores_nothing(synth, synth_cal):
 
 
 def test_codec_streams_cpu_none_and_sms_setting_checked(monkeypatch):
-    from dynamo_kvtc import settings
     from dynamo_kvtc.errors import ConfigError
     from dynamo_kvtc.tiers.streams import codec_stream
 
     assert codec_stream(torch.device("cpu"), 32) is None
     monkeypatch.setenv("DYN_KVTC_CODEC_SMS", "-4")
-    with pytest.raises(ConfigError, match="codec_sms"):
-        settings.env_value("codec_sms")
+    with pytest.raises(ConfigError, match="DYN_KVTC_CODEC_SMS='-4' is invalid"):  # parsed at start-up, with the tiers
+        TierConfig.from_env()
+    monkeypatch.setenv("DYN_KVTC_CODEC_SMS", "24")
+    assert TierConfig.from_env().codec_sms == 24
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -57,8 +57,8 @@ from .output import machine, write_json
 from .shapes import SHAPES
 
 
-def _select_device(args) -> torch.device:
-    if settings.env_value("bench_smoke"):  # code check on a CPU machine; numbers meaningless
+def _select_device(args, smoke: bool) -> torch.device:
+    if smoke:  # DYN_KVTC_BENCH_SMOKE: a code check on a CPU machine; numbers meaningless
         gt.cuda, gt.PIN[0], dev = gt.CpuCuda(), False, torch.device("cpu")
         args.tag = args.tag or "deflate"
     elif not torch.cuda.is_available():
@@ -213,7 +213,7 @@ def _optional_parts(results: dict, ctx: dict, cal_last, primary: str, configs, a
 def run_bench_gpu(args) -> int:
     from ..codec.gpu import default_gpu_tag
 
-    dev = _select_device(args)
+    dev = _select_device(args, settings.tool_settings().bench_smoke)
     budget = Budget(args.budget_s, tuple(getattr(args, "skip", None) or ()))
     args.tag = args.tag or default_gpu_tag()
     shapes, configs = _parse(args)

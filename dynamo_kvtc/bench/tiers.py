@@ -180,11 +180,13 @@ class TierBench:
 
     async def run(self, ratio: float) -> dict[str, Any]:
         from ..tiers import TierConfig
+        from ..tiers.config import process_settings
 
         out = {}
         with tempfile.TemporaryDirectory(dir=self.args.disk_dir) as d:
             raw = self.raw
-            base = TierConfig(host_bytes=max(64 << 20, 4 * raw), ratio=ratio, min_tokens=0, window=self.args.window)
+            base = TierConfig(host_bytes=max(64 << 20, 4 * raw), ratio=ratio, min_tokens=0, window=self.args.window,
+                              **process_settings())  # fmt: skip
             store = self.store(base)
             out["host"] = await self.measure(store, "host")
             store.close()

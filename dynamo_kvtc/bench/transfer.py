@@ -47,12 +47,12 @@ import torch
 
 from ..calibration.artifact import Calibration
 from ..codec.gpu.restore import ArrivingBlob
-from ..connector.config import ConnectorConfig
+from ..connector.config import ConnectorConfig, handoff_settings
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.link_choice import RAW, LinkPolicy
 from ..connector.handoff.stream import GroupArrival
 from ..errors import InputError, TransferError
-from ..tiers.config import TierConfig
+from ..tiers.config import TierConfig, process_settings
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore
@@ -374,9 +374,10 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
             for _ in range(fp.num_layers)
         ]
         cfg = ConnectorConfig(
-            tiers=TierConfig(host_bytes=pre["stored_bytes"] * 2 + (64 << 20), min_tokens=0),
+            tiers=TierConfig(host_bytes=pre["stored_bytes"] * 2 + (64 << 20), min_tokens=0, **process_settings()),
             transfer="decode",
             transfer_timeout_s=args.timeout,
+            **handoff_settings(),  # DYN_KVTC_HANDOFF_MEMORY=host measures the host path
         )
         store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS, kv=PagedKV(caches, "flash", BS))
         client = HandoffClient(cfg, dev)

@@ -20,10 +20,10 @@ import torch
 from ..calibration.artifact import Calibration
 from ..calibration.synthetic import spectrum, synthetic_calibration, synthetic_kv
 from ..codec.rope import apply_rope
-from ..connector.config import ConnectorConfig
+from ..connector.config import ConnectorConfig, handoff_settings
 from ..connector.handoff.server import HandoffServer
 from ..errors import TransferError
-from ..tiers.config import TierConfig
+from ..tiers.config import TierConfig, process_settings
 from ..tiers.keys import sequence_hashes
 from ..tiers.store import KvtcStore
 from ..transport.channel import Limits, RepServer
@@ -109,9 +109,8 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
     cal = Calibration.load(cal_path)
     k, v = grouped_kv(cal, tokens, device=device)
     raw_bytes = 2 * k.numel() * k.element_size()
-    cfg = ConnectorConfig(
-        tiers=TierConfig(host_bytes=raw_bytes // 2 + (64 << 20), ratio=ratio, min_tokens=0), transfer="prefill"
-    )
+    tiers = TierConfig(host_bytes=raw_bytes // 2 + (64 << 20), ratio=ratio, min_tokens=0, **process_settings())
+    cfg = ConnectorConfig(tiers=tiers, transfer="prefill", **handoff_settings())
     store = KvtcStore(cal, cfg.tiers, device=dev, block_size=BS)
     ids = prompt_tokens(tokens)
     t = time.perf_counter()

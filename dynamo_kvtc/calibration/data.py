@@ -49,12 +49,9 @@ def pg_essays() -> list[tuple[str, str]]:
     return [(f.stem, Path(f).read_text(encoding="utf-8", errors="replace")) for f in files]
 
 
-def _wheel_dirs() -> list[Path]:
-    dirs = [Path(sys.prefix) / "share" / "dynamo_kvtc", cache_dir() / "data"]
-    data = settings.env_value("data")
-    if data:
-        dirs.insert(0, Path(data))
-    return dirs
+def _wheel_dirs(tools: settings.ToolSettings) -> list[Path]:
+    dirs = [Path(sys.prefix) / "share" / "dynamo_kvtc", cache_dir(tools) / "data"]
+    return [tools.data, *dirs] if tools.data else dirs
 
 
 def _strip_wikitext(t: str) -> str:
@@ -79,13 +76,16 @@ def _strip_wikitext(t: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def wiki_articles(min_chars: int = 2000) -> list[tuple[str, str]]:
-    """(title, plain text) of the Wikipedia sample's articles of at least ``min_chars`` characters, in dump order."""
-    wheel = next((w for d in _wheel_dirs() if d.is_dir() for w in sorted(d.glob(GENSIM_WHEEL))), None)
+def wiki_articles(min_chars: int = 2000, tools: settings.ToolSettings | None = None) -> list[tuple[str, str]]:
+    """(title, plain text) of the Wikipedia sample's articles of at least ``min_chars`` characters, in dump order;
+    the gensim wheel is looked for in ``tools.data`` (``DYN_KVTC_DATA``), the venv's share and the cache (``tools``
+    left out: the process's settings)."""
+    dirs = _wheel_dirs(tools or settings.tool_settings())
+    wheel = next((w for d in dirs if d.is_dir() for w in sorted(d.glob(GENSIM_WHEEL))), None)
     if wheel is None:
         raise ConfigError(
             "the Wikipedia sample needs the gensim wheel: pip download --no-deps gensim==4.4.0 -d "
-            f"{_wheel_dirs()[0]} (make setup does this)"
+            f"{dirs[0]} (make setup does this)"
         )
     with zipfile.ZipFile(wheel) as z:
         xml = bz2.decompress(z.read(WIKI_MEMBER)).decode("utf-8", errors="replace")

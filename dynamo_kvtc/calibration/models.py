@@ -45,8 +45,9 @@ EMBEDDED: dict[str, dict[str, str]] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def cache_dir() -> Path:
-    return Path(settings.env_value("cache"))
+def cache_dir(tools: settings.ToolSettings | None = None) -> Path:
+    """Converted models and made calibrations: ``tools.cache`` (``DYN_KVTC_CACHE``); left out, the process's."""
+    return (tools or settings.tool_settings()).cache
 
 
 def package_dir(package: str) -> Path | None:
@@ -56,12 +57,14 @@ def package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A local Hugging Face directory for a short embedded name, a HF directory, or a GGUF file (converted once)."""
+def resolve_model(name_or_path: str | os.PathLike, tools: settings.ToolSettings | None = None) -> Path:
+    """A local Hugging Face directory for a short embedded name, a HF directory, or a GGUF file (converted once, into
+    the cache of ``tools``; left out, the process's)."""
     s = str(name_or_path)
+    cache = cache_dir(tools)
     if s in EMBEDDED:
         info = EMBEDDED[s]
-        out = cache_dir() / "models" / s
+        out = cache / "models" / s
         if (out / "config.json").is_file():
             return out
         pkg = package_dir(info["package"])
@@ -84,7 +87,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
             raise ModelError(f"{p} is not a Hugging Face model directory (no config.json)")
         return p
     if p.is_file() and p.suffix == ".gguf":
-        return convert_gguf(p, cache_dir() / "models" / p.stem.lower())
+        return convert_gguf(p, cache / "models" / p.stem.lower())
     if p.exists():
         raise ModelError(f"{p}: not a Hugging Face directory or a .gguf file")
     raise ModelError(f"unknown model {s!r}: not an embedded name ({', '.join(EMBEDDED)}), directory or GGUF file")

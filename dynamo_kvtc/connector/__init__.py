@@ -4,9 +4,12 @@
   delegates every hook to it. :mod:`.vllm_parts` holds its vLLM-specific helpers (KV events, CPU layout probe).
 - :mod:`.scheduler` — ``KvtcScheduler``: matching, load and save plans (:mod:`.step_plan`: what it sends the workers).
 - :mod:`.worker` — ``KvtcWorker``: the store of one TP rank, layer-by-layer restore, copy-out and encode.
+- :mod:`.services` — what rank 0's worker serves other processes (lookup channel, hand-off server, metrics endpoint),
+  started and stopped in one place.
 - :mod:`.lookup` — how the scheduler asks the worker's store (in-process, or the IPC lookup channel).
 - :mod:`.handoff` — the compressed prefill→decode hand-off (policy, server, client, messages).
-- :mod:`.config` — the connector's settings (parsed from the one settings table, :mod:`dynamo_kvtc.settings`).
+- :mod:`.config` — the connector's settings, parsed once at start-up from the one settings table
+  (:mod:`dynamo_kvtc.settings`) and passed down.
 - :mod:`.events`, :mod:`.metrics` — Dynamo router events and the ``kvtc_*`` Prometheus metrics.
 
 Importing this package does not import vLLM; :mod:`.vllm` does.

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration
 from ..calibration.models import fingerprint_of
@@ -36,6 +37,7 @@ from ..tiers.config import TierConfig
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
+from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,12 @@ def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
 
 
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
+    """The calibration directory of this rank: ``calibration`` when set, else the one found by the model's name under
+    ``DYN_KVTC_CALIBRATIONS`` (the repository's ``calibrations/``), then ``<DYN_KVTC_CACHE>/calibrations``."""
     path = cfg.calibration
     if path is None:
-        path = find_calibration(Path(model).name) or find_calibration(model)
+        tools = settings.tool_settings()  # the search folders, read once
+        path = find_calibration(Path(model).name, tools) or find_calibration(model, tools)
         if path is None:
             raise TierError(
                 f"no calibration for model {model!r}: set kv_connector_extra_config.calibration or "
@@ -137,11 +142,11 @@ def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size:
 class KvtcWorker:
     """The worker half: one object per TP rank, answering every worker-side vLLM hook.
 
-    Owns the store (compressed tiers) of this rank and the services rank 0 offers (lookup channel, metrics, the
-    hand-off server on a prefill engine). Its blob sources are given at construction: its own tiers always, and
-    ``peer`` (a :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`) on a decode engine. It never decides
-    what to load or save (the scheduler's plan does), never writes a block it has not verified, and never raises into
-    the engine: every fault is a miss (recompute) or a lost cache entry."""
+    Owns the store (compressed tiers) of this rank and the services rank 0 offers (:class:`~.services.WorkerServices`:
+    lookup channel, metrics, the hand-off server on a prefill engine). Its blob sources are given at construction: its
+    own tiers always, and ``peer`` (a :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`) on a decode engine.
+    It never decides what to load or save (the scheduler's plan does), never writes a block it has not verified, and
+    never raises into the engine: every fault is a miss (recompute) or a lost cache entry."""
 
     def __init__(
         self,
@@ -177,13 +182,27 @@ class KvtcWorker:
         self._load_errors: set[int] = set()
         self._done_sending: set[str] = set()
         self._lock = threading.Lock()
-        self.metrics = None
-        self.metrics_port: int | None = None
         self.restores: list[dict[str, Any]] = []  # recent restores (tokens, first layer / all layers seconds)
-        self.lookup_server = None
         self.peer = peer  # HandoffClient on a decode engine with compressed hand-off
-        self.handoff_server = None  # HandoffServer on a prefill engine (rank 0)
+        self.services = WorkerServices(config, engine_id, self.stats)  # rank 0: lookup, hand-off server, metrics
         self.listeners = tuple(listeners)  # store listeners (vLLM KV events)
+
+    @property
+    def lookup_server(self) -> Any:
+        return self.services.lookup
+
+    @property
+    def handoff_server(self) -> Any:
+        """The HandoffServer on a prefill engine (rank 0), or None."""
+        return self.services.handoff
+
+    @property
+    def metrics(self) -> Any:
+        return self.services.metrics
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.services.metrics_port
 
     # ------------------------------------------------------------------ setup
     def _disable(self, why: str, reason: str = "error") -> None:
@@ -191,9 +210,8 @@ class KvtcWorker:
         self.disabled_reason = reason
         self.stats["fallback_disabled"] += 1
         log.error("KvtcConnector disabled (%s), every request recomputes: %s", reason, why)
-        if self.tp_rank == 0:
-            self._start_lookup()  # still answers lookups (always a miss), so schedulers elsewhere never wait
-            self._start_metrics()  # kvtc_enabled 0 and the reason stay scrapeable
+        if self.tp_rank == 0:  # lookups still answered (always a miss); kvtc_enabled 0 and the reason scrapeable
+            self.services.start(self, None)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
@@ -234,7 +252,7 @@ class KvtcWorker:
             tiers.disk_dir if tiers.disk_bytes else "off",
         )
         if self.tp_rank == 0:
-            self._start_services()
+            self.services.start(self, store)
 
     def _calibration(self, kv: PagedKV) -> Calibration:
         path = resolve_calibration(self.cfg, self.model, self.tp_rank, self.tp_size)
@@ -251,26 +269,6 @@ class KvtcWorker:
         cal.check_model(fp)
         return cal
 
-    def _start_lookup(self) -> None:
-        from .lookup import LookupServer
-
-        try:
-            self.lookup_server = LookupServer(self.engine_id, self)
-        except Exception as e:  # in-process matching still works
-            log.warning("kvtc lookup channel not started (%s); schedulers in other processes will miss", e)
-
-    def _start_services(self) -> None:
-        self._start_lookup()
-        if self.cfg.transfer == "prefill":
-            from .handoff.server import HandoffServer
-
-            try:
-                self.handoff_server = HandoffServer(self.cfg, self.store)
-            except Exception as e:
-                log.error("kvtc compressed hand-off unavailable (decode peers recompute instead): %s", e)
-                self.stats["fallback_transfer_setup"] += 1
-        self._start_metrics()
-
     def _warn_host_memory(self) -> None:
         """Rank 0, at start-up: warn when ``cpu_cache_gb`` (all ranks of this engine, on this machine) exceeds the
         pod's or machine's memory."""
@@ -279,19 +277,6 @@ class KvtcWorker:
             self.stats["host_memory_overcommit"] += 1
             log.warning(msg)
 
-    def _start_metrics(self) -> None:
-        if self.cfg.metrics_port is None or self.metrics is not None:
-            return
-        from .metrics import KvtcMetrics
-
-        try:
-            self.metrics = KvtcMetrics(self.store, connector=self)
-            self.metrics_port = self.metrics.serve(self.cfg.metrics_port, addr="0.0.0.0")
-        except (KvtcError, OSError) as e:
-            log.error("kvtc metrics not served: %s", e)
-            return
-        log.info("kvtc metrics on :%d/metrics", self.metrics_port)
-
     # ------------------------------------------------------------------ lookup
     def match(self, hashes: list[int]) -> tuple[int, int]:
         if self.store is None:
@@ -299,7 +284,7 @@ class KvtcWorker:
         return self.store.match_tiers(hashes)
 
     def handoff_port(self) -> int | None:
-        return self.handoff_server.port if self.handoff_server is not None else None
+        return self.services.handoff_port
 
     def _source(self, op: LoadOp):
         """Where a load's blobs come from: the tiers (None), or the prefill peer named in the op."""
@@ -445,11 +430,8 @@ class KvtcWorker:
         return self.store is None or self.store.wait_idle(timeout)
 
     def shutdown(self) -> None:
-        if self.handoff_server is not None:
-            self.handoff_server.close()
+        self.services.stop()
         if self.peer is not None:
             self.peer.close()
-        if self.lookup_server is not None:
-            self.lookup_server.close()
         if self.store is not None:
             self.store.close()

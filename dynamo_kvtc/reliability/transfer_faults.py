@@ -35,11 +35,11 @@ def in_process_peers(world: World, device: Any = "cpu", server: Any = None, seqs
     """A prefill store (``seqs`` transfer sequences offloaded) behind a hand-off server and a decode client, both in
     this process (staging and receive memory on ``device``); yields ``(server, client, sequences)``. ``server``
     builds the server from ``(cfg, store, device=...)`` (default :class:`HandoffServer`; a liar for fault tests)."""
-    from ..connector.config import ConnectorConfig
+    from ..connector.config import ConnectorConfig, handoff_settings
     from ..connector.handoff.client import HandoffClient
     from ..connector.handoff.server import HandoffServer
 
-    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32)
+    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32, **handoff_settings())
     src = make_store(world, True, host=64 << 20)
     tokens = transfer_sequences(world, seqs)
     for toks in tokens:
@@ -55,13 +55,13 @@ def in_process_peers(world: World, device: Any = "cpu", server: Any = None, seqs
 
 
 def child_server(world: World, args: dict) -> None:
-    from ..connector.config import ConnectorConfig
+    from ..connector.config import ConnectorConfig, handoff_settings
     from ..connector.handoff.server import HandoffServer
 
     store = make_store(world, True, host=64 << 20)
     for toks in transfer_sequences(world, args["seqs"]):
         offload(world, store, toks)
-    srv = HandoffServer(ConnectorConfig(transfer_timeout_s=args["timeout"]), store)
+    srv = HandoffServer(ConnectorConfig(transfer_timeout_s=args["timeout"], **handoff_settings()), store)
     print(f"PORT {srv.port}", flush=True)
     sys.stdin.read()  # serve until the parent closes our stdin (or dies)
     srv.close()
@@ -128,13 +128,13 @@ def scenario_transfer(
     agent wrapped to fail transfers, time out, corrupt bytes, and with the prefill process killed before the fetch
     and in the middle of it (remote disconnect). A failed fetch must fail the restore (the engine recomputes); a
     clean fetch after it must restore bit for bit."""
-    from ..connector.config import ConnectorConfig
+    from ..connector.config import ConnectorConfig, handoff_settings
     from ..connector.handoff.client import HandoffClient
 
     kind = "nixl_transfer"
     seqs = transfer_sequences(world, 4)
     peer = PeerProcess(world, len(seqs), timeout)
-    client = HandoffClient(ConnectorConfig(transfer_timeout_s=timeout))
+    client = HandoffClient(ConnectorConfig(transfer_timeout_s=timeout, **handoff_settings()))
     agent = FaultyAgent(client.agent.agent, seed=world.seed)
     client.agent.agent = agent
     agent.on_kill = peer.kill
@@ -363,7 +363,7 @@ SEALED = Limits(max_message=LIMITS.max_message + 256, max_str=1 << 16, max_bin=L
 
 def _client(world: World, timeout: float, secret: str | None) -> Any:
     """A decode-side hand-off client holding ``secret`` (through a secret file, as a deployment would) or none."""
-    from ..connector.config import ConnectorConfig
+    from ..connector.config import ConnectorConfig, handoff_settings
     from ..connector.handoff.client import HandoffClient
 
     path = None
@@ -371,7 +371,7 @@ def _client(world: World, timeout: float, secret: str | None) -> Any:
         path = world.workdir / f"secret-{abs(hash(secret)) % 10**8}"
         path.write_text(secret + "\n")
         path.chmod(0o600)
-    return HandoffClient(ConnectorConfig(transfer_timeout_s=timeout, transfer_secret_file=path))
+    return HandoffClient(ConnectorConfig(transfer_timeout_s=timeout, transfer_secret_file=path, **handoff_settings()))
 
 
 def _replay(peer: PeerProcess, hashes: list[int], client: Any) -> tuple[bool, bool]:

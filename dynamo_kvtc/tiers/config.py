@@ -1,36 +1,54 @@
 """Tier configuration: the :class:`TierConfig` dataclass, its validation, and reading it from the environment.
 
 Its ``DYN_KVTC_*`` variables, types, bounds and defaults are the ``tier`` rows of :data:`dynamo_kvtc.settings.SETTINGS`
-(the reference table is docs/configuration.md, generated from it); :meth:`TierConfig.from_env` parses through that
-table. Every field is checked when the config is built (type, range, finiteness); a bad value raises
-:class:`~dynamo_kvtc.errors.ConfigError` naming the field (or the environment variable it came from).
+(the reference table is docs/configuration.md, generated from it), plus the process-wide knobs the tiers pass down:
+the codec's (:class:`~dynamo_kvtc.codec.options.CodecOptions`: ``fused``, ``fused_strict``, ``projection``,
+``gpu_entropy``) and ``codec_sms`` (the codec streams' SM budget). :meth:`TierConfig.from_env` parses them through that
+table once, at start-up; nothing below reads the environment. A config built directly checks each table field with
+:func:`dynamo_kvtc.settings.check` (the table's bounds and choices, not a second copy) and keeps only its cross-field
+rules here; a bad value raises :class:`~dynamo_kvtc.errors.ConfigError` naming the field (or the variable it came
+from).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .. import settings
+from ..codec.options import CodecOptions
 from ..errors import ConfigError
 from ..settings import GB
 
-_INTS = ("host_bytes", "disk_bytes", "min_frequency", "min_tokens", "page_bytes", "window", "sinks", "disk_min_uses")
-_FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 _d = settings.default  # field defaults are the table's
-RATIO_POLICIES = ("fixed", "raw_first", "raw")
+RATIO_POLICIES = settings.BY_KEY["ratio_policy"].choices  # fixed | raw_first | raw
+CODEC_KEYS = tuple(f.name for f in fields(CodecOptions))  # the table's process keys of the same names
+PROCESS_KEYS = ("codec_sms", *CODEC_KEYS)  # the process-wide knobs a TierConfig carries down
+_TABLE = {s.field: s.key for s in settings.select("tier")} | {"codec_sms": "codec_sms"}  # field -> key
 
 __all__ = ["GB", "TierConfig"]
 
 
+def codec_options(values: Mapping[str, Any]) -> CodecOptions:
+    """The codec options among parsed settings (by key; the unset ones keep CodecOptions' defaults)."""
+    return CodecOptions(**{k: values[k] for k in CODEC_KEYS if k in values})
+
+
+def process_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The process-wide knobs a TierConfig carries (``codec``, ``codec_sms``) from the environment, as keyword
+    arguments: for tools that set the tier fields in code but honour the process's codec settings
+    (``TierConfig(host_bytes=..., **process_settings())``)."""
+    values = settings.resolve(PROCESS_KEYS, None, env)
+    return {"codec": codec_options(values), "codec_sms": values.get("codec_sms", _d("codec_sms"))}
+
+
 @dataclass(frozen=True)
 class TierConfig:
-    """What the compressed tiers may hold and how they choose a ratio. Owns validation of its own fields; never
-    reads the environment except in :meth:`from_env`."""
+    """What the compressed tiers may hold, how they choose a ratio, and how their codec runs. Owns validation of its
+    own fields; never reads the environment except in :meth:`from_env`."""
 
     host_bytes: int = _d("cpu_cache_gb")
     disk_bytes: int = _d("disk_cache_gb")
@@ -47,59 +65,49 @@ class TierConfig:
     sinks: int = _d("sinks")
     nixl_timeout_s: float = _d("nixl_timeout_s")
     ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room) | raw
+    codec: CodecOptions = field(default_factory=CodecOptions)  # how the codec runs (process-wide, environment only)
+    codec_sms: int = _d("codec_sms")  # SMs of the codec streams' green context; 0: all, at the lowest priority
 
     def __post_init__(self) -> None:
-        for name in _INTS:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"tier setting {name} must be an integer, got {v!r}")
-        for name in _FLOATS:
-            v = getattr(self, name)
-            if v is None and name == "max_ratio":
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ConfigError(f"tier setting {name} must be a finite number, got {v!r}")
-        if not isinstance(self.fsync, bool):
-            raise ConfigError(f"tier setting fsync must be true or false, got {self.fsync!r}")
-        if self.disk_dir is not None:
-            if not isinstance(self.disk_dir, (str, os.PathLike)) or str(self.disk_dir) == "":
-                raise ConfigError(f"tier setting disk_dir must be a path, got {self.disk_dir!r}")
-            object.__setattr__(self, "disk_dir", Path(self.disk_dir))
-        if self.nixl_timeout_s <= 0:
-            raise ConfigError(f"nixl_timeout_s must be > 0, got {self.nixl_timeout_s}")
-        if self.host_bytes < 0 or self.disk_bytes < 0:
-            raise ConfigError("tier capacities must be >= 0")
+        for name, key in _TABLE.items():  # bounds, choices and types: the table's rule, through settings.check
+            object.__setattr__(self, name, settings.check(key, getattr(self, name)))
+        p = self.pressure_high
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
+            raise ConfigError(f"pressure_high must be in (0, 1], got {p!r}")
+        if not isinstance(self.codec, CodecOptions):
+            raise ConfigError(f"codec must be a CodecOptions, got {self.codec!r}")
         if self.disk_bytes and self.disk_dir is None:
             raise ConfigError("DYN_KVTC_DISK_CACHE_GB is set but DYN_KVTC_DISK_CACHE_DIR is not")
-        if self.ratio <= 0 or (self.max_ratio is not None and self.max_ratio < self.ratio):
+        if self.max_ratio is not None and self.max_ratio < self.ratio:
             raise ConfigError(f"ratio {self.ratio} must be positive and <= max_ratio {self.max_ratio}")
-        if not 0 < self.pressure_high <= 1:
-            raise ConfigError("pressure_high must be in (0, 1]")
-        if self.min_frequency < 1 or self.min_tokens < 0:
-            raise ConfigError("min_frequency must be >= 1 and min_tokens >= 0")
-        if self.disk_min_uses < 1:
-            raise ConfigError(f"disk_min_uses must be >= 1, got {self.disk_min_uses}")
-        if self.window < 0 or self.sinks < 0:
-            raise ConfigError(f"window ({self.window}) and sinks ({self.sinks}) must be >= 0")
-        if self.ratio_policy not in RATIO_POLICIES:
-            raise ConfigError(f"ratio_policy must be one of {', '.join(RATIO_POLICIES)}, got {self.ratio_policy!r}")
-        if self.page_bytes < 512 or self.page_bytes & (self.page_bytes - 1):
+        if self.page_bytes & (self.page_bytes - 1):
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TierConfig:
-        """The tier settings from ``DYN_KVTC_*`` variables (``os.environ`` when ``env`` is None), then ``overrides``
-        (field names) on top."""
+        """The tier settings and the process-wide knobs the tiers carry (codec options, ``codec_sms``) from
+        ``DYN_KVTC_*`` variables (``os.environ`` when ``env`` is None; unknown ones are warned about), then
+        ``overrides`` (field names) on top."""
         known = {f.name for f in fields(cls)}
         bad = set(overrides) - known
         if bad:
             raise ConfigError(f"unknown tier settings: {sorted(bad)}")
-        kw = settings.resolve("tier", None, env)
+        keys = ("tier", *PROCESS_KEYS)
         try:
-            return cls(**{**kw, **overrides})
+            return cls.from_values({**settings.resolve(keys, None, env), **overrides})
         except ConfigError as e:  # name the variable a bad value came from
-            origins = {f: o for f, o in settings.sources("tier", None, env).items() if f not in overrides}
+            origins = {f: o for f, o in settings.sources(keys, None, env).items() if f not in overrides}
             raise settings.blame(e, origins) from None
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> TierConfig:
+        """A config from parsed settings by field (:func:`dynamo_kvtc.settings.resolve`): the codec options become
+        ``codec`` (unless ``values`` holds one), other fields that are not the tiers' are ignored."""
+        own = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in values.items() if k in own}
+        if "codec" not in kw:
+            kw["codec"] = codec_options(values)
+        return cls(**kw)
 
     def with_(self, **kw: Any) -> TierConfig:
         return replace(self, **kw)

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from .. import settings
 from ..codec.entropy import nvcomp_available
 from ..codec.kvtc import KvtcCodec
 from ..codec.spans import EncodeSpan, RestoreRun, SpanCoder
@@ -154,7 +153,7 @@ class KvtcStore:
             return "deflate"
         from ..codec.gpu import default_gpu_tag
 
-        if self.disk is not None and not settings.env_is_set("gpu_entropy"):
+        if self.disk is not None and self.cfg.codec.gpu_entropy is None:
             return "deflate"
         return default_gpu_tag()
 

@@ -1,10 +1,10 @@
 """The CUDA streams the tiers' workers run the codec on: lowest priority, and optionally an SM-bounded partition.
 
-With ``DYN_KVTC_CODEC_SMS=N`` the offload and onboard workers' streams belong to a CUDA green context of N SMs
-(``torch.cuda.green_contexts``), so restores and offloads never occupy more than N SMs and the engine's forward pass
-keeps the rest; the codec then runs slower, the forward pass is stretched less (docs/performance.md has the curve).
-Where green contexts are unavailable (no driver support, torch built without them) the stream is an ordinary
-lowest-priority one and the reason is logged once.
+With ``codec_sms=N`` (``DYN_KVTC_CODEC_SMS``, read at start-up into :class:`~.config.TierConfig`) the offload and
+onboard workers' streams belong to a CUDA green context of N SMs (``torch.cuda.green_contexts``), so restores and
+offloads never occupy more than N SMs and the engine's forward pass keeps the rest; the codec then runs slower, the
+forward pass is stretched less (docs/performance.md has the curve). Where green contexts are unavailable (no driver
+support, torch built without them) the stream is an ordinary lowest-priority one and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import threading
 from typing import Any
 
 import torch
-
-from .. import settings
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +48,11 @@ def green_stream(device: torch.device, sms: int) -> torch.cuda.Stream | None:
         return None
 
 
-def codec_stream(device: torch.device, sms: int | None = None) -> torch.cuda.Stream | None:
+def codec_stream(device: torch.device, sms: int = 0) -> torch.cuda.Stream | None:
     """The stream a tier worker runs the codec on (None on the CPU): in a green context of ``sms`` SMs when asked
-    (default: ``DYN_KVTC_CODEC_SMS``), else the lowest priority stream of the device."""
+    (the tiers' ``TierConfig.codec_sms``), else the lowest priority stream of the device."""
     if device.type != "cuda":
         return None
-    sms = settings.env_value("codec_sms") if sms is None else sms
     if sms:
         stream = green_stream(device, int(sms))
         if stream is not None:

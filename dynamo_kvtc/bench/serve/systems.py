@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...tiers import TierConfig
+from ...tiers.config import process_settings
 
 __all__ = ["SYSTEMS", "System", "host_budget", "tier_config"]
 
@@ -75,6 +76,7 @@ def tier_config(
         page_bytes=page_bytes,
         window=window,
         ratio_policy=system.ratio_policy,
+        **process_settings(),  # the codec's DYN_KVTC_* knobs of this process
     )
 
 

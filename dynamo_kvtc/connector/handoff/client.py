@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from ... import settings
 from ...codec.gpu.restore import ArrivingBlob
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
@@ -74,12 +73,12 @@ class HandoffClient:
     ) -> None:
         self.cfg = cfg
         self.auth = channel_auth(
-            cfg.transfer_secret_file, settings.env_value("transfer_secret"), cfg.transfer, cfg.transfer_host
+            cfg.transfer_secret_file, cfg.transfer_secret, cfg.transfer, cfg.transfer_host
         )  # before the agent: a bad secret is a ConfigError at start-up
         self.agent = PeerAgent(cfg.nixl_backend, "kvtc-decode")
-        self.device = memory_device(device)
+        self.device = memory_device(device, cfg.handoff_memory)
         self.recv = RecvBuffer(self.agent, self.device)
-        self.link = link if link is not None else LinkPolicy.from_env(gpu=self.device.type == "cuda")
+        self.link = link if link is not None else LinkPolicy.from_config(cfg, gpu=self.device.type == "cuda")
         self.pace = pace
         self.bytes_moved = 0
         self.last: dict[str, float] = {}  # the last fetch: ask_s, read_s, bytes

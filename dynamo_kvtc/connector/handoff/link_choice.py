@@ -8,12 +8,13 @@ For a prompt of ``raw`` bytes of 16-bit KV that KVTC stores in ``compressed`` by
                                                               the prefill side's staging copy, the copy out of the
                                                               receive buffer — then the restore of every layer)
 
-and the cheaper one wins. ``bw`` is, in order: ``DYN_KVTC_LINK_GBPS`` (Gbit/s, the whole deployment's link), else an
-EWMA of the bytes/s of this peer's completed READs (learned from the transfers themselves, raw or compressed), else
-unknown — then the choice is compressed (the safe side across nodes: it moves 14-17x fewer bytes). ``restore_rate``
-(bytes of raw KV restored per second) is ``DYN_KVTC_HANDOFF_RESTORE_GBS`` (GB/s), else an EWMA of observed restores,
-else a guess for the device (80 GB/s on a GPU — one H200 restores 10 GiB in 124 ms; 40 MB/s on a CPU).
-``staging_rate`` (compressed bytes per second of a fetch's non-READ work) is learned from fetches (0 until then).
+and the cheaper one wins. ``bw`` is, in order: ``link_gbps`` (``DYN_KVTC_LINK_GBPS``, Gbit/s, the whole deployment's
+link; read at start-up into the ConnectorConfig), else an EWMA of the bytes/s of this peer's completed READs (learned
+from the transfers themselves, raw or compressed), else unknown — then the choice is compressed (the safe side across
+nodes: it moves 14-17x fewer bytes). ``restore_rate`` (bytes of raw KV restored per second) is ``handoff_restore_gbs``
+(``DYN_KVTC_HANDOFF_RESTORE_GBS``, GB/s), else an EWMA of observed restores, else a guess for the device (80 GB/s on a
+GPU — one H200 restores 10 GiB in 124 ms; 40 MB/s on a CPU). ``staging_rate`` (compressed bytes per second of a fetch's
+non-READ work) is learned from fetches (0 until then).
 
 On one NVLink host (270-360 GB/s) raw wins by far; at 100-400 Gb/s between nodes the compressed hand-off wins for
 long prompts. The first choice for a peer, and every change of it, is logged once.
@@ -25,8 +26,6 @@ import logging
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-from ... import settings
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +84,10 @@ class LinkPolicy:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, *, gpu: bool, env: Any = None) -> LinkPolicy:
-        """The policy of ``DYN_KVTC_LINK_GBPS`` and ``DYN_KVTC_HANDOFF_RESTORE_GBS`` (0 or unset: learn)."""
-        link = settings.env_value("link_gbps", env)
-        rest = settings.env_value("handoff_restore_gbs", env)
-        return cls(link or None, rest or None, gpu=gpu)
+    def from_config(cls, cfg: Any, *, gpu: bool) -> LinkPolicy:
+        """The policy of a ConnectorConfig's ``link_gbps`` and ``handoff_restore_gbs`` (``DYN_KVTC_LINK_GBPS``,
+        ``DYN_KVTC_HANDOFF_RESTORE_GBS``, parsed at start-up; 0: learn)."""
+        return cls(cfg.link_gbps or None, cfg.handoff_restore_gbs or None, gpu=gpu)
 
     # ------------------------------------------------------------------ learning
     def observe(self, peer: str, nbytes: int, seconds: float) -> None:

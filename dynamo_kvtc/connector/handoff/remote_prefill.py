@@ -11,12 +11,13 @@ vLLM's disaggregation protocol, as Dynamo drives it:
    through its :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`.
 3. Anything that goes wrong fails the receive: vLLM recomputes the prompt on the decode side.
 
-With ``DYN_KVTC_HANDOFF_CHOICE=policy`` the connector sits beside vLLM's NixlConnector in a MultiConnector on both
-sides. The prefill side then adds only its ``kvtc_*`` keys (NixlConnector owns ``do_remote_prefill``,
-``remote_engine_id``, ...; MultiConnector refuses clashing keys), so the decode side holds both offers; per request
-the :class:`~.linkpolicy.LinkPolicy` estimates raw (bytes / link) against compressed (bytes / link + restore) and
-:meth:`RemotePrefill.applies` either takes the request (compressed fetch) or declines it, and NixlConnector, the next
-connector asked, READs the raw KV. The choice is made once per request and kept in its params (``kvtc_choice``).
+With ``handoff_choice=policy`` (``DYN_KVTC_HANDOFF_CHOICE``) the connector sits beside vLLM's NixlConnector in a
+MultiConnector on both sides. The prefill side then adds only its ``kvtc_*`` keys (NixlConnector owns
+``do_remote_prefill``, ``remote_engine_id``, ...; MultiConnector refuses clashing keys), so the decode side holds both
+offers; per request the :class:`~.link_choice.LinkPolicy` estimates raw (bytes / link) against compressed (bytes / link
++ restore) and :meth:`RemotePrefill.applies` either takes the request (compressed fetch) or declines it, and
+NixlConnector, the next connector asked, READs the raw KV. The choice is made once per request and kept in its params
+(``kvtc_choice``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ... import settings
 from ..config import ConnectorConfig
 from ..step_plan import LoadOp
 from .link_choice import COMPRESSED, RAW, LinkPolicy
@@ -55,9 +55,9 @@ class RemotePrefill:
         self.engine_id = engine_id
         self.block_size = block_size
         self._port = port
-        self.choice_mode = settings.env_value("handoff_choice")
+        self.choice_mode = cfg.handoff_choice
         if link is None and self.choice_mode == "policy":
-            link = LinkPolicy.from_env(gpu=True)  # the decode side restores on its GPU
+            link = LinkPolicy.from_config(cfg, gpu=True)  # the decode side restores on its GPU
         self.link = link
         self.kv_bytes_per_token = kv_bytes_per_token
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ... import settings
 from ...codec.spans import host_bytes
 from ...errors import TierError
 from ...transport.auth import channel_auth
@@ -45,7 +44,7 @@ class HandoffServer:
         self.cfg = cfg
         self.store = store
         self.agent = PeerAgent(cfg.nixl_backend, "kvtc-prefill")
-        dev = memory_device(device if device is not None else getattr(store, "device", "cpu"))
+        dev = memory_device(device if device is not None else getattr(store, "device", "cpu"), cfg.handoff_memory)
         self._arenas: dict[str, StagingArena] = {}
         if dev.type == "cuda":
             self._arenas["VRAM"] = StagingArena(self.agent, cfg.transfer_staging_mb << 20, dev)
@@ -59,7 +58,7 @@ class HandoffServer:
             name="kvtc-handoff",
             tick=self._expire,
             auth=channel_auth(
-                cfg.transfer_secret_file, settings.env_value("transfer_secret"), cfg.transfer, cfg.transfer_host
+                cfg.transfer_secret_file, cfg.transfer_secret, cfg.transfer, cfg.transfer_host
             ),
         )
         self.host, self.port = cfg.transfer_host, self._rep.port

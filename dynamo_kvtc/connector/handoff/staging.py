@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ... import settings
 from ...errors import TierFullError, TransferError
 from ...transport.nixl_io import PeerAgent
 
@@ -34,10 +33,10 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def memory_device(device: Any) -> torch.device:
-    """Where the hand-off stages and receives: ``device`` when it is a GPU and ``DYN_KVTC_HANDOFF_MEMORY`` allows it
-    (``auto``/``device``), else the host. ``device`` None means the current CUDA device where there is one."""
-    want = settings.env_value("handoff_memory")
+def memory_device(device: Any, want: str) -> torch.device:
+    """Where the hand-off stages and receives: ``device`` when it is a GPU and ``want`` (the config's
+    ``handoff_memory``) allows it (``auto``/``device``), else the host. ``device`` None means the current CUDA device
+    where there is one."""
     if want == "host":
         return torch.device("cpu")
     if device is None:
