@@ -4,6 +4,7 @@
 - :mod:`.server` — the prefill worker serves its store's blobs from a NIXL-registered staging arena.
 - :mod:`.client` — the decode worker fetches them and hands them to its store as blob runs to verify and restore.
 - :mod:`.messages` — the messages and every check made on them before a byte is read.
+- :mod:`.params` — the ``kvtc_*`` request params (from the API client), parsed and checked once.
 
 The prefill engine's blocks are free as soon as they were copied out, not after the decode side read them. Anything
 that goes wrong (peer gone, timeout, NIXL error, corrupt bytes, blocks not there) fails the receive and vLLM
