@@ -152,3 +152,21 @@ def test_a_hand_off_buffer_quarantined_by_a_stalled_read_is_freed_and_deregister
             assert client.quarantined_bytes == 0 and client.quarantine.freed == 1
     finally:
         close_store(dst)
+
+
+def test_the_hand_off_client_keeps_a_bounded_set_of_peer_channels():
+    """Request params name the peer, so any API client can name a new one: at most MAX_PEERS channels stay open,
+    the least recently used closed first."""
+    from dynamo_kvtc.connector.config import ConnectorConfig
+    from dynamo_kvtc.connector.handoff.client import MAX_PEERS, HandoffClient
+
+    client = HandoffClient(ConnectorConfig(transfer="decode", transfer_timeout_s=1), "cpu")
+    try:
+        first = client._channel("127.0.0.1", 1)
+        for port in range(2, MAX_PEERS + 10):
+            client._channel("127.0.0.1", port)
+            client._channel("127.0.0.1", 1)  # kept in use: never the least recently used
+        assert len(client._peers) == MAX_PEERS and client._channel("127.0.0.1", 1) is first
+        assert ("127.0.0.1", 2) not in client._peers and ("127.0.0.1", MAX_PEERS + 9) in client._peers
+    finally:
+        client.close()

@@ -105,9 +105,10 @@ class HandoffClient:
                     f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth
                 )
             self._peers[(host, port)] = ch  # most recently used last; the least recently used beyond MAX_PEERS go
-            while len(self._peers) > MAX_PEERS:
-                self._peers.pop(next(iter(self._peers))).close()
-            return ch
+            old = [self._peers.pop(next(iter(self._peers))) for _ in range(len(self._peers) - MAX_PEERS)]
+        for c in old:  # outside the lock: closing waits for a request in flight on it
+            c.close()
+        return ch
 
     def fetch(self, host: str, port: int, hashes: list[int]) -> list[BlobRun]:
         """The blob runs covering ``hashes`` from the prefill worker at ``host:port``, returned once the READs are
