@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import settings
-from ...errors import TransferError
 from ..config import ConnectorConfig
 from ..step_plan import LoadOp
 from .link_choice import COMPRESSED, RAW, LinkPolicy
@@ -113,7 +112,7 @@ class RemotePrefill:
         preemption later recomputes instead of fetching again."""
         p, hp = request.kv_transfer_params, check(_params_of(request))
         if not isinstance(hp, HandoffParams):  # applies() refused these already: not reached
-            raise TransferError(f"request {request.request_id}: malformed hand-off params ({hp})")
+            raise ValueError(f"request {request.request_id}: malformed hand-off params ({hp})")
         op = LoadOp(request.request_id, hashes, block_ids, True, remote=(hp.host, hp.port))
         p["do_remote_prefill"] = False
         return op
