@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hmac
+import math
 import os
 import struct
 import tempfile
 import time
 
+import hypothesis as hyp
 import msgpack
 import pytest
 import zmq
+from hypothesis import strategies as hst
 
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, TransferError
 from dynamo_kvtc.transport.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
@@ -262,3 +265,28 @@ def test_a_full_nonce_memory_over_the_wire_is_a_refusal_and_the_server_keeps_ser
     finally:
         cli.close()
         srv.close()
+
+
+@hyp.settings(deadline=None, database=None, max_examples=300)
+@hyp.given(
+    env=hst.dictionaries(
+        hst.sampled_from(["ts", "nonce", "body", "mac", "x"]),
+        hst.none() | hst.booleans() | hst.integers() | hst.floats() | hst.binary(max_size=40) | hst.text(max_size=4),
+    ),
+    ts=hst.floats() | hst.floats(-60, 60).map(lambda d: time.time() + d),  # around now: inside and outside
+    resign=hst.booleans(),
+)
+def test_fuzzed_envelopes_open_only_when_sealed_finite_and_fresh(env, ts, resign):
+    """Any envelope: TransferError, unless it is exactly a sealed request (MAC over its fields) with a finite,
+    fresh timestamp — then it opens once."""
+    auth = Auth(SECRET)
+    if resign:  # a correctly MACed envelope with an arbitrary timestamp
+        env = _sealed(auth, b"b", ts, os.urandom(16))
+    try:
+        body, nonce = auth.open_request(env)
+    except TransferError:
+        assert auth.nonces_held == 0
+        return
+    assert resign and math.isfinite(ts) and abs(time.time() - ts) <= auth.window_s and body == b"b"
+    with pytest.raises(TransferError, match="replayed"):
+        auth.open_request(env)
