@@ -429,3 +429,17 @@ def test_near_valid_replies_are_mostly_accepted_and_kept():
 
     count()
     assert seen["accepted"] > 50 and seen["kept"] > 20 and seen["trimmed"] > 5, seen
+
+
+def test_when_the_fallback_fails_too_the_hook_answers_its_default():
+    from dynamo_kvtc.connector import guard
+
+    c = _connector(None)  # no scheduler at all: the hook and its fallback both raise AttributeError
+    before = guard.FAULTS["build_connector_meta_fallback"]
+    meta = c.build_connector_meta(_empty_output())
+    assert isinstance(meta, vllm.KvtcConnectorMetadata) and not meta.plan.loads
+    assert meta is not c.build_connector_meta(_empty_output())  # a fresh one each time
+    assert c.get_num_new_matched_tokens(_req({}), 0) == (0, False)
+    assert c.request_finished(_req({}), []) == (False, None)
+    assert c.update_state_after_alloc(_req({}), Blocks(1), 16) is None
+    assert guard.FAULTS["build_connector_meta_fallback"] == before + 2

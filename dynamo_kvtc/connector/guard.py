@@ -25,7 +25,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def shielded(fallback: Callable[..., Any], default: Any = None) -> Callable[[F], F]:
     """Decorate a method: on an ``Exception`` return ``fallback(self, *args, **kwargs)`` instead (``default`` if the
-    fallback fails too). The fallback must answer as if our code had found nothing (a miss, nothing planned)."""
+    fallback fails too; a type or function is called for a fresh value). The fallback must answer as if our code had
+    found nothing (a miss, nothing planned)."""
 
     def wrap(hook: F) -> F:
         name = hook.__name__
@@ -44,7 +45,7 @@ def shielded(fallback: Callable[..., Any], default: Any = None) -> Callable[[F],
             except Exception as e:  # noqa: BLE001
                 FAULTS[f"{name}_fallback"] += 1
                 log.error("kvtc: the fallback of %s failed too (%s: %.300s)", name, type(e).__name__, e)
-                return default
+                return default() if callable(default) else default
 
         return guarded  # type: ignore[return-value]
 

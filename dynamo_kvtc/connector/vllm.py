@@ -234,7 +234,7 @@ class KvtcConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    @shielded(lambda self, *a, **k: KvtcConnectorMetadata(self._scheduler.take_plan()), KvtcConnectorMetadata())
+    @shielded(lambda self, *a, **k: KvtcConnectorMetadata(self._scheduler.take_plan()), KvtcConnectorMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvtcConnectorMetadata(self._scheduler.build_meta(scheduler_output))
 
