@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hmac
+import math
 import os
 import struct
 import tempfile
 import time
 
+import hypothesis as hyp
 import msgpack
 import pytest
 import zmq
+from hypothesis import strategies as hst
 
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, TransferError
 from dynamo_kvtc.transport.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
@@ -165,3 +168,125 @@ def test_a_reply_for_another_request_or_with_a_wrong_mac_is_refused():
 def test_short_secrets_are_refused():
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         Auth(b"short")
+
+
+def _sealed(auth: Auth, body: bytes, ts: float, nonce: bytes) -> dict:
+    mac = hmac.new(auth.key, b"kvtc-req" + struct.pack("<d", ts) + nonce + body, "sha256").digest()
+    return {"ts": ts, "nonce": nonce, "body": body, "mac": mac}
+
+
+def test_a_replay_stays_refused_however_many_requests_came_since():
+    """Nonces used to be forgotten by count (the oldest of 65 536): a replay reopened after that many requests inside
+    the window. Now a nonce is held while its timestamp is in the window, and a full memory refuses new requests."""
+    server = Auth(SECRET, max_nonces=64)
+    client = Auth(SECRET)
+    first = msgpack.unpackb(client.seal_request(pack({"op": "fetch"}))[0])
+    assert server.open_request(first)[0] == pack({"op": "fetch"})
+    for i in range(63):
+        server.open_request(msgpack.unpackb(client.seal_request(pack({"i": i}))[0]))
+    assert server.nonces_held == 64
+    with pytest.raises(TransferError, match="nonce memory full"):  # the 65th: refused, nothing forgotten
+        server.open_request(msgpack.unpackb(client.seal_request(pack({"i": 64}))[0]))
+    with pytest.raises(TransferError, match="replayed"):
+        server.open_request(first)
+    assert server.nonces_held == 64
+
+
+def test_nonces_age_out_with_their_window_and_never_before():
+    server = Auth(SECRET, window_s=0.6, bucket_s=0.1, max_nonces=4)
+    now = time.time()
+    old = _sealed(server, b"x", now, b"\x01" * 16)
+    server.open_request(old)
+    for i in range(3):
+        server.open_request(_sealed(server, b"x", now, bytes([i + 2]) * 16))
+    with pytest.raises(TransferError, match="nonce memory full"):
+        server.open_request(_sealed(server, b"x", now, b"\x09" * 16))
+    time.sleep(0.3)  # still inside the window: remembered
+    with pytest.raises(TransferError, match="replayed"):
+        server.open_request(old)
+    time.sleep(0.6)  # out of the window: a replay is stale, and its nonce's room is free again
+    with pytest.raises(TransferError, match="replay window"):
+        server.open_request(old)
+    server.open_request(_sealed(server, b"x", time.time(), b"\x0a" * 16))
+    assert server.nonces_held == 1
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf"), -1e308, 1e308])
+def test_non_finite_and_far_timestamps_are_refused_even_with_a_valid_mac(ts):
+    server = Auth(SECRET)
+    with pytest.raises(TransferError, match="replay window"):
+        server.open_request(_sealed(server, b"body", ts, os.urandom(16)))
+    assert server.nonces_held == 0
+
+
+def test_every_field_of_the_envelope_is_type_checked():
+    auth = Auth(SECRET)
+    good = _sealed(auth, b"body", time.time(), os.urandom(16))
+    cases = [
+        ({**good, "ts": int(good["ts"])}, "no sealed envelope"),
+        ({**good, "ts": str(good["ts"])}, "no sealed envelope"),
+        ({**good, "nonce": good["nonce"][:15]}, "no sealed envelope"),
+        ({**good, "nonce": good["nonce"].hex()}, "no sealed envelope"),
+        ({**good, "body": "body"}, "no sealed envelope"),
+        ({**good, "extra": 1}, "no sealed envelope"),
+        ({**good, "mac": good["mac"][:31]}, "wrong MAC"),
+        ({**good, "mac": good["mac"] + b"\x00"}, "wrong MAC"),
+        ({**good, "mac": None}, "wrong MAC"),
+        ({k: v for k, v in good.items() if k != "mac"}, "wrong MAC"),
+    ]
+    for env, why in cases:
+        with pytest.raises(TransferError, match=why):
+            auth.open_request(env)
+    assert auth.open_request(good)[0] == b"body" and auth.nonces_held == 1
+    _, nonce = auth.seal_request(b"q")
+    reply = msgpack.unpackb(auth.seal_reply(b"r", nonce))
+    for env in ({**reply, "extra": 1}, {**reply, "mac": reply["mac"][:16]}, {**reply, "body": "r"}):
+        with pytest.raises(TransferError, match="not authenticated"):
+            auth.open_reply(env, nonce)
+    assert auth.open_reply(reply, nonce) == b"r"
+
+
+def test_auth_settings_are_checked():
+    for kw in ({"window_s": float("nan")}, {"window_s": 0}, {"bucket_s": -1}, {"max_nonces": 0}, {"max_nonces": True}):
+        with pytest.raises(ConfigError):
+            Auth(SECRET, **kw)
+
+
+def test_a_full_nonce_memory_over_the_wire_is_a_refusal_and_the_server_keeps_serving():
+    wide = Limits(max_message=4096, max_str=1024, max_bin=128, max_array=32, max_map=8)  # room for the error text
+    srv = RepServer("tcp://127.0.0.1", _echo, wide, name="test-cap", auth=Auth(SECRET, max_nonces=3))
+    cli = ReqClient(f"tcp://127.0.0.1:{srv.port}", wide, 2.0, auth=Auth(SECRET))
+    try:
+        for i in range(3):
+            assert cli.ask({"i": i}) == {"echo": {"i": i}}
+        with pytest.raises(TransferError, match="nonce memory full"):
+            cli.ask({"i": 3})
+        assert srv.auth_refused == 1 and srv.served == 3
+    finally:
+        cli.close()
+        srv.close()
+
+
+@hyp.settings(deadline=None, database=None, max_examples=300)
+@hyp.given(
+    env=hst.dictionaries(
+        hst.sampled_from(["ts", "nonce", "body", "mac", "x"]),
+        hst.none() | hst.booleans() | hst.integers() | hst.floats() | hst.binary(max_size=40) | hst.text(max_size=4),
+    ),
+    ts=hst.floats() | hst.floats(-60, 60).map(lambda d: time.time() + d),  # around now: inside and outside
+    resign=hst.booleans(),
+)
+def test_fuzzed_envelopes_open_only_when_sealed_finite_and_fresh(env, ts, resign):
+    """Any envelope: TransferError, unless it is exactly a sealed request (MAC over its fields) with a finite,
+    fresh timestamp — then it opens once."""
+    auth = Auth(SECRET)
+    if resign:  # a correctly MACed envelope with an arbitrary timestamp
+        env = _sealed(auth, b"b", ts, os.urandom(16))
+    try:
+        body, nonce = auth.open_request(env)
+    except TransferError:
+        assert auth.nonces_held == 0
+        return
+    assert resign and math.isfinite(ts) and abs(time.time() - ts) <= auth.window_s and body == b"b"
+    with pytest.raises(TransferError, match="replayed"):
+        auth.open_request(env)

@@ -166,7 +166,8 @@ class KvtcScheduler:
         if st.tenant is None:
             return 0, False
         if self._is_remote(request):
-            return self.remote.matched(request, num_computed_tokens)
+            ext, st.asynchronous = self.remote.matched(request, num_computed_tokens)
+            return ext, st.asynchronous
         if self.remote is not None and self.remote.declined(request):
             return 0, False  # left to NixlConnector: claiming a local prefix would keep MultiConnector from it
         prompt = request.prompt_token_ids or []
@@ -273,3 +274,34 @@ class KvtcScheduler:
             held = self._plan_save(st, request.num_computed_tokens, final=True)
         params = self.remote.handoff_params(request) if self.remote is not None else None
         return held, params
+
+    # ------------------------------------------------------------------ after a fault in a hook (connector/guard.py)
+    def fail_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """``update_state_after_alloc`` raised: vLLM still expects the ``num_external_tokens`` it was promised to be
+        loaded, so plan a load that cannot succeed (no hashes for its blocks: the worker's restore refuses it at once)
+        and reports it failed: the request recomputes (the whole request if the promise was asynchronous, from
+        these blocks if not) instead of running on blocks nothing wrote."""
+        if num_external_tokens <= 0:
+            return
+        st = self._reqs.get(request.request_id)
+        asynchronous = st.asynchronous if st is not None else True
+        ids: list[int] = [-1]  # never a real block: the load has one block more than hashes, so it fails
+        try:
+            local, n = (st.local if st is not None else 0) // self.block_size, num_external_tokens // self.block_size
+            ids += list(blocks.get_block_ids()[0])[local : local + n]
+        finally:
+            op = LoadOp(request.request_id, [], ids, asynchronous)
+            if st is not None:
+                st.load = op
+            self._plan.loads.append(op)
+
+    def take_plan(self) -> StepPlan:
+        """``build_meta`` raised: ship what this step planned so far (the loads vLLM waits for above all)."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def finished_held(self, request: Any) -> tuple[bool, None]:
+        """``request_finished`` raised: hold the blocks if a final save of the request is planned (the worker copies
+        them out and then reports it done), else nothing; no hand-off params."""
+        rid = request.request_id
+        return any(s.req_id == rid and s.final for s in self._plan.saves), None

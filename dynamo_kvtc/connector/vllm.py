@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..errors import KvtcError
 from .config import ConnectorConfig
+from .guard import shielded
 from .handoff.remote_prefill import RemotePrefill
 from .lookup import LazyLookup
 from .scheduler import KvtcScheduler
@@ -224,16 +225,20 @@ class KvtcConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return True  # per-layer waits are skipped inside full CUDA graphs
 
-    # ------------------------------------------------------------------ scheduler side
+    # ------------------------------------------------------------------ scheduler side (connector/guard.py: a miss)
+    @shielded(lambda self, *a, **k: (0, False), (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    @shielded(lambda self, *a, **k: self._scheduler.fail_alloc(*a, **k))
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @shielded(lambda self, *a, **k: KvtcConnectorMetadata(self._scheduler.take_plan()), KvtcConnectorMetadata)
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvtcConnectorMetadata(self._scheduler.build_meta(scheduler_output))
 
+    @shielded(lambda self, request, *a, **k: self._scheduler.finished_held(request), (False, None))
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 

@@ -17,9 +17,13 @@ The sockets are ZMQ (pyzmq, imported when the first socket is made):
 
 With an :class:`Auth` (a shared secret) both ends seal every message: a request travels as ``{ts, nonce, body,
 mac}`` with ``mac = HMAC-SHA256(key, "kvtc-req" | ts | nonce | body)``; the server refuses (and counts,
-``auth_refused``) a request whose MAC is missing or wrong, whose timestamp is outside the replay window, or whose nonce
-it has seen within the window (a replay). The reply is ``{body, mac}`` with the MAC over the request's nonce too, so
-a reply cannot be forged, nor replayed to another request. Without a secret the channel is unauthenticated (the lookup
+``auth_refused``) a request whose envelope is not exactly those four fields of their types (a finite float, 16, any
+and 32 bytes), whose MAC is wrong, whose timestamp is outside the replay window, or whose nonce it has seen within the
+window (a replay). Nonces are remembered by the second of their timestamp for as long as that timestamp is inside the
+window — never forgotten early — and at most ``max_nonces`` at once: beyond that (an authenticated peer sending more
+than about ``max_nonces / window`` requests a second) new requests are refused until old nonces age out. The reply
+is ``{body, mac}`` with the MAC over the request's nonce too, so a reply cannot be forged, nor replayed to another
+request. Without a secret the channel is unauthenticated (the lookup
 channel, an IPC socket in a private directory, needs none).
 
 Users: the lookup channel (connector/lookup.py), the prefill→decode hand-off (connector/handoff/), the transfer
@@ -31,11 +35,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import os
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,24 +93,42 @@ def unpack(
 MIN_SECRET_BYTES = 16
 _REQ, _REP = b"kvtc-req", b"kvtc-rep"
 _ENVELOPE_OVERHEAD = 256  # msgpack framing, timestamp, nonce, MAC
+_MAC_BYTES = 32  # HMAC-SHA256
+_SEALED_REQUEST = frozenset(("ts", "nonce", "body", "mac"))
+_SEALED_REPLY = frozenset(("body", "mac"))
 
 
 @dataclass
 class Auth:
     """A shared secret keying an HMAC-SHA256 on every request and reply of one channel, with replay protection.
 
-    Owns the secret and, on a server, the nonces seen within ``window_s`` (bounded; the oldest go first). Never
-    logs the secret."""
+    Owns the secret and, on a server, the nonces of requests whose timestamps are still inside ``window_s``, in
+    buckets of ``bucket_s`` seconds of timestamp: a bucket is dropped once every timestamp in it is older than the
+    window (a replay of its nonces is then refused as stale), never earlier. At most ``max_nonces`` are held: when
+    full, new requests are refused (``nonce memory full``) instead of forgetting a nonce that could still be
+    replayed. Never logs the secret."""
 
     key: bytes
     window_s: float = 30.0
     max_nonces: int = 1 << 16
-    _seen: OrderedDict = field(default_factory=OrderedDict, repr=False)
+    bucket_s: float = 1.0
+    _buckets: dict = field(default_factory=dict, repr=False)  # int(ts // bucket_s) -> set of nonces
+    _held: int = field(default=0, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) < MIN_SECRET_BYTES:
             raise ConfigError(f"a channel secret must be at least {MIN_SECRET_BYTES} bytes")
+        for name, v in (("window_s", self.window_s), ("bucket_s", self.bucket_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+                raise ConfigError(f"channel auth {name} must be a positive number of seconds, got {v!r}")
+        if isinstance(self.max_nonces, bool) or not isinstance(self.max_nonces, int) or self.max_nonces < 1:
+            raise ConfigError(f"channel auth max_nonces must be a positive integer, got {self.max_nonces!r}")
+
+    @property
+    def nonces_held(self) -> int:
+        """Nonces remembered now (at most ``max_nonces``)."""
+        return self._held
 
     def _mac(self, *parts: bytes) -> bytes:
         return hmac.new(self.key, b"".join(parts), hashlib.sha256).digest()
@@ -120,31 +142,48 @@ class Auth:
     def open_request(self, env: dict[str, Any]) -> tuple[bytes, bytes]:
         """(body, nonce) of a sealed request; TransferError naming why it is refused."""
         ts, nonce, body, mac = env.get("ts"), env.get("nonce"), env.get("body"), env.get("mac")
-        if not (isinstance(ts, float) and isinstance(nonce, bytes) and len(nonce) == 16 and isinstance(body, bytes)):
+        if (
+            not (isinstance(ts, float) and isinstance(nonce, bytes) and len(nonce) == 16 and isinstance(body, bytes))
+            or set(env) - _SEALED_REQUEST
+        ):
             raise TransferError("request not authenticated (no sealed envelope)")
-        if not isinstance(mac, bytes) or not hmac.compare_digest(
+        if not (isinstance(mac, bytes) and len(mac) == _MAC_BYTES) or not hmac.compare_digest(
             mac, self._mac(_REQ, struct.pack("<d", ts), nonce, body)
         ):
             raise TransferError("request not authenticated (wrong MAC)")
         now = time.time()
-        if abs(now - ts) > self.window_s:
+        if not math.isfinite(ts) or abs(now - ts) > self.window_s:
             raise TransferError(f"request outside the {self.window_s:g} s replay window (clock skew or a replay)")
-        with self._lock:
-            while self._seen and (
-                next(iter(self._seen.values())) < now - self.window_s or len(self._seen) >= self.max_nonces
-            ):
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                raise TransferError("request replayed (nonce seen before)")
-            self._seen[nonce] = ts
+        self._remember(nonce, ts, now)
         return body, nonce
+
+    def _remember(self, nonce: bytes, ts: float, now: float) -> None:
+        """Refuse a nonce seen with this timestamp's bucket, else hold it until the bucket leaves the window."""
+        b, key = self.bucket_s, int(ts // self.bucket_s)
+        with self._lock:
+            for k in [k for k in self._buckets if (k + 1) * b + self.window_s < now]:  # every ts in it is stale
+                self._held -= len(self._buckets.pop(k))
+            seen = self._buckets.get(key)
+            if seen is not None and nonce in seen:
+                raise TransferError("request replayed (nonce seen before)")
+            if self._held >= self.max_nonces:
+                raise TransferError(
+                    f"nonce memory full ({self.max_nonces} requests inside the {self.window_s:g} s window): "
+                    "refused until older requests age out"
+                )
+            self._buckets.setdefault(key, set()).add(nonce)
+            self._held += 1
 
     def seal_reply(self, body: bytes, nonce: bytes) -> bytes:
         return pack({"body": body, "mac": self._mac(_REP, nonce, body)})
 
     def open_reply(self, env: dict[str, Any], nonce: bytes) -> bytes:
         body, mac = env.get("body"), env.get("mac")
-        if not isinstance(body, bytes) or not isinstance(mac, bytes):
+        if (
+            not isinstance(body, bytes)
+            or not (isinstance(mac, bytes) and len(mac) == _MAC_BYTES)
+            or set(env) - _SEALED_REPLY
+        ):
             raise TransferError(f"reply not authenticated: {str(env.get('error', 'no sealed envelope'))[:200]}")
         if not hmac.compare_digest(mac, self._mac(_REP, nonce, body)):
             raise TransferError("reply not authenticated (wrong MAC)")

@@ -8,8 +8,16 @@ has a deadline. NIXL does not fsync: the disk tier does.
 
 A transfer that failed or timed out may still be running inside the backend. If NIXL does not confirm that its handle
 was released (or a registration was undone), the buffer it reads into or writes from is *quarantined*: kept alive
-for the life of the process instead of being freed, so a late completion can never write into memory that was reused
-for something else (``quarantined_bytes`` counts it).
+instead of being freed, so a late completion can never write into memory that was reused for something else
+(``quarantined_bytes`` counts it). NIXL keeps a handle it could not release valid (``release`` raises and may be
+called again), so the quarantine retries what was not confirmed — releasing the handles, undoing the registrations —
+before each later transfer, and frees a buffer once all of it succeeded (``freed``). A buffer held with nothing to
+retry stays for the life of the process. Held bytes are capped (``cap_bytes``, default 1 GiB): at the cap, new
+transfers are refused (:class:`~dynamo_kvtc.errors.TransferError`, a miss) instead of growing, so a flaky peer cannot
+leak device or host memory without bound.
+
+:class:`PeerAgent` loads at most ``max_remotes`` remote agents (least recently used unloaded first) and unloads
+metadata that named another agent than the one expected.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,17 +55,74 @@ def import_nixl():
     return nixl_agent, nixl_agent_config, errors
 
 
+QUARANTINE_CAP_BYTES = 1 << 30
+MAX_REMOTES = 256
+
+
 class Quarantine:
-    """Buffers a NIXL backend may still touch: kept alive for the life of the process, never freed or reused."""
+    """Buffers a NIXL backend may still touch: kept alive, never reused, freed only once NIXL confirms it is done.
 
-    def __init__(self) -> None:
-        self._held: list[torch.Tensor] = []
+    Each held buffer carries the NIXL calls that did not succeed (``undo``: releasing a transfer handle, undoing a
+    registration); :meth:`sweep` retries them in order and drops the buffer once every one succeeded. A buffer held
+    with no ``undo`` is never freed. Call :meth:`sweep`, :meth:`admit` and :meth:`add_undo` with the owning agent's
+    lock held (the retries call the agent)."""
+
+    def __init__(self, cap_bytes: int = QUARANTINE_CAP_BYTES) -> None:
+        if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0:
+            raise ConfigError(f"quarantine cap must be a byte count >= 0, got {cap_bytes!r}")
+        self._held: list[tuple[torch.Tensor, list[Callable[[], Any]], bool]] = []  # buf, undo steps left, freeable
         self.bytes = 0
+        self.cap_bytes = cap_bytes
+        self.freed = 0  # buffers given back after NIXL confirmed it was done with them
+        self.refused = 0  # transfers refused because the held bytes reached the cap
 
-    def hold(self, buf: torch.Tensor, why: str) -> None:
+    def hold(self, buf: torch.Tensor, why: str, undo: Sequence[Callable[[], Any]] = ()) -> None:
         log.warning("NIXL %s: its %d-byte buffer is kept alive (no late write into freed memory)", why, buf.numel())
-        self._held.append(buf)
+        self._held.append((buf, list(undo), bool(undo)))
         self.bytes += buf.numel()
+
+    def add_undo(self, buf: torch.Tensor, step: Callable[[], Any]) -> None:
+        """One more call that must succeed before ``buf`` may be freed (its owner's registration, say)."""
+        for held, steps, _ in self._held:
+            if held is buf:
+                steps.append(step)
+                return
+
+    def holds(self, buf: torch.Tensor) -> bool:
+        return any(held is buf for held, _, _ in self._held)
+
+    def sweep(self) -> int:
+        """Retry what NIXL did not confirm; free the buffers it now confirms. Returns the buffers freed."""
+        keep, freed = [], 0
+        for buf, steps, freeable in self._held:
+            while freeable and steps:
+                try:
+                    steps[0]()
+                except Exception:  # noqa: BLE001 - NIXL's errors share no base; not confirmed yet: keep it
+                    break
+                steps.pop(0)
+            if freeable and not steps:
+                self.bytes -= buf.numel()
+                freed += 1
+            else:
+                keep.append((buf, steps, freeable))
+        self._held = keep
+        if freed:
+            self.freed += freed
+            log.info("NIXL confirmed %d quarantined buffer(s) released; freed (%d bytes still held)", freed, self.bytes)
+        return freed
+
+    def admit(self) -> None:
+        """Before a new transfer: sweep, then refuse it (TransferError, a miss) while the held bytes are at the cap."""
+        if not self._held:
+            return
+        self.sweep()
+        if self._held and self.bytes >= self.cap_bytes:
+            self.refused += 1
+            raise TransferError(
+                f"{self.bytes} bytes of NIXL buffers are quarantined (cap {self.cap_bytes}): transfers refused "
+                "until NIXL confirms earlier ones finished"
+            )
 
     @property
     def count(self) -> int:
@@ -83,7 +149,9 @@ def transfer(
     If NIXL cannot confirm the backend is finished with ``buf`` (handle not released, a registration not undone),
     ``buf`` goes to ``quarantine``. (:func:`read_ranges` waits on several at once under the same rules.)"""
     unsafe = False  # True while the backend may still touch ``buf``
+    undo: list[Callable[[], Any]] = []  # what NIXL did not confirm: retried by the quarantine
     try:
+        quarantine.admit()
         if local is None or remote is None:
             raise TransferError("NIXL rejected the transfer descriptors")
         h = agent.initialize_xfer(op, local, remote, peer)
@@ -105,6 +173,7 @@ def transfer(
                 unsafe = False  # released: the backend is done with the buffer
             except errors:
                 log.warning("NIXL could not release a %s handle", op)
+                undo.append(lambda h=h: agent.release_xfer_handle(h))
     except errors as e:
         raise TransferError(f"NIXL {op} failed: {type(e).__name__}: {e}") from e
     finally:
@@ -114,8 +183,9 @@ def transfer(
             except errors:  # cleanup must not hide the real error
                 log.warning("NIXL deregistration failed")
                 unsafe = True
+                undo.append(lambda reg=reg: agent.deregister_memory(reg))
         if unsafe:
-            quarantine.hold(buf, f"{op} not confirmed finished")
+            quarantine.hold(buf, f"{op} not confirmed finished", undo)
 
 
 class TokenBucket:
@@ -260,6 +330,7 @@ def read_ranges(
 
     try:
         with agent.lock:
+            quarantine.admit()
             for lp, rp in ranges:
                 ld, rd = a.get_xfer_descs(list(lp), local_mem), a.get_xfer_descs(list(rp), remote_mem)
                 if ld is None or rd is None:
@@ -282,6 +353,7 @@ def read_ranges(
         raise TransferError(f"NIXL READ failed: {type(e).__name__}: {e}") from e
     finally:
         unsafe = False  # a posted READ not confirmed done whose handle could not be released: it may still write
+        undo: list[Callable[[], Any]] = []
         with agent.lock:
             for i, h in enumerate(handles):
                 try:
@@ -289,37 +361,63 @@ def read_ranges(
                 except errors:
                     log.warning("NIXL could not release a READ handle")
                     unsafe = unsafe or (i < len(states) and states[i] not in (None, "DONE"))
-        if unsafe:
-            quarantine.hold(buf, "READ not confirmed finished")
+                    undo.append(lambda h=h: a.release_xfer_handle(h))
+            if unsafe:
+                quarantine.hold(buf, "READ not confirmed finished", undo)
 
 
 class PeerAgent:
-    """A NIXL agent on a network backend (UCX) plus the set of remote agents it has loaded.
+    """A NIXL agent on a network backend (UCX) plus the remote agents it has loaded.
 
-    Owns the agent; ``lock`` serialises its use (NIXL agents are not thread-safe). A peer's metadata is loaded once
-    and must name the agent the peer says it is."""
+    Owns the agent; ``lock`` serialises its use (NIXL agents are not thread-safe; call :meth:`add_remote` and
+    :meth:`forget` with it held). A peer's metadata is loaded once and must name the agent the peer says it is
+    (metadata naming another, unknown agent is unloaded again); at most ``max_remotes`` are kept loaded, the least
+    recently used unloaded first (every new peer, e.g. each restart of a prefill worker, is a new agent name)."""
 
-    def __init__(self, backend: str, prefix: str) -> None:
+    def __init__(self, backend: str, prefix: str, max_remotes: int = MAX_REMOTES) -> None:
         nixl_agent, nixl_agent_config, self.errors = import_nixl()
         self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
         except self.errors + (RuntimeError,) as e:
             raise TransferError(f"NIXL {backend} backend unavailable: {type(e).__name__}: {e}") from e
-        self._remotes: set[str] = set()
+        self._remotes: OrderedDict[str, None] = OrderedDict()
+        self.max_remotes = max(1, max_remotes)
         self.lock = threading.Lock()
 
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
 
+    @property
+    def remotes(self) -> list[str]:
+        """Remote agents loaded now, least recently used first."""
+        return list(self._remotes)
+
     def add_remote(self, name: str, md: bytes) -> None:
         if name in self._remotes:
+            self._remotes.move_to_end(name)
             return
         got = self.agent.add_remote_agent(md)
         got = got.decode() if isinstance(got, bytes) else str(got)
         if got != name:
-            raise TransferError(f"NIXL peer metadata names agent {got!r}, expected {name!r}")
-        self._remotes.add(name)
+            if got not in self._remotes:  # loaded under a name nobody vouched for: not kept
+                self._unload(got)
+            raise TransferError(f"NIXL peer metadata names agent {got[:256]!r}, expected {name!r}")
+        self._remotes[name] = None
+        while len(self._remotes) > self.max_remotes:
+            self._unload(self._remotes.popitem(last=False)[0])
+
+    def forget(self, name: str) -> None:
+        """Unload a remote agent (a peer that failed): its metadata is loaded afresh if it is asked for again."""
+        if name in self._remotes:
+            del self._remotes[name]
+            self._unload(name)
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except self.errors as e:
+            log.warning("NIXL could not unload remote agent %.256s: %s", name, e)
 
 
 class NixlFiles:
@@ -354,11 +452,14 @@ class NixlFiles:
                 local = a.get_xfer_descs([(buf.data_ptr(), nbytes, 0)], "DRAM")
                 remote = a.get_xfer_descs([(offset, nbytes, fd)], "FILE")
             except self.errors as e:
+                undo: list[Callable[[], Any]] = []
                 for reg in reversed(regs):
                     try:
                         a.deregister_memory(reg)
                     except self.errors:
-                        self.quarantine.hold(buf, f"{op} registration not undone")
+                        undo.append(lambda reg=reg: a.deregister_memory(reg))
+                if undo:
+                    self.quarantine.hold(buf, f"{op} registration not undone", undo)
                 raise TransferError(f"NIXL {op} failed: {type(e).__name__}: {e}") from e
             transfer(
                 a,

@@ -3,8 +3,8 @@
 Invariants: ``tiers.channel.unpack`` under the hand-off's and the lookup's limits returns a dict or raises
 ``TransferError``; a fetch request is accepted by ``handoff.messages.check_fetch`` only when well-formed; a fetch
 reply either is refused by ``handoff.messages.plan_reply`` with ``TransferError`` or yields runs that tile exactly
-the requested blocks, name them in the blob metadata, and whose descriptors add up to each blob's size. Nothing else
-escapes.
+the requested blocks, name them in the blob metadata, keep (``meta``) only the requested hashes, and whose
+descriptors add up to each blob's size. Nothing else escapes.
 """
 
 import sys
@@ -42,8 +42,9 @@ def TestOneInput(data: bytes) -> None:
         except TransferError:
             continue
         j = offset = 0
-        for r in runs:
-            assert r.at == j and r.meta["hashes"][r.first : r.first + r.count] == REQUESTED[j : j + r.count]
+        for r, b in zip(runs, msg["blobs"]):
+            assert r.at == j and b["meta"]["hashes"][r.first : r.first + r.count] == REQUESTED[j : j + r.count]
+            assert r.meta is None or (r.meta["hashes"] == REQUESTED[j : j + r.count] and r.first == 0)  # kept: ours
             assert r.size > 0 and r.offset == offset
             j += r.count
             offset += r.size

@@ -36,6 +36,7 @@ from .staging import RecvBuffer, memory_device
 from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
+MAX_PEERS = 64  # control-channel clients kept open (request params name the peer: any client can name a new one)
 
 
 def _meta(d: dict) -> BlobMeta | None:
@@ -97,13 +98,16 @@ class HandoffClient:
 
     def _channel(self, host: str, port: int) -> ReqClient:
         with self._lock:
-            ch = self._peers.get((host, port))
+            ch = self._peers.pop((host, port), None)
             if ch is None:
                 ch = ReqClient(
                     f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth
                 )
-                self._peers[(host, port)] = ch
-            return ch
+            self._peers[(host, port)] = ch  # most recently used last; the least recently used beyond MAX_PEERS go
+            old = [self._peers.pop(next(iter(self._peers))) for _ in range(len(self._peers) - MAX_PEERS)]
+        for c in old:  # outside the lock: closing waits for a request in flight on it
+            c.close()
+        return ch
 
     def fetch(self, host: str, port: int, hashes: list[int]) -> list[BlobRun]:
         """The blob runs covering ``hashes`` from the prefill worker at ``host:port``, returned once the READs are
@@ -170,6 +174,7 @@ class HandoffClient:
                 self.agent.add_remote(peer, md)
             except self.agent.errors as e:
                 raise TransferError(f"NIXL could not load the peer's metadata: {type(e).__name__}: {e}") from e
+            self.quarantine.admit()  # a miss while too many bytes are quarantined, before a fresh buffer is taken
             buf = self.recv.get(total)
         parts = [range_descs(runs, a, buf.data_ptr(), self.recv.dev, rdev) for a in range(len(runs[0].ranges))]
         arrival = GroupArrival(len(parts), len(runs), self.cfg.transfer_timeout_s)
@@ -224,13 +229,14 @@ class HandoffClient:
     def _guarded(self, into: torch.Tensor, read: Any, *args: Any, **kw: Any) -> None:
         """Run a READ into ``into``; if it fails, the receive buffer is never reused: quarantined (the backend may
         still write into it) or deregistered (a stale or refused registration must not fail every later fetch)."""
-        held = self.quarantine.count
         try:
             read(*args, **kw)
         except TransferError:
             with self.agent.lock:
                 if self.recv.buf is into:
-                    if self.quarantine.count > held:
+                    if self.quarantine.holds(into):  # freed once NIXL confirms the READ and the registration undone
+                        reg, agent = self.recv.registration, self.agent.agent
+                        self.quarantine.add_undo(into, lambda: agent.deregister_memory(reg))
                         self.recv.forget()
                     else:
                         self.recv.reset()

@@ -21,6 +21,15 @@ at most ``MAX_FETCH_BYTES`` in all, runs that tile the requested blocks exactly 
 that tile each blob. The ranges only say when to READ what: the restore reads a group only after every range up to
 the one holding its last byte landed, so ranges that lie cost a recompute (the CRCs and header checks), never wrong
 KV or a byte outside the receive buffer.
+
+What the decode side may *keep* of a peer's blob (``PlannedRun.meta``, which the store adopts into its index for the
+next turn) is rebuilt here, never taken from the peer: the hashes are exactly the requested ones the run covers
+(``hashes[at : at + count]``), the id is derived from them as the offloader derives its own (first and last hash), the
+stored size is the run's checked size, and the other fields are type- and range-checked. A run that starts inside its
+blob (``first > 0``) is not kept at all (its blocks could not be indexed at their positions without the ones before,
+which nobody asked for), nor is one whose metadata is malformed; both still restore. A run whose blob holds more blocks
+after the requested ones is kept under the requested hashes only: the blob's extra blocks are never indexed, so a peer
+cannot plant KV under hashes this side did not ask for.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ MAX_FETCH_BLOCKS = 1 << 16  # 1M tokens at block size 16
 MAX_FETCH_BYTES = MAX_MESSAGE * 64  # 1 GiB of compressed blobs for one prompt
 MAX_AGENT_MD = 1 << 22
 MAX_RANGES = 1024  # byte ranges per blob (one per layer group)
+MAX_BLOB_BLOCKS = 1 << 16  # blocks one blob's metadata may name
 LIMITS = Limits(max_message=MAX_MESSAGE, max_str=1 << 16, max_bin=MAX_AGENT_MD, max_array=1 << 20, max_map=64)
 PEER_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
@@ -95,7 +105,7 @@ class PlannedRun:
     first: int
     count: int
     at: int
-    meta: dict[str, Any]
+    meta: dict[str, Any] | None  # what this side may keep of the blob (see the module doc), None: nothing
     descs: tuple[tuple[int, int], ...] = ()  # the staged bytes in the peer's memory, in blob order
     ranges: tuple[int, ...] = ()  # where each byte range ends in the blob (the last: size)
 
@@ -118,7 +128,10 @@ def _check_run(b: Any, hashes: list[int], at: int) -> tuple[int, int, int, dict[
     ):
         raise TransferError("fetch reply runs do not tile the requested blocks in order")
     held = meta.get("hashes") if isinstance(meta, dict) else None
-    if not isinstance(held, list) or held[first : first + count] != hashes[j : j + count]:
+    if (
+        not (isinstance(held, list) and len(held) <= MAX_BLOB_BLOCKS and hashes_ok(held))
+        or held[first : first + count] != hashes[j : j + count]
+    ):
         raise TransferError(f"fetch reply blob for blocks {j}..{j + count - 1} holds other blocks")
     if not isinstance(descs, list) or not 0 < len(descs) <= 1 << 16:
         raise TransferError("malformed fetch reply: descriptors")
@@ -128,6 +141,33 @@ def _check_run(b: Any, hashes: list[int], at: int) -> tuple[int, int, int, dict[
     if sum(d[1] for d in descs) != size:
         raise TransferError("fetch reply descriptors do not add up to the blob size")
     return size, first, count, meta, descs
+
+
+def _finite(v: Any, lo: float, hi: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi  # NaN and inf fail the range
+
+
+def kept_meta(meta: dict[str, Any], first: int, mine: list[int], size: int) -> dict[str, Any] | None:
+    """The metadata under which this side may keep a peer's blob whose blocks ``first ..`` are the requested hashes
+    ``mine`` (already checked against the blob's own list): those hashes only, an id derived from them, the checked
+    size; None when the run starts inside the blob or a field is malformed (the blob is then used, not kept)."""
+    bs, pos, ratio, cal, raw = (meta.get(k) for k in ("block_size", "first_position", "ratio", "cal", "raw_bytes"))
+    if first != 0 or not mine:
+        return None
+    if not (_whole(bs, 1, 1 << 20) and _whole(pos, 0, 1 << 48) and _whole(raw, 0, 1 << 48)):
+        return None
+    if not (ratio is None or _finite(ratio, 1e-3, 1e6)) or not (isinstance(cal, str) and 0 < len(cal) <= 256):
+        return None
+    return {
+        "id": f"{mine[0]:016x}{mine[-1]:016x}",
+        "hashes": list(mine),
+        "block_size": bs,
+        "first_position": pos,
+        "ratio": None if ratio is None else float(ratio),
+        "cal": cal,
+        "raw_bytes": raw,
+        "stored_bytes": size,
+    }
 
 
 def _ranges(b: dict[str, Any], size: int) -> tuple[int, ...]:
@@ -155,7 +195,8 @@ def plan_reply(reply: dict[str, Any], hashes: list[int]) -> tuple[list[PlannedRu
         size, first, count, meta, descs = _check_run(b, hashes, at)
         ends = _ranges(b, size)
         remote.extend((addr, n, 0) for addr, n in descs)
-        runs.append(PlannedRun(total, size, first, count, at, meta, tuple((a, n) for a, n in descs), ends))
+        kept = kept_meta(meta, first, hashes[at : at + count], size)
+        runs.append(PlannedRun(total, size, first, count, at, kept, tuple((a, n) for a, n in descs), ends))
         total += size
         at += count
         if total > MAX_FETCH_BYTES:

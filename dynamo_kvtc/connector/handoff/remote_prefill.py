@@ -29,8 +29,15 @@ from typing import Any
 from ..config import ConnectorConfig
 from ..step_plan import LoadOp
 from .link_choice import COMPRESSED, RAW, LinkPolicy
+from .params import HandoffParams, check, parse
 
 log = logging.getLogger(__name__)
+REFUSED = "refused"  # kvtc_choice of a request whose hand-off params are malformed: never fetched from a peer
+
+
+def _params_of(request: Any) -> dict[str, Any]:
+    p = getattr(request, "kv_transfer_params", None)
+    return p if isinstance(p, dict) else {}
 
 
 class RemotePrefill:
@@ -63,50 +70,56 @@ class RemotePrefill:
 
     def applies(self, request: Any) -> bool:
         """Decode side: this request's prompt KV is to be fetched, compressed, from a prefill peer."""
-        p = getattr(request, "kv_transfer_params", None) or {}
+        p = _params_of(request)
         if not (self.cfg.transfer == "decode" and bool(p.get("do_remote_prefill")) and "kvtc_port" in p):
             return False
+        hp = None if p.get("kvtc_choice") == REFUSED else parse(p, getattr(request, "request_id", "?"))
+        if hp is None:  # malformed (counted and logged once): the local tiers or a recompute, never an exception
+            p["kvtc_choice"] = REFUSED
+            return False
         if "kvtc_choice" not in p:
-            p["kvtc_choice"] = self._choose(p)
+            p["kvtc_choice"] = self._choose(p, hp)
         return p["kvtc_choice"] == COMPRESSED
 
     def declined(self, request: Any) -> bool:
         """Decode side: an offer :meth:`applies` left to NixlConnector (raw); the scheduler should then claim no
         tokens for the request at all, so NixlConnector is the connector MultiConnector assigns it to."""
-        p = getattr(request, "kv_transfer_params", None) or {}
+        p = _params_of(request)
         return self.cfg.transfer == "decode" and p.get("kvtc_choice") == RAW
 
-    def _choose(self, p: dict[str, Any]) -> str:
+    def _choose(self, p: dict[str, Any], hp: HandoffParams) -> str:
         """``compressed`` unless the policy is on, a raw offer (NixlConnector's ``remote_block_ids``) is there too,
         the KV size is known and the link estimate says raw arrives sooner."""
         if self.choice_mode != "policy" or self.link is None or not self.kv_bytes_per_token:
             return COMPRESSED
         if not p.get("remote_block_ids"):
             return COMPRESSED  # no raw alternative: the compressed fetch or a recompute
-        tokens = int(p.get("kvtc_blocks", 0)) * self.block_size
+        tokens = hp.blocks * self.block_size
         raw = tokens * self.kv_bytes_per_token
         window = min(tokens, self.cfg.tiers.window) * self.kv_bytes_per_token
         compressed = int((raw - window) / self.cfg.tiers.ratio) + window
-        return self.link.choose(f"{p['kvtc_host']}:{p['kvtc_port']}", raw, compressed).choice
+        return self.link.choose(f"{hp.host}:{hp.port}", raw, compressed).choice
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """(tokens the peer provides beyond ``num_computed_tokens``, asynchronous) — always asynchronous."""
-        prompt = request.prompt_token_ids or []
-        n = min((len(prompt) - 1) // self.block_size, int(request.kv_transfer_params.get("kvtc_blocks", 0)))
+        prompt, hp = request.prompt_token_ids or [], check(_params_of(request))
+        n = min((len(prompt) - 1) // self.block_size, hp.blocks if isinstance(hp, HandoffParams) else 0)
         ext = n * self.block_size - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 
     def load(self, request: Any, hashes: list[int], block_ids: list[int]) -> LoadOp:
         """The fetch-and-restore of ``hashes`` into ``block_ids``; consumes the request's remote-prefill flag so a
         preemption later recomputes instead of fetching again."""
-        p = request.kv_transfer_params
-        op = LoadOp(request.request_id, hashes, block_ids, True, remote=(str(p["kvtc_host"]), int(p["kvtc_port"])))
+        p, hp = request.kv_transfer_params, check(_params_of(request))
+        if not isinstance(hp, HandoffParams):  # applies() refused these already: not reached
+            raise ValueError(f"request {request.request_id}: malformed hand-off params ({hp})")
+        op = LoadOp(request.request_id, hashes, block_ids, True, remote=(hp.host, hp.port))
         p["do_remote_prefill"] = False
         return op
 
     def handoff_params(self, request: Any) -> dict[str, Any] | None:
         """Prefill side: the ``kv_transfer_params`` that tell the decode side where to fetch this prompt, or None."""
-        p = getattr(request, "kv_transfer_params", None) or {}
+        p = _params_of(request)
         if self.cfg.transfer != "prefill" or not p.get("do_remote_decode"):
             return None
         n = (request.num_prompt_tokens - 1) // self.block_size

