@@ -1,6 +1,6 @@
 """The hand-off streamed layer group by layer group (issue 17): the prefill side says where each layer group's bytes
 end in each blob, the decode side READs range a of every blob in one transfer, a = 0, 1, ..., and the fused restore
-decodes group g as soon as its ranges landed (:class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob`), reading the
+decodes group g as soon as its ranges landed (:class:`~dynamo_kvtc.transport.arriving.ArrivingView`), reading the
 receive buffer in place.
 
 - RestoreJob (CPU, the fused pipeline's torch stages): layer 0 comes out while group 1's bytes are still garbage in
@@ -25,8 +25,8 @@ import torch
 
 from dynamo_kvtc import KvtcCodec, calibrate
 from dynamo_kvtc.codec.container import parse_blob
-from dynamo_kvtc.codec.gpu.restore import ArrivingBlob
 from dynamo_kvtc.errors import InputError, TransferError
+from dynamo_kvtc.transport.arriving import ArrivingView
 
 nixl = pytest.importorskip("nixl_cu13")
 
@@ -120,7 +120,7 @@ def _group0_landed(blobs, ends=None, device="cpu"):
     arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
     _land(buf, offs, blobs, ends, 0)
     arrival.landed(0)
-    return buf, offs, ends, arrival, [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
+    return buf, offs, ends, arrival, [ArrivingView(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
 
 
 def _plain(codec, blobs, parts, device="cpu"):
@@ -143,7 +143,7 @@ def test_group_ends_tile_each_blob_by_layer_group(synth, cal2):
         assert min(r.offset for r in recs if r.name.startswith("1.")) == ends[0]
     assert group_ends(b"not a blob") is None
     with pytest.raises(InputError):
-        ArrivingBlob(torch.zeros(10, dtype=torch.uint8), 0, 10, None, [5, 5, 10])
+        ArrivingView(torch.zeros(10, dtype=torch.uint8), 0, 10, None, [5, 5, 10])
 
 
 def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
@@ -168,10 +168,10 @@ def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
 
 def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
     """With the fused path off (e.g. turned off mid-restore) the reference decoder gets an arriving blob through
-    ``spans.host_bytes``: it waits for every range, copies the blob out and releases the receive buffer."""
+    ``BlobView.host``: it waits for every range, copies the blob out and releases the receive buffer."""
     import threading
 
-    from dynamo_kvtc.codec.spans import host_bytes
+    from dynamo_kvtc.codec.blob import BlobView
 
     codec = _codec(cal2)
     _, blobs = _blobs(synth, codec)
@@ -181,14 +181,14 @@ def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
         _land(buf, offs, blobs, ends, 1)
         arrival.landed(1)
 
-    threading.Timer(0.2, land_rest).start()  # the second range lands while host_bytes waits for it
-    got = [bytes(host_bytes(x)) for x in srcs]
+    threading.Timer(0.2, land_rest).start()  # the second range lands while BlobView.host waits for it
+    got = [bytes(x.host()) for x in srcs]
     assert got == [bytes(b) for b in blobs] and arrival.is_consumed
     ref = KvtcCodec(cal2, ratio=8, device="cpu", fused=False, window=32)
     k, _ = ref.decode(got[0])
     assert torch.isfinite(k.float()).all()
     t = torch.frombuffer(bytearray(blobs[1]), dtype=torch.uint8)
-    assert bytes(host_bytes((t, 0, len(blobs[1])))) == bytes(blobs[1])  # a host tensor: a view, as before
+    assert bytes(BlobView.of((t, 0, len(blobs[1]))).host()) == bytes(blobs[1])  # a host tensor: a view, as before
 
 
 def test_a_reader_failing_between_ranges_fails_after_group_zero(synth, cal2):

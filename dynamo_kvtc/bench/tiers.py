@@ -111,6 +111,7 @@ class TierBench:
     def codec_restore_s(self, store) -> float:
         """Reference for the tier path: the codec's own restore of the same blobs (the last repetition's), handed
         over in pinned host memory, through the same sink; median of ``repeat`` after a warm-up."""
+        from ..codec.blob import BlobView
         from ..codec.spans import RestoreRun, SpanCoder
 
         runs = store.export(self.last_hashes)
@@ -120,7 +121,7 @@ class TierBench:
         bs = self.args.block_size
         for r in runs:
             buf[at : at + len(r.blob)] = torch.frombuffer(bytearray(r.blob), dtype=torch.uint8)
-            specs.append((RestoreRun((buf, at, len(r.blob)), r.first * bs, r.count * bs), r.at * bs))
+            specs.append((RestoreRun(BlobView(buf, at, len(r.blob)), r.first * bs, r.count * bs), r.at * bs))
             at += len(r.blob)
         coder = SpanCoder(store.default_codec())
         times = []

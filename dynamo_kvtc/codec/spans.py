@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import DecodeError, KvtcError, TierError
+from .blob import BlobView
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,11 +58,16 @@ class EncodeSpan:
 @dataclass
 class RestoreRun:
     """Tokens ``start .. start + tokens`` of ``blob`` to restore; ``blocks``: the destination blocks of those tokens
-    (one per ``block_size`` tokens) when restoring into a :class:`PagedView`. ``blob`` is bytes-like, or
-    ``(tensor, offset, length)`` over a CPU uint8 tensor (read in place; pinned: copied to the device asynchronously,
-    so the caller keeps those bytes unchanged until the restore finished)."""
+    (one per ``block_size`` tokens) when restoring into a :class:`PagedView`. ``blob``: a
+    :class:`~dynamo_kvtc.codec.blob.BlobView` (or what :meth:`BlobView.of` takes), read in place where it lies
+    (pinned host memory: copied to the device asynchronously, so the caller keeps those bytes unchanged until the
+    restore finished)."""
 
     blob: Any
+
+    def __post_init__(self) -> None:
+        self.blob = BlobView.of(self.blob)
+
     start: int
     tokens: int
     blocks: Sequence[int] | None = None
@@ -74,21 +80,6 @@ class Encoded:
 
     blobs: Iterable[bytes]
     fused: bool
-
-
-def host_bytes(blob: Any) -> Any:
-    """A bytes-like view of a blob given as bytes or as ``(tensor, offset, length)`` (no copy from host memory).
-    A blob still landing (a hand-off's arriving blob: it has ``settle``) is waited for and copied out; one in device
-    memory is copied to the host (the reference path's input, e.g. after the fused path was turned off)."""
-    settle = getattr(blob, "settle", None)
-    if callable(settle):
-        return settle()
-    if isinstance(blob, tuple):
-        t, off, n = blob
-        if t.device.type != "cpu":
-            return t[off : off + n].cpu().numpy().tobytes()
-        return memoryview(t.numpy())[off : off + n]
-    return blob
 
 
 class SpanCoder:
@@ -237,11 +228,9 @@ class SpanRestore:
         gens, ranges = [], []
         for i, r in enumerate(self.runs):
             try:
-                gens.append(self.codec.decode_layers(host_bytes(r.blob)))  # validates the whole blob
+                gens.append(self.codec.decode_layers(r.blob.host()))  # validates the whole blob
                 # per-layer token sets: each layer holds only tokens [start, stop) of its blob
-                ranges.append(
-                    self.codec.layer_ranges(host_bytes(r.blob)) if getattr(self.codec, "token_sets", False) else None
-                )
+                ranges.append(self.codec.layer_ranges(r.blob.host()) if self.codec.token_sets else None)
             except DecodeError as e:
                 self.bad(i, e)
                 raise
