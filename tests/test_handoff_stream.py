@@ -25,6 +25,7 @@ import torch
 
 from dynamo_kvtc import KvtcCodec, calibrate
 from dynamo_kvtc.codec.container import parse_blob
+from dynamo_kvtc.codec.options import CodecOptions
 from dynamo_kvtc.errors import InputError, TransferError
 from dynamo_kvtc.transport.arriving import ArrivingView
 
@@ -59,10 +60,8 @@ from dynamo_kvtc.transport.nixl_io import TokenBucket  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _fused(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED", "force")  # the fused restore (torch stages on the CPU) reads the ranges
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
+# the fused restore (torch stages on the CPU) reads the ranges; a failing fast path must fail the test, not fall back
+FORCE = CodecOptions(fused="force", fused_strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +71,8 @@ def cal2(synth):
 
 
 def _codec(cal, device="cpu"):
-    c = KvtcCodec(cal, ratio=8, device=device, fused=True, window=32, tag="deflate" if device == "cpu" else "store")
-    if device == "cpu":
-        from dynamo_kvtc.codec.gpu import FusedCodec
-
-        c._fused = FusedCodec(c, ops="torch")
-    return c
+    tag = "deflate" if device == "cpu" else "store"
+    return KvtcCodec(cal, ratio=8, device=device, fused=True, window=32, tag=tag, options=FORCE)
 
 
 def _blobs(synth, codec, device="cpu", lens=(300, 200)):
@@ -294,7 +289,8 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
     the fused restore gathers each group from the receive buffer device to device."""
     if device == "cuda" and not CUDA:
         pytest.skip("needs CUDA")
-    dst = KvtcStore(world2.cal, tier_config(True, 64 << 20), block_size=BS, span_tokens=SPAN, device=device)
+    cfg = tier_config(True, 64 << 20, codec=FORCE)
+    dst = KvtcStore(world2.cal, cfg, block_size=BS, span_tokens=SPAN, device=device)
     expect = Expect(world2, True)
     try:
         with in_process_peers(world2, device, seqs=2) as (srv, client, seqs):
@@ -317,7 +313,7 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
 
 @pytest.mark.parametrize("lie", RANGE_LIES)
 def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         liar = lambda cfg, s, device: lying_server(cfg, s, lie, device)  # noqa: E731
         with in_process_peers(world2, server=liar, seqs=2) as (srv, client, seqs):
@@ -336,7 +332,7 @@ def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
 def test_range_reads_are_posted_one_after_another(world2):
     """Posted together, the group READs share the link and group 0 lands with the last (the H200 run of
     2026-12-02): each READ is posted only once the one before it is done, and every range is read."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             real, posted, done, early = client.agent.agent, [], set(), []
@@ -374,7 +370,7 @@ def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
     """The range READs are posted in order; the second one errs, stalls past the deadline or is refused when
     posted: the restore fails (recompute), nothing is quarantined (every handle released), the lease is released,
     and the next fetch restores exactly."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             fa = FaultyAgent(client.agent.agent)
@@ -403,7 +399,7 @@ def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
 
 def test_peer_killed_between_range_reads_is_a_recompute(world2):
     """On an emulated link the range READs go one after another: the prefill process dies once range 0 landed."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     peer = PeerProcess(world2, 2, 1.5)
     client = HandoffClient(ConnectorConfig(transfer_timeout_s=1.5), pace=TokenBucket(1.0, chunk_bytes=1 << 16))
     expect = Expect(world2, True)

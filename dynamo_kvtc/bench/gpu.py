@@ -335,7 +335,7 @@ def _results_header(args, dev: torch.device) -> dict[str, Any]:
         "benchmark": "gpu",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
         "machine": machine(),
-        "fused": fused_status(dev),
+        "fused": fused_status(dev, settings.env_value("projection")),
         "settings": {
             "ratio": args.ratio, "tag": args.tag, "block_size": args.block_size, "repeat": args.repeat,
             "sinks": 4, "window": 128, "synthetic_spectrum": f"i^-{ALPHA}", "rank_cap": RANK_CAP,
@@ -455,11 +455,9 @@ def _optional_parts(results: dict, ctx: dict, cal_last, primary: str, configs, a
 
 
 def run_bench_gpu(args) -> int:
-    from ..codec.gpu import default_gpu_tag
-
     dev = _select_device(args)
     budget = Budget(args.budget_s, tuple(getattr(args, "skip", None) or ()))
-    args.tag = args.tag or default_gpu_tag()
+    args.tag = args.tag or settings.env_value("gpu_entropy")
     shapes, configs = _parse(args)
     results = _results_header(args, dev)
     ctx = _context(results, dev, shapes, configs)

@@ -137,9 +137,9 @@ def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
     best = min(ok, key=lambda k: t[k]["restore_all_layers_gpu_ms"])
     out["rule"] = "fastest restore among codecs whose stored size is within 5% of Deflate's"
     out["chosen"] = best
-    from ..codec.gpu import default_gpu_tag
+    from .. import settings
 
-    out["current_default"] = default_gpu_tag()
+    out["current_default"] = settings.env_value("gpu_entropy")
     out["default_confirmed"] = best == out["current_default"]
     return out
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from .. import settings
+from ..codec.options import CodecOptions
 from ..errors import ConfigError
 from ..settings import GB
 
@@ -24,7 +25,7 @@ _FLOATS = ("ratio", "max_ratio", "pressure_high", "nixl_timeout_s")
 _d = settings.default  # field defaults are the table's
 RATIO_POLICIES = ("fixed", "raw_first", "raw")
 
-__all__ = ["GB", "TierConfig"]
+__all__ = ["GB", "TierConfig", "codec_options"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class TierConfig:
     sinks: int = _d("sinks")
     nixl_timeout_s: float = _d("nixl_timeout_s")
     ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room) | raw
+    codec: CodecOptions = field(default_factory=CodecOptions)  # how the codec runs (process-wide settings)
 
     def __post_init__(self) -> None:
         for name in _INTS:
@@ -95,6 +97,7 @@ class TierConfig:
         if bad:
             raise ConfigError(f"unknown tier settings: {sorted(bad)}")
         kw = settings.resolve("tier", None, env)
+        kw["codec"] = codec_options(env)
         try:
             return cls(**{**kw, **overrides})
         except ConfigError as e:  # name the variable a bad value came from
@@ -103,3 +106,12 @@ class TierConfig:
 
     def with_(self, **kw: Any) -> TierConfig:
         return replace(self, **kw)
+
+
+def codec_options(env: Mapping[str, str] | None = None) -> CodecOptions:
+    """The process-wide codec settings (``DYN_KVTC_FUSED``, ``_FUSED_STRICT``, ``_PROJECTION``, ``_GPU_ENTROPY``;
+    ``os.environ`` when ``env`` is None) as :class:`~dynamo_kvtc.codec.options.CodecOptions`. An unset
+    ``gpu_entropy`` stays None (a store with a disk tier then writes Deflate)."""
+    kw = settings.resolve(["fused", "fused_strict", "projection"], None, env)
+    gpu = settings.env_value("gpu_entropy", env) if settings.env_is_set("gpu_entropy", env) else None
+    return CodecOptions(gpu_entropy=gpu, **kw)

@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
+from ..codec.base import Codec, PagedView, RestoreRun
 from ..codec.blob import BlobView
-from ..codec.kvtc import KvtcCodec
-from ..codec.spans import PagedView, RestoreRun, SpanCoder
 from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
 from .host import HostLease
@@ -110,7 +109,7 @@ class Restorer:
 
     Owns the onboard worker (one thread) and its CUDA stream. Blobs come from the tiers (through :class:`Placement`,
     which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration are then kept here
-    too). Decoding goes through :class:`SpanCoder`: every blob is fully verified before the first layer is written,
+    too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first layer is written,
     a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never raised
     into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
 
@@ -121,7 +120,7 @@ class Restorer:
         kv: PagedKV | None,
         index: BlockIndex,
         placement: Placement,
-        decoder: Callable[[], KvtcCodec],
+        decoder: Callable[[], Codec],
         block_size: int,
         device: torch.device,
         stats: Counter[str],
@@ -288,7 +287,7 @@ class Restorer:
         return runs, ids, tiers
 
     def _write_layers(
-        self, decoder: KvtcCodec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
+        self, decoder: Codec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
     ) -> None:
         """Decode every run (all verified first) and write each layer, in order (call on the onboard stream)."""
         bs = self.block_size
@@ -306,7 +305,7 @@ class Restorer:
             )
             for r in runs
         ]
-        restore = SpanCoder(decoder).restore(specs, paged=paged, bad=bad)
+        restore = decoder.restore(specs, paged=paged, bad=bad)
         for layer, parts in restore:
             for r, (k, v) in zip(runs, parts or ()):
                 if sink is not None:

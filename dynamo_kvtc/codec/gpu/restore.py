@@ -48,7 +48,7 @@ from .clock import Clock
 from .ops import ALIGN, align, device_tensor
 
 if TYPE_CHECKING:
-    from .fused import FusedCodec
+    from .device import FusedDevice
 
 VERIFY_MODES = ("device", "eager")
 
@@ -88,7 +88,7 @@ class RestoreJob:
     CorruptBlobError for a corrupt section and reports timings. It never writes outside the destination rows it is
     given, and never writes them at all unless every section of every blob passed its CRC."""
 
-    def __init__(self, fc: FusedCodec, blobs: Sequence[Any], verify: str = "device") -> None:
+    def __init__(self, fc: FusedDevice, blobs: Sequence[Any], verify: str = "device") -> None:
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.fc, self.verify = fc, verify
