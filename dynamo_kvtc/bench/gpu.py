@@ -35,7 +35,15 @@ import torch
 from .. import settings
 from ..errors import ConfigError
 from . import gpu_timing as gt
-from .gpu_checks import accuracy_check, codec_choice, cpu_path, measure_ceilings, nvcomp_sync_check, overlap_check
+from .gpu_checks import (
+    accuracy_check,
+    codec_choice,
+    cpu_path,
+    measure_ceilings,
+    nvcomp_sync_check,
+    overlap_check,
+    projection,
+)
 from .gpu_model import (
     ALPHA,
     MODELS,
@@ -164,7 +172,7 @@ class ConfigRun:
         from ..codec.kvtc import KvtcCodec
 
         cal, args, B, T, H, D = self.cal, self.args, self.B, self.T, self.H, self.D
-        codec = KvtcCodec(cal, ratio=args.ratio, device=self.dev, tag=args.tag, fused=False)
+        codec = KvtcCodec(cal, ratio=args.ratio, device=self.dev, tag=args.tag, fused=False, projection=projection())
         fc = self.fc = FusedCodec(codec)
         self.source = PagedBlocks(self.src.views, self.L, self.block_ids)
         self.spans = [Span(b, 0, torch.arange(T)) for b in range(B)]
@@ -335,7 +343,7 @@ def _results_header(args, dev: torch.device) -> dict[str, Any]:
         "benchmark": "gpu",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
         "machine": machine(),
-        "fused": fused_status(dev, settings.env_value("projection")),
+        "fused": fused_status(dev, projection()),
         "settings": {
             "ratio": args.ratio, "tag": args.tag, "block_size": args.block_size, "repeat": args.repeat,
             "sinks": 4, "window": 128, "synthetic_spectrum": f"i^-{ALPHA}", "rank_cap": RANK_CAP,

@@ -35,25 +35,27 @@ import torch, triton
 from nvidia import nvcomp
 import dynamo_kvtc
 from dynamo_kvtc.codec.gpu import triton_kernels  # noqa: F401  (the kernels' module: Triton decorates them here)
-from dynamo_kvtc.codec.gpu import default_gpu_tag, fused_status
+from dynamo_kvtc import settings
+from dynamo_kvtc.codec.gpu import fused_status
 from dynamo_kvtc.bench import gpu  # noqa: F401
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 print("IMPORTS OK: torch", torch.__version__, "cuda", torch.version.cuda, "| triton", triton.__version__,
       "| nvcomp", nvcomp.__version__, "| gpu", torch.cuda.get_device_name(0), "| fused", fused_status("cuda"),
-      "| GPU entropy default", default_gpu_tag())
+      "| GPU entropy default", settings.env_value("gpu_entropy"))
 EOF
 grep -q "IMPORTS OK" "$OUT/env.txt" || die "import check failed (output above)"
 
 step "fused smoke: one GPU round trip with the Triton kernels (stops here if they do not compile or disagree)"
-DYN_KVTC_FUSED_STRICT=1 python3 - <<'EOF' || die "fused smoke failed (traceback above)"
+python3 - <<'EOF' || die "fused smoke failed (traceback above)"
 import time, torch
 from dynamo_kvtc import KvtcCodec
+from dynamo_kvtc.codec import CodecOptions
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
 t0 = time.time()
 cal = synthetic_calibration(8, 4, 64, theta=1e4, ratios=(16,), rank=512, dp_rows=1024, device="cuda")
 k, v, pos = synthetic_kv(cal, 1000, device="cuda")
 ref = KvtcCodec(cal, ratio=16, device="cuda", tag="deflate", fused=False)
-fus = KvtcCodec(cal, ratio=16, device="cuda", tag="ans", fused=True)
+fus = KvtcCodec(cal, ratio=16, device="cuda", tag="ans", fused=True, options=CodecOptions(fused_strict=True))
 b = fus.encode(k, v, pos)
 kf, vf = fus.decode(b)
 kr, vr = ref.decode(ref.encode(k, v, pos))
