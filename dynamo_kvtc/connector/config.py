@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import settings
 from ..errors import ConfigError
-from ..tiers.config import TierConfig
+from ..tiers.config import TierConfig, codec_options
 
 TRANSFER_MODES = settings.BY_KEY["transfer"].choices  # "" (off), "prefill", "decode"
 LOAD_FAILURE_POLICIES = settings.BY_KEY["load_failure_policy"].choices
@@ -72,7 +72,7 @@ class ConnectorConfig:
         values = settings.resolve(scopes, extra, env)
         tier_fields = {s.field for s in settings.select("tier")}
         try:
-            tiers = TierConfig(**{k: v for k, v in values.items() if k in tier_fields})
+            tiers = TierConfig(codec=codec_options(env), **{k: v for k, v in values.items() if k in tier_fields})
             return cls(tiers=tiers, **{k: v for k, v in values.items() if k not in tier_fields})
         except ConfigError as e:  # name the key or variable a bad value came from
             raise settings.blame(e, settings.sources(scopes, extra, env)) from None
