@@ -15,11 +15,10 @@ import torch
 
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.codec.container import parse_blob
+from dynamo_kvtc.codec.fp8 import E4M3_MAX, fake_e4m3
 from dynamo_kvtc.codec.gpu.projection import (
-    E4M3_MAX,
     Fp8Projector,
     Projector,
-    fake_e4m3,
     fp8_support,
     make_projector,
     quantize_rows,

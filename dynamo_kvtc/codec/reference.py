@@ -49,6 +49,7 @@ from .container import (
 )
 from .entropy import EntropyCoder
 from .entropy_tags import TAGS
+from .fp8 import fake_e4m3
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name, group_layer_ids
 from .options import PROJECTIONS
 from .plan import decode_coefficients, encode_coefficients
@@ -292,8 +293,6 @@ class ReferenceCodec(Codec):
         through e4m3 with one scale per slice along ``dim``, as the fused path's FP8 GEMM sees it."""
         if self.config.projection != "fp8":
             return x
-        from .gpu.projection import fake_e4m3
-
         return fake_e4m3(x, dim)
 
     def _ref_mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
