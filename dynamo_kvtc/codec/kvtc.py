@@ -50,27 +50,15 @@ class KvtcCodec(ReferenceCodec):
         ratio: float = 16,
         device: str | torch.device = "cpu",
         *,
-        sinks: int = 4,
-        window: int = 128,
-        min_tokens: int = 16,
-        tag: str = "deflate",
-        profile: bool = False,
         fused: bool | None = None,
         projection: str | None = None,
         options: CodecOptions | None = None,
+        **kw: Any,
     ) -> None:
+        """``kw``: the reference codec's ``sinks``, ``window``, ``min_tokens``, ``tag`` and ``profile``."""
         opts = options or CodecOptions()
-        super().__init__(
-            calibration,
-            ratio,
-            device,
-            sinks=sinks,
-            window=window,
-            min_tokens=min_tokens,
-            tag=tag,
-            profile=profile,
-            projection=opts.projection if projection is None else projection,
-        )
+        projection = opts.projection if projection is None else projection
+        super().__init__(calibration, ratio, device, projection=projection, **kw)
         if fused is None:
             fused = opts.fused == "force" or (self.device.type == "cuda" and opts.fused != "0")
         if fused and self.token_sets:  # the fused path's tables and kernels assume full, consecutive groups
