@@ -66,17 +66,19 @@ def test_working_set_counts_shared_blocks_once():
 
 # ============================================================================================ the raw_first policy
 @pytest.mark.parametrize("fused", ["0", "force"])
-def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal, monkeypatch, fused):
+def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal, fused):
     """``force``: the fused encode (torch stages on the CPU) hands the offload worker views of one reused pinned
     buffer; the first raw blob must still restore bit for bit after four more encodes reused that buffer."""
     import torch
 
+    from dynamo_kvtc.codec import CodecOptions
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
     from dynamo_kvtc.tiers.keys import sequence_hashes
 
     T, bs = 256, 16
     raw_bytes = 2 * 4 * T * 2 * 16 * 2  # K and V, 4 layers x 2 heads x 16 dims, bf16
-    cfg = TierConfig(host_bytes=4 * raw_bytes, ratio=8, min_tokens=0, page_bytes=1024, window=32)
+    opts = CodecOptions(fused=fused)
+    cfg = TierConfig(host_bytes=4 * raw_bytes, ratio=8, min_tokens=0, page_bytes=1024, window=32, codec=opts)
     seqs = [(list(range(i * 1000, i * 1000 + T)), *synth.sample(T)[:2]) for i in range(5)]
 
     def stored(policy: str) -> tuple[list[float], KvtcStore]:
@@ -87,7 +89,6 @@ def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth
             out.append(r.raw_bytes / r.stored_bytes)
         return out, store
 
-    monkeypatch.setenv("DYN_KVTC_FUSED", fused)
     fixed, s0 = stored("fixed")
     assert (s0.stats["offload_fused_batches"] > 0) == (fused == "force")
     s0.close()

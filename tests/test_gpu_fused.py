@@ -17,7 +17,8 @@ import zlib
 import pytest
 import torch
 
-from dynamo_kvtc import KvtcCodec
+from dynamo_kvtc import KvtcCodec, settings
+from dynamo_kvtc.codec import CodecOptions
 from dynamo_kvtc.codec.container import parse_blob
 from dynamo_kvtc.codec.entropy import nvcomp_available
 from dynamo_kvtc.codec.rope import RotaryConfig, rotate
@@ -50,9 +51,7 @@ needs_nvcomp = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
+STRICT = CodecOptions(fused_strict=True)  # a failing fast path must fail the test, not fall back
 
 
 @pytest.fixture(scope="module")
@@ -208,14 +207,8 @@ def _fused(synth_cal, ratio=8, **kw):
     tests hold the fused path to the float32 reference within fp16 rounding (5e-3); the default ``auto`` picks FP8
     on an H200, whose accuracy tests/test_projection.py checks against its own bounds."""
     kw.setdefault("projection", "fp16")
-    c = KvtcCodec(synth_cal, ratio=ratio, device=DEV, fused=True, **kw)
-    if CUDA:
-        assert c.fused.ops.name == "triton"
-    else:
-        from dynamo_kvtc.codec.gpu import FusedCodec
-
-        c._fused = FusedCodec(c, ops="torch")
-    assert c.fused is not None
+    c = KvtcCodec(synth_cal, ratio=ratio, device=DEV, fused=True, options=STRICT, **kw)
+    assert c.fused is not None and (c.fused.ops.name == "triton" or not CUDA)
     return c
 
 
@@ -467,10 +460,9 @@ def test_fused_work_is_ordered_on_the_callers_stream(synth, synth_cal):
 async def test_store_on_cuda_uses_the_fused_path(synth, synth_cal, monkeypatch):
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
 
-    if "DYN_KVTC_PROJECTION" not in os.environ:  # "auto" is FP8 on an H200 but float32 on the CPU reference store
-        monkeypatch.setenv("DYN_KVTC_PROJECTION", "fp16")
-
-    cfg = TierConfig(host_bytes=1 << 22, ratio=8, min_tokens=0, window=32, page_bytes=1024)
+    proj = settings.env_value("projection")  # "auto" is FP8 on an H200 but float32 on the CPU reference store
+    codec = CodecOptions(fused_strict=True, projection="fp16" if proj == "auto" else proj)
+    cfg = TierConfig(host_bytes=1 << 22, ratio=8, min_tokens=0, window=32, page_bytes=1024, codec=codec)
     store = KvtcStore(synth_cal, cfg, device="cuda", block_size=16, span_tokens=128)
     k, v, _ = synth.sample(512)
     toks = list(range(512))

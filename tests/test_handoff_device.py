@@ -14,12 +14,12 @@ pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
-from dynamo_kvtc.connector.handoff.staging import StagingArena, copy_in  # noqa: E402
 from dynamo_kvtc.errors import TierFullError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Expect, World, close_store, make_store, restore  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import LIES, in_process_peers, lying_server  # noqa: E402
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
 from dynamo_kvtc.transport.nixl_io import PeerAgent, TokenBucket, split_descs  # noqa: E402
+from dynamo_kvtc.transport.staging import StagingArena, copy_in  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

@@ -1,6 +1,6 @@
 """The hand-off streamed layer group by layer group (issue 17): the prefill side says where each layer group's bytes
 end in each blob, the decode side READs range a of every blob in one transfer, a = 0, 1, ..., and the fused restore
-decodes group g as soon as its ranges landed (:class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob`), reading the
+decodes group g as soon as its ranges landed (:class:`~dynamo_kvtc.transport.arriving.ArrivingView`), reading the
 receive buffer in place.
 
 - RestoreJob (CPU, the fused pipeline's torch stages): layer 0 comes out while group 1's bytes are still garbage in
@@ -25,8 +25,9 @@ import torch
 
 from dynamo_kvtc import KvtcCodec, calibrate
 from dynamo_kvtc.codec.container import parse_blob
-from dynamo_kvtc.codec.gpu.restore import ArrivingBlob
+from dynamo_kvtc.codec.options import CodecOptions
 from dynamo_kvtc.errors import InputError, TransferError
+from dynamo_kvtc.transport.arriving import ArrivingView
 
 nixl = pytest.importorskip("nixl_cu13")
 
@@ -59,10 +60,8 @@ from dynamo_kvtc.transport.nixl_io import TokenBucket  # noqa: E402
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True)
-def _fused(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED", "force")  # the fused restore (torch stages on the CPU) reads the ranges
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
+# the fused restore (torch stages on the CPU) reads the ranges; a failing fast path must fail the test, not fall back
+FORCE = CodecOptions(fused="force", fused_strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +71,8 @@ def cal2(synth):
 
 
 def _codec(cal, device="cpu"):
-    c = KvtcCodec(cal, ratio=8, device=device, fused=True, window=32, tag="deflate" if device == "cpu" else "store")
-    if device == "cpu":
-        from dynamo_kvtc.codec.gpu import FusedCodec
-
-        c._fused = FusedCodec(c, ops="torch")
-    return c
+    tag = "deflate" if device == "cpu" else "store"
+    return KvtcCodec(cal, ratio=8, device=device, fused=True, window=32, tag=tag, options=FORCE)
 
 
 def _blobs(synth, codec, device="cpu", lens=(300, 200)):
@@ -120,7 +115,7 @@ def _group0_landed(blobs, ends=None, device="cpu"):
     arrival = GroupArrival(2, len(blobs), timeout_s=5.0)
     _land(buf, offs, blobs, ends, 0)
     arrival.landed(0)
-    return buf, offs, ends, arrival, [ArrivingBlob(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
+    return buf, offs, ends, arrival, [ArrivingView(buf, o, len(b), arrival, e) for o, b, e in zip(offs, blobs, ends)]
 
 
 def _plain(codec, blobs, parts, device="cpu"):
@@ -143,7 +138,7 @@ def test_group_ends_tile_each_blob_by_layer_group(synth, cal2):
         assert min(r.offset for r in recs if r.name.startswith("1.")) == ends[0]
     assert group_ends(b"not a blob") is None
     with pytest.raises(InputError):
-        ArrivingBlob(torch.zeros(10, dtype=torch.uint8), 0, 10, None, [5, 5, 10])
+        ArrivingView(torch.zeros(10, dtype=torch.uint8), 0, 10, None, [5, 5, 10])
 
 
 def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
@@ -168,10 +163,10 @@ def test_layer_zero_restores_while_group_one_is_still_in_flight(synth, cal2):
 
 def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
     """With the fused path off (e.g. turned off mid-restore) the reference decoder gets an arriving blob through
-    ``spans.host_bytes``: it waits for every range, copies the blob out and releases the receive buffer."""
+    ``BlobView.host``: it waits for every range, copies the blob out and releases the receive buffer."""
     import threading
 
-    from dynamo_kvtc.codec.spans import host_bytes
+    from dynamo_kvtc.codec.blob import BlobView
 
     codec = _codec(cal2)
     _, blobs = _blobs(synth, codec)
@@ -181,14 +176,14 @@ def test_the_reference_path_reads_arriving_blobs_once_they_settle(synth, cal2):
         _land(buf, offs, blobs, ends, 1)
         arrival.landed(1)
 
-    threading.Timer(0.2, land_rest).start()  # the second range lands while host_bytes waits for it
-    got = [bytes(host_bytes(x)) for x in srcs]
+    threading.Timer(0.2, land_rest).start()  # the second range lands while BlobView.host waits for it
+    got = [bytes(x.host()) for x in srcs]
     assert got == [bytes(b) for b in blobs] and arrival.is_consumed
     ref = KvtcCodec(cal2, ratio=8, device="cpu", fused=False, window=32)
     k, _ = ref.decode(got[0])
     assert torch.isfinite(k.float()).all()
     t = torch.frombuffer(bytearray(blobs[1]), dtype=torch.uint8)
-    assert bytes(host_bytes((t, 0, len(blobs[1])))) == bytes(blobs[1])  # a host tensor: a view, as before
+    assert bytes(BlobView.of((t, 0, len(blobs[1]))).host()) == bytes(blobs[1])  # a host tensor: a view, as before
 
 
 def test_a_reader_failing_between_ranges_fails_after_group_zero(synth, cal2):
@@ -294,7 +289,8 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
     the fused restore gathers each group from the receive buffer device to device."""
     if device == "cuda" and not CUDA:
         pytest.skip("needs CUDA")
-    dst = KvtcStore(world2.cal, tier_config(True, 64 << 20), block_size=BS, span_tokens=SPAN, device=device)
+    cfg = tier_config(True, 64 << 20, codec=FORCE)
+    dst = KvtcStore(world2.cal, cfg, block_size=BS, span_tokens=SPAN, device=device)
     expect = Expect(world2, True)
     try:
         with in_process_peers(world2, device, seqs=2) as (srv, client, seqs):
@@ -317,7 +313,7 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
 
 @pytest.mark.parametrize("lie", RANGE_LIES)
 def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         liar = lambda cfg, s, device: lying_server(cfg, s, lie, device)  # noqa: E731
         with in_process_peers(world2, server=liar, seqs=2) as (srv, client, seqs):
@@ -336,7 +332,7 @@ def test_replies_with_wrong_ranges_are_refused_or_harmless(world2, lie):
 def test_range_reads_are_posted_one_after_another(world2):
     """Posted together, the group READs share the link and group 0 lands with the last (the H200 run of
     2026-12-02): each READ is posted only once the one before it is done, and every range is read."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             real, posted, done, early = client.agent.agent, [], set(), []
@@ -374,7 +370,7 @@ def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
     """The range READs are posted in order; the second one errs, stalls past the deadline or is refused when
     posted: the restore fails (recompute), nothing is quarantined (every handle released), the lease is released,
     and the next fetch restores exactly."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     try:
         with in_process_peers(world2, seqs=2) as (srv, client, seqs):
             fa = FaultyAgent(client.agent.agent)
@@ -403,7 +399,7 @@ def test_a_read_failing_after_group_zero_is_a_recompute(world2, mode):
 
 def test_peer_killed_between_range_reads_is_a_recompute(world2):
     """On an emulated link the range READs go one after another: the prefill process dies once range 0 landed."""
-    dst = make_store(world2, True, host=64 << 20)
+    dst = make_store(world2, True, host=64 << 20, codec=FORCE)
     peer = PeerProcess(world2, 2, 1.5)
     client = HandoffClient(ConnectorConfig(transfer_timeout_s=1.5), pace=TokenBucket(1.0, chunk_bytes=1 << 16))
     expect = Expect(world2, True)

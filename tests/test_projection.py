@@ -15,18 +15,19 @@ import torch
 
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.codec.container import parse_blob
+from dynamo_kvtc.codec.fp8 import E4M3_MAX, fake_e4m3
 from dynamo_kvtc.codec.gpu.projection import (
-    E4M3_MAX,
     Fp8Projector,
     Projector,
-    fake_e4m3,
     fp8_support,
     make_projector,
     quantize_rows,
     resolve_projection,
 )
 from dynamo_kvtc.codec.kvtc import CodecConfig
+from dynamo_kvtc.codec.options import CodecOptions
 from dynamo_kvtc.errors import ConfigError
+from dynamo_kvtc.tiers.config import TierConfig
 
 from .conftest import marks, rel
 
@@ -42,14 +43,11 @@ def same_format(b1: bytes, b2: bytes) -> None:
     assert [(r.name, r.tag, r.raw_len) for r in r1] == [(r.name, r.tag, r.raw_len) for r in r2]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
-    monkeypatch.delenv("DYN_KVTC_PROJECTION", raising=False)
+STRICT = CodecOptions(fused_strict=True)  # a failing fast path must fail the test, not fall back
 
 
 # ------------------------------------------------------------------------------------------------ config
-def test_projection_option_is_validated(synth_cal, monkeypatch):
+def test_projection_option_is_validated(synth_cal):
     for good in ("auto", "fp16", "fp8"):
         assert CodecConfig(projection=good).projection == good
         assert KvtcCodec(synth_cal, ratio=8, projection=good).config.projection == good
@@ -58,12 +56,13 @@ def test_projection_option_is_validated(synth_cal, monkeypatch):
     with pytest.raises(ConfigError, match="'bf16'.*auto"):
         KvtcCodec(synth_cal, ratio=8, projection="bf16")
     assert KvtcCodec(synth_cal, ratio=8).config.projection == "auto"  # the table's default
-    monkeypatch.setenv("DYN_KVTC_PROJECTION", "FP8")
-    assert KvtcCodec(synth_cal, ratio=8).config.projection == "fp8"
-    assert KvtcCodec(synth_cal, ratio=8, projection="fp16").config.projection == "fp16"  # the argument wins
-    monkeypatch.setenv("DYN_KVTC_PROJECTION", "int8")
+    fp8 = TierConfig.from_env({"DYN_KVTC_PROJECTION": "FP8"}).codec  # the configuration parses it, the codec never
+    assert KvtcCodec(synth_cal, ratio=8, options=fp8).config.projection == "fp8"
+    assert KvtcCodec(synth_cal, ratio=8, projection="fp16", options=fp8).config.projection == "fp16"  # the argument
     with pytest.raises(ConfigError, match="DYN_KVTC_PROJECTION"):
-        KvtcCodec(synth_cal, ratio=8)
+        TierConfig.from_env({"DYN_KVTC_PROJECTION": "int8"})
+    with pytest.raises(ConfigError, match="'int8'"):
+        CodecOptions(projection="int8")
 
 
 def test_projector_choice_on_the_cpu():
@@ -106,7 +105,7 @@ def test_emulated_gemm_equals_scaled_product_and_caches_operands(synth_cal):
     reused across layers, recomputed after an in-place change and dropped with their tensor."""
     from dynamo_kvtc.codec.gpu.fused import FusedCodec
 
-    fc = FusedCodec(KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=True), ops="torch")
+    fc = FusedCodec(KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=True, options=STRICT), ops="torch")
     proj, tab = fc.projector, fc.tables[0]
     assert proj.name == "fp8-emulated"
     rank = tab.k_plans[8.0].rank
@@ -199,7 +198,7 @@ def test_fused_cpu_fp8_matches_reference_fp8(shipped_cal, real_kv):
     """The fused path's FP8 projector (emulated on the CPU) computes what the reference path's emulation does."""
     k, v, pos = real_kv
     ref = KvtcCodec(shipped_cal, ratio=16, projection="fp8", fused=False)
-    fus = KvtcCodec(shipped_cal, ratio=16, projection="fp8", fused=True)
+    fus = KvtcCodec(shipped_cal, ratio=16, projection="fp8", fused=True, options=STRICT)
     assert fus.fused.projector.name == "fp8-emulated"
     blob_ref, blob_fus = ref.encode(k, v, pos), fus.encode(k, v, pos)
     same_format(blob_ref, blob_fus)
@@ -227,7 +226,7 @@ def test_cuda_fp8_gemm_support_and_auto():
 def _fp8_cuda(cal, ratio=8, **kw):
     if not fp8_support("cuda").ok:
         pytest.skip(f"no FP8 GEMM here: {fp8_support('cuda').why}")
-    c = KvtcCodec(cal, ratio=ratio, device="cuda", projection="fp8", **kw)
+    c = KvtcCodec(cal, ratio=ratio, device="cuda", projection="fp8", options=STRICT, **kw)
     assert c.fused is not None and c.fused.projector.name == "fp8"
     return c
 
@@ -261,7 +260,7 @@ def test_cuda_fp8_restore_and_encode_against_fp16_and_reference(synth, synth_cal
     reference (float32, and its fp8 emulation); blobs cross between CPU and GPU and between fp8 and fp16."""
     k, v, pos = synth.sample(T, start=start)
     g8 = _fp8_cuda(synth_cal, tag="deflate")
-    g16 = KvtcCodec(synth_cal, ratio=8, device="cuda", projection="fp16", tag="deflate")
+    g16 = KvtcCodec(synth_cal, ratio=8, device="cuda", projection="fp16", tag="deflate", options=STRICT)
     r32 = KvtcCodec(synth_cal, ratio=8, projection="fp16", fused=False)
     r8 = KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=False)
     b_g8 = g8.encode(k.cuda(), v.cuda(), pos)
@@ -289,7 +288,10 @@ def test_fp8_restore_into_paged_blocks_layer_by_layer(synth, synth_cal):
     from dynamo_kvtc.codec.gpu import PagedBlocks
 
     dev = "cuda" if CUDA else "cpu"
-    g8 = _fp8_cuda(synth_cal, tag="deflate") if CUDA else KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=True)
+    if CUDA:
+        g8 = _fp8_cuda(synth_cal, tag="deflate")
+    else:
+        g8 = KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=True, options=STRICT)
     r8 = KvtcCodec(synth_cal, ratio=8, projection="fp8", fused=False)
     k, v, pos = synth.sample(512, start=0)
     blob = g8.encode(k.to(dev), v.to(dev), pos)

@@ -15,6 +15,7 @@ import torch
 from dynamo_kvtc import KvtcCodec, calibrate
 from dynamo_kvtc.codec.container import parse_blob
 from dynamo_kvtc.codec.entropy import nvcomp_available
+from dynamo_kvtc.codec.options import CodecOptions
 from dynamo_kvtc.errors import CorruptBlobError
 
 from .conftest import rel
@@ -25,9 +26,7 @@ TAG = "ans" if (CUDA and nvcomp_available()) else ("store" if CUDA else "deflate
 cuda_only = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED_STRICT", "1")  # a failing fast path must fail the test, not fall back
+STRICT = CodecOptions(fused_strict=True)  # a failing fast path must fail the test, not fall back
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2groups", "4groups"])
@@ -41,12 +40,7 @@ def grouped_cal(request, synth):
 def _fused(cal, tag=TAG, ratio=8):
     # fp16 projections: these tests hold the streamed restore to the float32 reference within 5e-3; the default
     # "auto" would be FP8 on an H200 (its own bounds: tests/test_projection.py)
-    c = KvtcCodec(cal, ratio=ratio, device=DEV, fused=True, window=32, tag=tag, projection="fp16")
-    if not CUDA:
-        from dynamo_kvtc.codec.gpu import FusedCodec
-
-        c._fused = FusedCodec(c, ops="torch")
-    return c
+    return KvtcCodec(cal, ratio=ratio, device=DEV, fused=True, window=32, tag=tag, projection="fp16", options=STRICT)
 
 
 def _blobs(synth, codec, lens=(300, 200)):

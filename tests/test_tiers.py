@@ -513,17 +513,16 @@ async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synt
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_span_coder_encodes_restores_and_names_bad_blobs(synth, synth_cal, fused):
-    from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
+    from dynamo_kvtc.codec import CodecOptions, EncodeSpan, RestoreRun
     from dynamo_kvtc.errors import DecodeError
 
-    codec = KvtcCodec(synth_cal, ratio=8, window=32, fused=fused)
-    coder = SpanCoder(codec)
+    codec = KvtcCodec(synth_cal, ratio=8, window=32, fused=fused, options=CodecOptions(fused_strict=True))
     k, v, _ = synth.sample(256)
     spans = [EncodeSpan(0, torch.arange(0, 128), 0), EncodeSpan(128, torch.arange(128, 256), 32)]
-    enc = coder.encode(spans, lambda a, b: (k[:, a:b], v[:, a:b]))
+    enc = codec.encode_spans(spans, lambda a, b: (k[:, a:b], v[:, a:b]))
     blobs = list(enc.blobs)
     assert enc.fused == fused and len(blobs) == 2
-    restore = coder.restore([RestoreRun(blobs[0], 16, 32), RestoreRun(blobs[1], 0, 128)])
+    restore = codec.restore([RestoreRun(blobs[0], 16, 32), RestoreRun(blobs[1], 0, 128)])
     got = list(restore)
     assert restore.fused == fused and [layer for layer, _ in got] == list(range(k.shape[0]))
     ref0, ref1 = KvtcCodec(synth_cal, ratio=8).decode(blobs[0]), KvtcCodec(synth_cal, ratio=8).decode(blobs[1])
@@ -537,16 +536,15 @@ def test_span_coder_encodes_restores_and_names_bad_blobs(synth, synth_cal, fused
     told = []
     runs = [RestoreRun(blobs[0], 0, 128), RestoreRun(bytes(bad_blob), 0, 128)]
     with pytest.raises(DecodeError):
-        next(iter(coder.restore(runs, bad=lambda i, e: told.append(i))))
+        next(iter(codec.restore(runs, bad=lambda i, e: told.append(i))))
     assert told == [1]
 
 
 def test_span_coder_falls_back_to_the_reference_path(monkeypatch, synth, synth_cal):
-    """An unexpected failure of the fused path turns it off (codec.disable_fused) and the reference path does the
-    work: for an encode, and for a restore (before anything was written)."""
-    from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
+    """An unexpected failure of the fused path turns it off (KvtcCodec, the one fallback) and the reference path does
+    the work: for an encode, and for a restore (before anything was written)."""
+    from dynamo_kvtc.codec import EncodeSpan, RestoreRun
 
-    monkeypatch.delenv("DYN_KVTC_FUSED_STRICT", raising=False)
     k, v, _ = synth.sample(128)
 
     def boom(*a, **kw):
@@ -555,10 +553,9 @@ def test_span_coder_falls_back_to_the_reference_path(monkeypatch, synth, synth_c
     for what in ("encode_batch", "open"):
         codec = KvtcCodec(synth_cal, ratio=8, window=32, fused=True)
         monkeypatch.setattr(codec.fused, what, boom)
-        coder = SpanCoder(codec)
-        enc = coder.encode([EncodeSpan(0, torch.arange(128), 32)], lambda a, b: (k[:, a:b], v[:, a:b]))
+        enc = codec.encode_spans([EncodeSpan(0, torch.arange(128), 32)], lambda a, b: (k[:, a:b], v[:, a:b]))
         blob = next(iter(enc.blobs))
-        restore = coder.restore([RestoreRun(blob, 0, 128)])
+        restore = codec.restore([RestoreRun(blob, 0, 128)])
         got = list(restore)
         assert codec.fused is None and enc.fused == (what == "open") and not restore.fused and len(got) == k.shape[0]
         ref = KvtcCodec(synth_cal, ratio=8).decode(blob)

@@ -16,9 +16,9 @@ import torch
 from dynamo_kvtc import calibrate
 from dynamo_kvtc.calibration.artifact import Calibration
 from dynamo_kvtc.calibration.calibrate import group_plan
+from dynamo_kvtc.codec import CodecOptions, EncodeSpan, RestoreRun
 from dynamo_kvtc.codec.container import BlobHeader, frame_header, parse_blob
 from dynamo_kvtc.codec.kvtc import KvtcCodec
-from dynamo_kvtc.codec.spans import EncodeSpan, RestoreRun, SpanCoder
 from dynamo_kvtc.errors import CorruptBlobError, InputError, TierError
 
 from .conftest import SLIDING_W, make_fp, rel
@@ -106,18 +106,17 @@ def test_a_short_span_and_a_raw_span_keep_every_token(win_cal, win_synth):
     assert torch.equal(layers[0][0], k[0, 50:]) and torch.equal(layers[1][1], v[1])
 
 
-def test_fused_path_refuses_token_sets_and_spans_use_the_reference_path(win_cal, win_synth, monkeypatch):
-    monkeypatch.setenv("DYN_KVTC_FUSED", "force")  # the fused path would run on the CPU for any other calibration
-    codec = KvtcCodec(win_cal, ratio=8, window=16)
+def test_fused_path_refuses_token_sets_and_spans_use_the_reference_path(win_cal, win_synth):
+    force = CodecOptions(fused="force")  # the fused path would run on the CPU for any other calibration
+    codec = KvtcCodec(win_cal, ratio=8, window=16, options=force)
     assert codec.fused is None and codec.token_sets
     k, v, pos = win_synth.sample(300)
-    coder = SpanCoder(codec)
     spans = [EncodeSpan(0, pos[:160], window=0), EncodeSpan(160, pos[160:])]
-    enc = coder.encode(spans, lambda a, b: (k[:, a:b], v[:, a:b]))
+    enc = codec.encode_spans(spans, lambda a, b: (k[:, a:b], v[:, a:b]))
     assert not enc.fused
     blobs = list(enc.blobs)
     assert blobs[1] == codec.encode(k[:, 160:], v[:, 160:], pos[160:])
-    restore = coder.restore([RestoreRun(blobs[1], 60, 80)])  # tokens 220..300: inside every layer's set
+    restore = codec.restore([RestoreRun(blobs[1], 60, 80)])  # tokens 220..300: inside every layer's set
     got = list(restore)
     assert not restore.fused and [layer for layer, _ in got] == [0, 1, 2, 3]
     ref = codec.decode_ragged(blobs[1])
@@ -125,7 +124,7 @@ def test_fused_path_refuses_token_sets_and_spans_use_the_reference_path(win_cal,
         (kk, vv), a = parts[0], codec.layer_ranges(blobs[1])[layer][0]
         assert torch.equal(kk, ref[layer][0][60 - a : 140 - a]) and torch.equal(vv, ref[layer][1][60 - a : 140 - a])
     with pytest.raises(TierError, match="token sets"):  # tokens a sliding layer does not hold: refused, never wrong
-        list(coder.restore([RestoreRun(blobs[1], 0, 80)]))
+        list(codec.restore([RestoreRun(blobs[1], 0, 80)]))
 
 
 @pytest.mark.model

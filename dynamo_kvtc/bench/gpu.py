@@ -38,8 +38,9 @@ import torch
 
 from .. import settings
 from ..errors import ConfigError
+from ..tiers.config import process_settings
 from . import gpu_timing as gt
-from .gpu_checks import codec_choice, cpu_path, measure_ceilings, nvcomp_sync_check, overlap_check
+from .gpu_checks import codec_choice, cpu_path, measure_ceilings, nvcomp_sync_check, overlap_check, projection
 from .gpu_config import layer_group_variant, run_config
 from .gpu_model import ALPHA, MODELS, RANK_CAP, RandomDecoder, synthetic_calibration_gpu
 from .gpu_report import (
@@ -91,7 +92,7 @@ def _results_header(args, dev: torch.device) -> dict[str, Any]:
         "benchmark": "gpu",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
         "machine": machine(),
-        "fused": fused_status(dev),
+        "fused": fused_status(dev, projection()),
         "settings": {
             "ratio": args.ratio, "tag": args.tag, "block_size": args.block_size, "repeat": args.repeat,
             "sinks": 4, "window": 128, "synthetic_spectrum": f"i^-{ALPHA}", "rank_cap": RANK_CAP,
@@ -211,11 +212,9 @@ def _optional_parts(results: dict, ctx: dict, cal_last, primary: str, configs, a
 
 
 def run_bench_gpu(args) -> int:
-    from ..codec.gpu import default_gpu_tag
-
     dev = _select_device(args, settings.tool_settings().bench_smoke)
     budget = Budget(args.budget_s, tuple(getattr(args, "skip", None) or ()))
-    args.tag = args.tag or default_gpu_tag()
+    args.tag = args.tag or process_settings()["codec"].gpu_tag
     shapes, configs = _parse(args)
     results = _results_header(args, dev)
     ctx = _context(results, dev, shapes, configs)

@@ -10,9 +10,15 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..tiers.config import process_settings
 from . import gpu_timing as gt
 from .gpu_model import ALPHA, PagedCache, RandomDecoder, fill_synthetic_kv, rel_error, seq_kv
 from .gpu_timing import events_ms, med, sync
+
+
+def projection() -> str:
+    """The projection GEMMs' precision the benchmark runs: ``DYN_KVTC_PROJECTION``, as a worker's configuration."""
+    return process_settings()["codec"].projection
 
 
 # ============================================================================================ ceilings
@@ -63,7 +69,7 @@ def accuracy_check(cal, args, src, dst, block_ids, fc, blobs, L, dev) -> dict[st
     kf, vf = seq_kv(dst, ids, L)
     T = k.shape[1]
     a, b = 4, T - 128
-    ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False)
+    ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False, projection=projection())
     pos = torch.arange(T)
     blob_ref = ref.encode(k, v, pos)
     kr, vr = ref.decode(blob_ref)
@@ -100,7 +106,8 @@ def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
         out["error"] = "nvCOMP not available: only zlib Deflate on the host"
         return out
     for tag in ("deflate", "gdeflate", "ans"):
-        fc = FusedCodec(KvtcCodec(cal, ratio=args.ratio, device=ctx["dev"], tag=tag, fused=False))
+        ref = KvtcCodec(cal, ratio=args.ratio, device=ctx["dev"], tag=tag, fused=False, projection=projection())
+        fc = FusedCodec(ref)
         host = ctx["host_blobs"]
         fc.encode_batch(source, spans, host_out=host)
         encs, decs, walls = [], [], []
@@ -137,9 +144,7 @@ def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
     best = min(ok, key=lambda k: t[k]["restore_all_layers_gpu_ms"])
     out["rule"] = "fastest restore among codecs whose stored size is within 5% of Deflate's"
     out["chosen"] = best
-    from ..codec.gpu import default_gpu_tag
-
-    out["current_default"] = default_gpu_tag()
+    out["current_default"] = process_settings()["codec"].gpu_tag
     out["default_confirmed"] = best == out["current_default"]
     return out
 
@@ -196,7 +201,7 @@ def overlap_check(ctx: dict, cal, model: RandomDecoder, args) -> dict[str, Any]:
     ids = [torch.arange(b * nbs, (b + 1) * nbs) for b in range(B)]
     fill_synthetic_kv(cache, cal, ids, T, seed=5)
     flat = torch.cat(ids).to(dev)
-    fc = FusedCodec(KvtcCodec(cal, ratio=args.ratio, device=dev, tag=args.tag, fused=False))
+    fc = FusedCodec(KvtcCodec(cal, ratio=args.ratio, device=dev, tag=args.tag, fused=False, projection=projection()))
     src = PagedBlocks(cache.views, L, ids)
     spans = [Span(b, 0, torch.arange(T)) for b in range(B)]
     host = torch.empty(cache.caches[0].numel() * 2 * L // 4 + (64 << 20), dtype=torch.uint8, pin_memory=gt.PIN[0])
@@ -325,9 +330,11 @@ def cpu_path(cal, args, dev) -> dict[str, Any]:
             raise ConfigError("cpu path expects a one-group calibration")
         k = torch.stack([apply_rope(xs[0][:, i], pos.to(dev), fp.rotary[i]) for i in range(L)]).to(torch.bfloat16)
         v = xs[1].permute(1, 0, 2, 3).to(torch.bfloat16)
-        gpu_ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False)
+        gpu_ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False, projection=projection())
         blob = gpu_ref.encode(k, v, pos)  # Deflate: CPU-readable
-        cpu = KvtcCodec(cal, ratio=args.ratio, device="cpu", tag="deflate", fused=False, profile=True)
+        cpu = KvtcCodec(
+            cal, ratio=args.ratio, device="cpu", tag="deflate", fused=False, profile=True, projection=projection()
+        )
         cpu.decode(blob)
         times, stages = [], []
         for _ in range(2):

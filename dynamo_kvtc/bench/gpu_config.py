@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 from . import gpu_timing as gt
-from .gpu_checks import accuracy_check
+from .gpu_checks import accuracy_check, projection
 from .gpu_model import PagedCache, RandomDecoder, fill_synthetic_kv, synthetic_calibration_gpu
 from .gpu_report import print_config
 from .gpu_timing import Budget, events_ms, guarded, med, sync
@@ -123,7 +123,7 @@ class ConfigRun:
         from ..codec.kvtc import KvtcCodec
 
         cal, args, B, T, H, D = self.cal, self.args, self.B, self.T, self.H, self.D
-        codec = KvtcCodec(cal, ratio=args.ratio, device=self.dev, tag=args.tag, fused=False)
+        codec = KvtcCodec(cal, ratio=args.ratio, device=self.dev, tag=args.tag, fused=False, projection=projection())
         fc = self.fc = FusedCodec(codec)
         self.source = PagedBlocks(self.src.views, self.L, self.block_ids)
         self.spans = [Span(b, 0, torch.arange(T)) for b in range(B)]

@@ -111,7 +111,8 @@ class TierBench:
     def codec_restore_s(self, store) -> float:
         """Reference for the tier path: the codec's own restore of the same blobs (the last repetition's), handed
         over in pinned host memory, through the same sink; median of ``repeat`` after a warm-up."""
-        from ..codec.spans import RestoreRun, SpanCoder
+        from ..codec.base import RestoreRun
+        from ..codec.blob import BlobView
 
         runs = store.export(self.last_hashes)
         cuda = torch.device(self.dev).type == "cuda"
@@ -120,14 +121,14 @@ class TierBench:
         bs = self.args.block_size
         for r in runs:
             buf[at : at + len(r.blob)] = torch.frombuffer(bytearray(r.blob), dtype=torch.uint8)
-            specs.append((RestoreRun((buf, at, len(r.blob)), r.first * bs, r.count * bs), r.at * bs))
+            specs.append((RestoreRun(BlobView(buf, at, len(r.blob)), r.first * bs, r.count * bs), r.at * bs))
             at += len(r.blob)
-        coder = SpanCoder(store.default_codec())
+        codec = store.default_codec()
         times = []
         for _ in range(max(1, self.args.repeat) + 1):
             sync(self.dev)
             t0 = time.perf_counter()
-            for layer, parts in coder.restore([run for run, _ in specs]):
+            for layer, parts in codec.restore([run for run, _ in specs]):
                 for (kk, vv), (_, start) in zip(parts, specs):
                     self.sink(layer, start, kk, vv)
             sync(self.dev)

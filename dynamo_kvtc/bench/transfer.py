@@ -46,7 +46,6 @@ from typing import Any
 import torch
 
 from ..calibration.artifact import Calibration
-from ..codec.gpu.restore import ArrivingBlob
 from ..connector.config import ConnectorConfig, handoff_settings
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.link_choice import RAW, LinkPolicy
@@ -224,7 +223,7 @@ def _replayed(store: KvtcStore, client: HandoffClient, pre: dict, tokens: int, a
     try:
         for i in range(args.repeat + 1):
             arr = GroupArrival(n, len(runs0), args.timeout)
-            runs = [dataclasses.replace(r, blob=ArrivingBlob(*r.blob, arr, r.blob.ends)) for r in runs0]
+            runs = [dataclasses.replace(r, blob=r.blob.again(arr)) for r in runs0]
 
             def link(arr=arr) -> None:
                 arr.started = t = time.perf_counter()

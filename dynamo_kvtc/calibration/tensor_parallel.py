@@ -9,8 +9,10 @@ accuracy: docs/accuracy.md's TP section).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from ..codec.factory import Shard, make_codec
 from ..codec.model import CalibrationLike
 from ..codec.sharded import Collective, HeadLayout, ShardedKvtcCodec, TorchCollective
 from .calibrate import shard_heads
@@ -35,4 +37,7 @@ def sharded_codec(
     the default group). ``codec_kw``: ``ratio``, ``device``, ``sinks``, ``window``, ``min_tokens``, ``tag``,
     ``reduce_dtype``."""
     layout = head_layout(calibration.fingerprint.num_kv_heads, tp_size)
-    return ShardedKvtcCodec(calibration, tp_rank, layout, collective or TorchCollective(group), **codec_kw)
+    shard = Shard(tp_rank, layout, collective or TorchCollective(group))
+    if "reduce_dtype" in codec_kw:
+        shard = replace(shard, reduce_dtype=codec_kw.pop("reduce_dtype"))
+    return make_codec(calibration, ratio=codec_kw.pop("ratio", 16), shard=shard, **codec_kw)

@@ -20,8 +20,16 @@ _EXPORTS = {
     "GPU_ONLY_TAGS": "entropy_tags",
     "TAGS": "entropy_tags",
     "EntropyCoder": "entropy",
-    "CodecConfig": "kvtc",
+    "BlobView": "blob",
+    "Codec": "base",
+    "EncodeSpan": "base",
+    "PagedView": "base",
+    "RestoreRun": "base",
+    "CodecConfig": "reference",
+    "ReferenceCodec": "reference",
     "KvtcCodec": "kvtc",
+    "CodecOptions": "options",
+    "make_codec": "factory",
     "BasisGroup": "model",
     "CalibrationLike": "model",
     "ModelFingerprint": "model",
@@ -44,9 +52,13 @@ __all__ = [
     "BITS",
     "BasisGroup",
     "BlobHeader",
+    "BlobView",
     "CHUNK_BYTES",
     "CalibrationLike",
+    "Codec",
     "CodecConfig",
+    "CodecOptions",
+    "EncodeSpan",
     "EntropyCoder",
     "FORMAT_VERSION",
     "GPU_ONLY_TAGS",
@@ -56,7 +68,10 @@ __all__ = [
     "MAGIC",
     "META_BITS",
     "ModelFingerprint",
+    "PagedView",
     "Plan",
+    "ReferenceCodec",
+    "RestoreRun",
     "RotaryConfig",
     "TAGS",
     "apply_rope",
@@ -64,6 +79,7 @@ __all__ = [
     "dequantize",
     "encode_coefficients",
     "group_cost_bits",
+    "make_codec",
     "parse_blob",
     "quantize",
     "remove_rope",
@@ -72,13 +88,18 @@ __all__ = [
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from .base import Codec, EncodeSpan, PagedView, RestoreRun
+    from .blob import BlobView
     from .container import FORMAT_VERSION, MAGIC, BlobHeader, parse_blob, write_blob
     from .entropy import EntropyCoder
     from .entropy_tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
-    from .kvtc import CodecConfig, KvtcCodec
+    from .factory import make_codec
+    from .kvtc import KvtcCodec
     from .model import BasisGroup, CalibrationLike, ModelFingerprint
+    from .options import CodecOptions
     from .plan import GROUP_SIZES, Plan, decode_coefficients, encode_coefficients
     from .quant import BITS, KINDS, META_BITS, dequantize, group_cost_bits, quantize
+    from .reference import CodecConfig, ReferenceCodec
     from .rope import RotaryConfig, apply_rope, remove_rope
 
 __getattr__, __dir__ = exports(__name__, _EXPORTS)

@@ -30,11 +30,12 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import ConfigError, InputError
+from .base import Codec
 from .container import check_section, runs_to_positions, section_chunks, write_blob
 from .entropy import EntropyCoder
-from .kvtc import KvtcCodec
 from .model import DTYPES, CalibrationLike
 from .plan import decode_coefficients, encode_coefficients
+from .reference import ReferenceCodec
 from .rope import RotaryConfig, rotate
 from .sinks import decode_sinks, encode_sinks
 
@@ -139,11 +140,11 @@ def allreduce_bytes_per_token(calibration: CalibrationLike, ratio: float, dtype:
     return ranks * torch.empty(0, dtype=dtype).element_size()
 
 
-class ShardedKvtcCodec:
+class ShardedKvtcCodec(Codec):
     """Encode/decode one TP rank's KV heads with the JOINT calibration (all heads), producing and reading the
     single-process blob format.
 
-    Owns this rank's rows of each basis group and a reference :class:`KvtcCodec` (float32 math, headers, blob
+    Owns this rank's rows of each basis group and a :class:`ReferenceCodec` (float32 math, headers, blob
     checks). :meth:`encode` is collective: every rank of the layout must call it with the same positions and window
     (it all-reduces partial coefficients and all-gathers sinks/windows); it returns the same bytes on every rank.
     :meth:`decode_layers` / :meth:`decode` are local (no collective) and return only this rank's heads. It never
@@ -178,7 +179,7 @@ class ShardedKvtcCodec:
             raise ConfigError(f"rank {rank} outside the layout's {layout.size} ranks")
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"reduce_dtype must be float32 or bfloat16, got {reduce_dtype}")
-        self.base = KvtcCodec(
+        self.base = ReferenceCodec(
             calibration,
             ratio,
             device,
@@ -186,7 +187,6 @@ class ShardedKvtcCodec:
             window=window,
             min_tokens=min_tokens,
             tag=tag,
-            fused=False,
             projection="fp16",  # the reference path's float32 math
         )
         self.cal = calibration
@@ -207,6 +207,10 @@ class ShardedKvtcCodec:
     @property
     def ratio(self) -> float:
         return self.base.ratio
+
+    def check_blob(self, blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list]:
+        """The joint calibration's blob checks (the blob is the single-process codec's)."""
+        return self.base.check_blob(blob)
 
     def _coder(self, tag: str) -> EntropyCoder:
         if tag not in self._coders:

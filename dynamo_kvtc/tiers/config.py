@@ -29,7 +29,7 @@ CODEC_KEYS = tuple(f.name for f in fields(CodecOptions))  # the table's process 
 PROCESS_KEYS = ("codec_sms", *CODEC_KEYS)  # the process-wide knobs a TierConfig carries down
 _TABLE = {s.field: s.key for s in settings.select("tier")} | {"codec_sms": "codec_sms"}  # field -> key
 
-__all__ = ["GB", "TierConfig"]
+__all__ = ["GB", "TierConfig", "codec_options"]
 
 
 def codec_options(values: Mapping[str, Any]) -> CodecOptions:
@@ -111,3 +111,4 @@ class TierConfig:
 
     def with_(self, **kw: Any) -> TierConfig:
         return replace(self, **kw)
+

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..codec.blob import BlobView
 from ..errors import ConfigError, TierError, TierFullError
 from .base import BlobTier
 
@@ -115,6 +116,12 @@ class HostLease:
 
     def tobytes(self) -> bytes:
         return self.tier.read_extents(self.extents)
+
+    def blob(self) -> BlobView:
+        """The blob as a :class:`~dynamo_kvtc.codec.blob.BlobView`: read in place when contiguous, else a copy; its
+        ``release()`` releases this lease."""
+        got = self.view()
+        return BlobView(*(got or (self.tobytes(),)), on_release=self.release)
 
     def release(self) -> None:
         if not self._released:

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from ..codec.kvtc import KvtcCodec
-from ..codec.spans import EncodeSpan, PagedView, SpanCoder
+from ..codec.base import Codec, EncodeSpan, PagedView
 from ..errors import KvtcError, TierError
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, OffloadRequest, OffloadResult
@@ -34,7 +33,7 @@ class Offloader:
     admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
     the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's choice (store a request
     uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding goes through
-    :class:`SpanCoder`; placing the blobs (and demoting the host's victims) through :class:`Placement`. It never raises
+    :class:`Codec`; placing the blobs (and demoting the host's victims) through :class:`Placement`. It never raises
     from the worker (errors end up in the :class:`OffloadResult`), never restores, and reads the engine's cache only
     through :class:`PagedKV`'s public methods."""
 
@@ -46,7 +45,7 @@ class Offloader:
         kv: PagedKV | None,
         index: BlockIndex,
         placement: Placement,
-        codec: Callable[[float], KvtcCodec],
+        codec: Callable[[float], Codec],
         policy: RatioPolicy,
         admit: OffloadFilter,
         block_size: int,
@@ -196,7 +195,7 @@ class Offloader:
         self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
         self.timings.append(("encode", res.seconds))
 
-    def _encode(self, codec: KvtcCodec, req: OffloadRequest, cuts: list[tuple[int, int, int]]):
+    def _encode(self, codec: Codec, req: OffloadRequest, cuts: list[tuple[int, int, int]]):
         bs = self.block_size
         spans = [
             EncodeSpan(a * bs, torch.arange((req.first_block + a) * bs, (req.first_block + b) * bs), w)
@@ -208,7 +207,7 @@ class Offloader:
             def read(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
                 return keys[:, t0:t1], values[:, t0:t1]
 
-            return SpanCoder(codec).encode(spans, read, views=True)  # one worker: each blob is kept before the next
+            return codec.encode_spans(spans, read, views=True)  # one worker: each blob is kept before the next
         kv, block_ids = self.kv, req.block_ids
 
         def gather(t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +216,7 @@ class Offloader:
         paged = None
         if kv.addressable and kv.device.type == self.device.type == "cuda":
             paged = PagedView(kv.layer_views, self.cal.fingerprint.num_layers, bs)
-        return SpanCoder(codec).encode(spans, gather, paged=paged, block_ids=block_ids, views=True)
+        return codec.encode_spans(spans, gather, paged=paged, block_ids=block_ids, views=True)
 
     def _keep(self, req: OffloadRequest, a: int, b: int, blob: bytes, raw: int, res: OffloadResult) -> None:
         """Put blocks a..b's blob into the tiers, tell the listeners, account it in ``res``."""

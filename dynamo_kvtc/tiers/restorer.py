@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..codec.kvtc import KvtcCodec
-from ..codec.spans import PagedView, RestoreRun, SpanCoder, host_bytes
+from ..codec.base import Codec, PagedView, RestoreRun
+from ..codec.blob import BlobView
 from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
 from .host import HostLease
@@ -29,17 +29,6 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
-
-
-def _settled(blob: Any) -> Any:
-    """A blob the host can read whole: a peer's blob still landing, or in device memory, is waited for and copied to
-    host bytes (its ``settle``); anything else as it is."""
-    if hasattr(blob, "settle"):
-        return blob.settle()
-    if isinstance(blob, tuple) and blob[0].is_cuda:
-        t, off, n = blob
-        return t[off : off + n].cpu().numpy().tobytes()
-    return blob
 
 
 class OnboardHandle:
@@ -120,7 +109,7 @@ class Restorer:
 
     Owns the onboard worker (one thread) and its CUDA stream. Blobs come from the tiers (through :class:`Placement`,
     which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration are then kept here
-    too). Decoding goes through :class:`SpanCoder`: every blob is fully verified before the first layer is written,
+    too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first layer is written,
     a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never raised
     into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
 
@@ -131,7 +120,7 @@ class Restorer:
         kv: PagedKV | None,
         index: BlockIndex,
         placement: Placement,
-        decoder: Callable[[], KvtcCodec],
+        decoder: Callable[[], Codec],
         block_size: int,
         device: torch.device,
         stats: Counter[str],
@@ -199,7 +188,7 @@ class Restorer:
                 got = self.placement.read(r.blob_id)
                 if isinstance(got, HostLease):
                     held.append(got)
-                    got = got.view() or got.tobytes()
+                    got = got.blob()
                 runs.append(BlobRun(got, r.first, r.count, r.at, meta))
         except BaseException:
             for h in held:
@@ -227,7 +216,7 @@ class Restorer:
         try:
             decoder = self.decoder()
             if source is not None:
-                runs, ids = self._from_source(handle, hashes, source, decoder.fused), None
+                runs, ids = self._from_source(handle, hashes, source), None
                 tiers: Counter[str] = Counter({"peer": len(hashes)})
             else:
                 runs, ids, tiers = self._from_tiers(handle, hashes)
@@ -265,15 +254,12 @@ class Restorer:
             lease.release()
         handle.leases.clear()
 
-    def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source, fused: Any) -> list[BlobRun]:
-        runs = source()
+    def _from_source(self, handle: OnboardHandle, hashes: list[int], source: Source) -> list[BlobRun]:
+        runs = [replace(r, blob=BlobView.of(r.blob)) for r in source()]
         covered = sum(r.count for r in runs)
         if covered != len(hashes):
             raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
-        for r in runs:  # a peer's blob may be ``(tensor, offset, length)``: the fused restore reads it in place
-            handle.bytes_read += r.blob[2] if isinstance(r.blob, tuple) else len(r.blob)
-        if fused is None:  # the reference decoder reads host bytes, all of them: wait for them and copy them out
-            runs = [replace(r, blob=_settled(r.blob)) for r in runs]
+        handle.bytes_read += sum(len(r.blob) for r in runs)  # a peer's blob may still be landing: read where it is
         return runs
 
     def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
@@ -292,17 +278,16 @@ class Restorer:
                 raise
             if isinstance(got, HostLease):
                 handle.leases.append(got)
-                blob = got.view() or got.tobytes()
-                handle.bytes_read += got.nbytes
+                blob = got.blob()
             else:
-                blob = got
-                handle.bytes_read += len(blob)
+                blob = BlobView.of(got)
+            handle.bytes_read += len(blob)
             runs.append(BlobRun(blob, r.first, r.count, r.at))
             ids.append(r.blob_id)
         return runs, ids, tiers
 
     def _write_layers(
-        self, decoder: KvtcCodec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
+        self, decoder: Codec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
     ) -> None:
         """Decode every run (all verified first) and write each layer, in order (call on the onboard stream)."""
         bs = self.block_size
@@ -320,7 +305,7 @@ class Restorer:
             )
             for r in runs
         ]
-        restore = SpanCoder(decoder).restore(specs, paged=paged, bad=bad)
+        restore = decoder.restore(specs, paged=paged, bad=bad)
         for layer, parts in restore:
             for r, (k, v) in zip(runs, parts or ()):
                 if sink is not None:
@@ -339,6 +324,6 @@ class Restorer:
                 continue
             try:
                 if m.cal == self.cal.id and m.block_size == self.block_size and not self.index.has_blob(m.id):
-                    self.placement.put(m, host_bytes(_settled(r.blob)))  # one copy into the host tier
+                    self.placement.put(m, r.blob.host())  # one copy into the host tier
             except (TypeError, KeyError, TierError) as e:
                 log.info("kvtc: not keeping a transferred blob: %s", e)

@@ -15,7 +15,7 @@
 
 The parts: :class:`~.index.BlockIndex` (hash -> blob), :class:`~.host.HostTier` / :class:`~.disk.DiskTier` (one
 :class:`~.base.BlobTier` face), :class:`~.placement.Placement` (moves between tiers), :class:`~.offloader.Offloader`
-and :class:`~.restorer.Restorer` (the two workers), :class:`~dynamo_kvtc.codec.spans.SpanCoder` (fused or reference
+and :class:`~.restorer.Restorer` (the two workers), :class:`~dynamo_kvtc.codec.base.Codec` (fused or reference
 codec path). The public methods are asyncio coroutines or thread-safe calls (an engine may call from other threads).
 """
 
@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 
-from ..codec.entropy import nvcomp_available
-from ..codec.kvtc import KvtcCodec
-from ..codec.spans import EncodeSpan, RestoreRun, SpanCoder
+from ..codec.base import Codec, EncodeSpan, RestoreRun
+from ..codec.factory import entropy_tag, make_codec
 from ..errors import TierError
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
@@ -85,7 +84,7 @@ class KvtcStore:
             disk = DiskTier(
                 self.cfg.disk_dir, self.cfg.disk_bytes, fsync=self.cfg.fsync, timeout_s=self.cfg.nixl_timeout_s
             )
-        self._codecs: dict[float, KvtcCodec] = {}
+        self._codecs: dict[float, Codec] = {}
         self._codecs_lock = threading.Lock()
         self.stats: Counter[str] = Counter()
         self.timings: deque[tuple[str, float]] = deque(maxlen=4096)  # (kind, seconds), drained by metrics
@@ -128,34 +127,28 @@ class KvtcStore:
         """Objects with ``stored(hashes, token_ids, parent)`` / ``removed(hashes)``; append to subscribe."""
         return self.index.listeners
 
-    def codec(self, ratio: float) -> KvtcCodec:
+    def codec(self, ratio: float) -> Codec:
         with self._codecs_lock:
             if ratio not in self._codecs:
-                self._codecs[ratio] = KvtcCodec(
+                self._codecs[ratio] = make_codec(
                     self.cal,
                     ratio=ratio,
                     device=self.device,
                     sinks=self.cfg.sinks,
                     window=self.cfg.window,
                     tag=self._tag(),
+                    options=self.cfg.codec,
                 )
             return self._codecs[ratio]
 
-    def default_codec(self) -> KvtcCodec:
+    def default_codec(self) -> Codec:
         """The codec restores decode with (any ratio of the calibration reads with it)."""
         return self.codec(self.policy.default)
 
     def _tag(self) -> str:
-        """Entropy codec of new blobs: Deflate (readable by CPU and GPU alike) on the CPU, and on a GPU whose store
-        has a disk tier (its files must be readable anywhere: a CPU worker, ``inspect``, a recovery script) unless
-        ``DYN_KVTC_GPU_ENTROPY`` says otherwise; else the measured GPU default (``ans``)."""
-        if self.device.type != "cuda" or not nvcomp_available():
-            return "deflate"
-        from ..codec.gpu import default_gpu_tag
-
-        if self.disk is not None and self.cfg.codec.gpu_entropy is None:
-            return "deflate"
-        return default_gpu_tag()
+        """Entropy codec of new blobs (:func:`~dynamo_kvtc.codec.factory.entropy_tag`): a store with a disk tier
+        writes blobs readable anywhere unless the codec options name a GPU codec."""
+        return entropy_tag(self.device, self.cfg.codec, portable=self.disk is not None)
 
     def warm_up(self) -> float:
         """Pay first-use costs now, at start-up, not on the first offload or restore: build the codec of every ratio
@@ -176,7 +169,7 @@ class KvtcStore:
         self.timings.append(("warm_up", took))
         return took
 
-    def _warm(self, codec: KvtcCodec) -> None:
+    def _warm(self, codec: Codec) -> None:
         """One small encode and restore through ``codec`` (random K/V: only the code paths matter)."""
         fp, cfg = self.cal.fingerprint, codec.config
         window = 16  # not the configured window (a lossless setting keeps ~everything raw): the coded path is the point
@@ -186,12 +179,11 @@ class KvtcStore:
         dtype = self.kv.dtype if self.kv is not None else torch.bfloat16
         k = torch.randn(shape, generator=gen).to(self.device, dtype)
         v = torch.randn(shape, generator=gen).to(self.device, dtype)
-        coder = SpanCoder(codec)
         spans = [EncodeSpan(0, torch.arange(n), window=window)]
-        blobs = list(coder.encode(spans, lambda a, b: (k[:, a:b], v[:, a:b])).blobs)
+        blobs = list(codec.encode_spans(spans, lambda a, b: (k[:, a:b], v[:, a:b])).blobs)
         stream = self.restorer.stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for _ in coder.restore([RestoreRun(blobs[0], 0, n)]):
+            for _ in codec.restore([RestoreRun(blobs[0], 0, n)]):
                 pass
 
     def wait_idle(self, timeout: float | None = None) -> bool:

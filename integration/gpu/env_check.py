@@ -19,7 +19,8 @@ for mod, attr in OPTIONAL:
     except Exception as e:  # noqa: BLE001 - a missing optional package is a line, not a failure
         print(f"{mod} absent ({type(e).__name__})")
 
-from dynamo_kvtc.codec.gpu import default_gpu_tag, fused_status  # noqa: E402 - after the optional packages' lines
+from dynamo_kvtc.codec.gpu import fused_status  # noqa: E402 - after the optional packages' lines
+from dynamo_kvtc.tiers.config import process_settings  # noqa: E402
 
-print("fused", fused_status("cuda" if torch.cuda.is_available() else "cpu"), "| GPU entropy default", default_gpu_tag())
+print("fused", fused_status("cuda" if torch.cuda.is_available() else "cpu"), "| GPU entropy default", process_settings()["codec"].gpu_tag)
 print("IMPORTS OK")

@@ -1,10 +1,10 @@
 """One strict round trip through the fused GPU path against the reference path (``run.sh gpu`` runs it first).
 
 Stops with an assertion, before the benchmark spends its minutes, if the Triton kernels did not load or disagree with
-the reference decode by more than 5%. Run under ``DYN_KVTC_FUSED_STRICT=1`` (a kernel failure raises instead of
-falling back to the torch twin).
+the reference decode by more than 5%. The fused codec runs strict (a kernel failure raises instead of falling back to
+the torch twin or the reference path).
 
-    DYN_KVTC_FUSED_STRICT=1 python integration/gpu/fused_smoke.py [--device cuda]
+    python integration/gpu/fused_smoke.py [--device cuda]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
+from dynamo_kvtc.codec.options import CodecOptions
 
 
 def _rel(a, x) -> float:
@@ -29,7 +30,8 @@ def main() -> None:
     cal = synthetic_calibration(8, 4, 64, theta=1e4, ratios=(16,), rank=512, dp_rows=1024, device=dev)
     k, v, pos = synthetic_kv(cal, 1000, device=dev)
     ref = KvtcCodec(cal, ratio=16, device=dev, tag="deflate", fused=False)
-    fus = KvtcCodec(cal, ratio=16, device=dev, tag="ans" if dev != "cpu" else "deflate", fused=True)
+    tag = "ans" if dev != "cpu" else "deflate"
+    fus = KvtcCodec(cal, ratio=16, device=dev, tag=tag, fused=True, options=CodecOptions(fused_strict=True))
     kf, vf = fus.decode(fus.encode(k, v, pos))
     kr, vr = ref.decode(ref.encode(k, v, pos))
     print(

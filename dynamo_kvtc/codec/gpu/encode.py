@@ -32,7 +32,7 @@ from .layouts import Span, gather_tokens
 from .ops import ALIGN, FLAG_F16_OVERFLOW, FLAG_NONFINITE, align
 
 if TYPE_CHECKING:
-    from .fused import FusedCodec
+    from .device import FusedDevice
 
 MAX_STORED_CHUNK = 2 * CHUNK_BYTES + 64  # what parse_blob accepts
 
@@ -91,7 +91,7 @@ class EncodeRun:
     (raw sections, compressed chunks, stored bytes) and the blobs' section tables; never touches the source's memory
     beyond reading the spans' tokens, and never writes to ``host_out`` past the bytes the blobs need."""
 
-    def __init__(self, fc: FusedCodec, source, spans: Sequence[Span], *, bf16: bool) -> None:
+    def __init__(self, fc: FusedDevice, source, spans: Sequence[Span], *, bf16: bool) -> None:
         self.fc, self.source, self.spans, self.bf16 = fc, source, spans, bf16
         self.dev = fc.device
         self.clock = Clock(self.dev)

@@ -31,7 +31,8 @@ Restore (:meth:`FusedCodec.open` then :meth:`RestoreJob.layers`), for all blobs 
 
 The reference path (``KvtcCodec`` with ``fused=False``) stays the CPU path and the definition of the format.
 
-Modules: this one holds :class:`FusedCodec` (tables, stage dispatch, locks); :mod:`.encode` one batch encode;
+Modules: this one holds :class:`FusedCodec` (batch encode, restore jobs); :mod:`.device` its device state (tables,
+stage dispatch, locks); :mod:`.encode` one batch encode;
 :mod:`.restore` the restore job; :mod:`.layouts` dense and paged K/V; :mod:`.batch_entropy` batched nvCOMP/zlib;
 :mod:`.ops` the stages (Triton and torch). Headers and framing come from :mod:`dynamo_kvtc.codec.container`, the fp8
 sinks from :mod:`dynamo_kvtc.codec.sinks`, as for the reference path.
@@ -40,23 +41,20 @@ sinks from :mod:`dynamo_kvtc.codec.sinks`, as for the reference path.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ... import settings
 from ...errors import ConfigError, InputError
 from ..entropy import nvcomp_available
 from ..entropy_tags import GPU_ONLY_TAGS
 from ..model import DTYPES
 from .batch_entropy import BatchEntropy
+from .device import FusedDevice
 from .encode import EncodeRun, F16Overflow
 from .layouts import DenseKV, PagedBlocks, Span
-from .ops import TorchOps, device_tensor, get_ops, rope_tables
-from .projection import make_projector, resolve_projection
+from .projection import resolve_projection
 from .restore import RestoreJob
 
 log = logging.getLogger(__name__)
@@ -64,83 +62,14 @@ log = logging.getLogger(__name__)
 __all__ = ["BatchEntropy", "DenseKV", "FusedCodec", "PagedBlocks", "RestoreJob", "Span", "fused_status"]
 
 
-class _GroupTables:
-    """Per layer group device tables of the fused path: fp32 means, the calibration's fp16 bases, plan buckets."""
+class FusedCodec(FusedDevice):
+    """Batch encode/restore for one reference codec (its calibration, ratio, sinks, window, min_tokens and entropy
+    tag: :class:`~dynamo_kvtc.codec.reference.ReferenceCodec`) on its device. Work is queued on the current CUDA
+    stream. The device state (tables, stage backend, entropy coder, pinned buffers) is its
+    :class:`~.device.FusedDevice` base; :mod:`.encode` and :mod:`.restore` work on that.
 
-    def __init__(self, g, device: torch.device) -> None:
-        self.layers = g.layers
-        self.k_mean = g.k_mean.to(device, torch.float32).contiguous()
-        self.v_mean = g.v_mean.to(device, torch.float32).contiguous()
-        self.k_basis = g.k_basis.to(device, torch.float16).contiguous()  # exactly the calibration's fp16 basis
-        self.v_basis = g.v_basis.to(device, torch.float16).contiguous()
-        self.k_plans, self.v_plans = g.k_plans, g.v_plans
-        self._starts: dict[tuple, torch.Tensor] = {}
-
-    def starts(self, kind: str, ratio: float, bucket_index: int, bucket) -> torch.Tensor:
-        key = (kind, ratio, bucket_index)
-        t = self._starts.get(key)
-        if t is None:
-            t = self._starts[key] = device_tensor(bucket.starts, torch.int64, self.k_mean.device)  # no host block
-        return t
-
-
-class FusedCodec:
-    """Batch encode/restore for one :class:`~dynamo_kvtc.codec.kvtc.KvtcCodec` (its calibration, ratio, sinks,
-    window, min_tokens and entropy tag) on its device. Work is queued on the current CUDA stream.
-
-    It owns the device tables, the stage backend (Triton, falling back to torch for good on a kernel failure), the
-    batched entropy coder and the reusable pinned buffers; it never builds a header or frames a blob itself (the
-    container does) and never falls back to the reference path (its KvtcCodec decides that)."""
-
-    def __init__(self, codec, *, ops: str = "auto") -> None:
-        self.codec = codec
-        self.device = codec.device
-        self.cfg = codec.config
-        self.fp = codec.fp
-        if ops == "auto" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            ops = "torch"  # Triton kernels run on CUDA, or on the CPU only under its interpreter
-        self.ops = get_ops(ops)
-        self.torch_ops = TorchOps()
-        self.entropy = BatchEntropy(self.device)
-        self.tables = [_GroupTables(g, self.device) for g in codec.cal.groups]
-        self.projector = make_projector(self.cfg.projection, self.device)  # fp16, fp8 or fp8-emulated (CPU)
-        self._rope_cfgs = list(self.fp.rotary)
-        self.last_timings: dict[str, float] = {}
-        self.kernel_errors: list[str] = []
-        self._pinned: dict[str, torch.Tensor] = {}
-        self._lock = threading.Lock()  # one encode at a time (its pinned buffer)
-        self.restore_lock = threading.Lock()  # one restore staging at a time
-
-    # ------------------------------------------------------------------------------------------ helpers
-    def run_stage(self, name: str, *args, **kw):
-        """Run a stage with the Triton op; if it fails to compile or launch, switch to torch for good."""
-        if self.ops.name == "triton":
-            try:
-                return getattr(self.ops, name)(*args, **kw)
-            except Exception as e:  # noqa: BLE001 - compilation/launch problems of an optional backend
-                if settings.env_value("fused_strict"):
-                    raise
-                msg = f"triton {name} failed ({type(e).__name__}: {e}); using torch ops"
-                self.kernel_errors.append(msg)
-                log.warning("kvtc fused codec: %s", msg)
-                self.ops = self.torch_ops
-        return getattr(self.torch_ops, name)(*args, **kw)
-
-    def pinned_buf(self, n: int, purpose: str) -> torch.Tensor:
-        """A reusable host buffer of at least ``n`` bytes for ``purpose`` (pinned on CUDA)."""
-        buf = self._pinned.get(purpose)
-        if buf is None or buf.numel() < n:
-            pin = self.device.type == "cuda"
-            buf = self._pinned[purpose] = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=pin)
-        return buf
-
-    def rope(self, cache: dict, layer: int, pos: torch.Tensor, inverse: bool):
-        """RoPE tables of ``layer``'s rotary config at ``pos`` (cached in ``cache`` per config and direction)."""
-        cfg = self._rope_cfgs[layer]
-        key = (cfg, inverse)
-        if key not in cache:
-            cache[key] = rope_tables(cfg, pos, self.fp.head_dim, inverse=inverse)
-        return cache[key]
+    It never builds a header or frames a blob itself (the container does) and never falls back to the reference
+    path (:class:`~dynamo_kvtc.codec.kvtc.KvtcCodec` decides that)."""
 
     # ============================================================================================ encode
     def encode_batch(
@@ -181,21 +110,20 @@ class FusedCodec:
         return RestoreJob(self, blobs, verify)
 
 
-def fused_status(device: str | torch.device, projection: str | None = None) -> dict[str, Any]:
+def fused_status(device: str | torch.device, projection: str = "auto") -> dict[str, Any]:
     """What the fused path would use on ``device``: ops backend, nvCOMP, the projection GEMMs (``projection``:
-    auto|fp16|fp8, default ``DYN_KVTC_PROJECTION``) and why."""
+    auto|fp16|fp8, the codec option) and why."""
     from .ops import triton_status
 
     dev = torch.device(device)
     ok, why = triton_status()
-    choice = settings.env_value("projection") if projection is None else projection
+    choice = projection
     proj, proj_why = resolve_projection(choice, dev)
     return {
         "device": str(dev),
         "ops": "triton" if (ok and dev.type == "cuda") else "torch",
         "triton": why,
         "nvcomp": dev.type == "cuda" and nvcomp_available(),
-        "env_disabled": settings.env_value("fused") == "0",
         "projection": proj,
         "projection_choice": choice,
         "projection_why": proj_why,

@@ -17,8 +17,8 @@ Two projectors, chosen by the codec option ``projection`` (:func:`make_projector
   CPU (the fused path's test mode) the same quantized operands are multiplied in fp32 (``fp8-emulated``).
 
 The blob format does not depend on the projector: a blob written with one decodes with the other, only the
-reconstruction error differs. :func:`fake_e4m3` is the FP8 numerics the reference path (``KvtcCodec`` on the CPU with
-``projection="fp8"``) uses to emulate this one, so its accuracy can be measured without a GPU.
+reconstruction error differs. :func:`~dynamo_kvtc.codec.fp8.fake_e4m3` is the FP8 numerics the reference path
+(``projection="fp8"`` on the CPU) uses to emulate this one, so its accuracy can be measured without a GPU.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fp8 import E4M3, e4m3_scales
 from .ops import mm_f32
 
 log = logging.getLogger(__name__)
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_ROWS = 8192  # rows quantized per pass (bounds the fp32 temporary of a large coefficient matrix)
 _LOGGED: set[str] = set()
 _LOG_LOCK = threading.Lock()
@@ -54,12 +53,6 @@ def _pad16(n: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ FP8 numerics
-def e4m3_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp32 dequantization scales of ``x`` along ``dim`` (kept): ``amax / 448``, 1 where a slice is all zero."""
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)  # one read of x
-    return torch.where(amax > 0, amax / E4M3_MAX, 1.0)
-
-
 _DIV_INTO_E4M3 = [True]  # torch.div(..., out=<e4m3 view>): divide and round in one pass (else via an fp32 temporary)
 
 
@@ -90,14 +83,6 @@ def quantize_rows(x: torch.Tensor, k_pad: int | None = None) -> tuple[torch.Tens
         _div_into(q[i : i + QUANT_ROWS, :K], xs, sc)
         s[i : i + QUANT_ROWS] = sc
     return q, s
-
-
-def fake_e4m3(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """``x`` rounded through e4m3 with one scale per slice along ``dim`` (``dim=1``: per row, ``dim=0``: per column)
-    and back, in fp32: the operand an FP8 GEMM with those scales multiplies, since
-    ``(A_q @ B_q) * s_a * s_b == (A_q * s_a) @ (B_q * s_b)``."""
-    sc = e4m3_scales(x, dim)
-    return (x.float() / sc).to(E4M3).float() * sc
 
 
 # ------------------------------------------------------------------------------------------------ device support

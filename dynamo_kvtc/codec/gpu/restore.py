@@ -15,13 +15,13 @@ a copy stream, one CUDA event per group. :meth:`RestoreJob.layers` then, on the 
    group 0's bytes and work. Only verified bytes are ever written: if group g of some blob is corrupt, the layers of
    groups < g hold correct KV, groups >= g are untouched, and the job reports the failure (the caller recomputes).
 
-Blobs already in device memory (``(cuda tensor, offset, length)``: a hand-off's receive buffer) are not copied
-through the host: their headers come over in two small reads, their sections are gathered device to device into the
-staged buffer, group by group on the caller's stream. An :class:`ArrivingBlob` is such a blob (host or device) whose
-bytes are still landing: the job waits, on the host, for the byte ranges holding a group just before that group's
-CRCs (its headers before parsing), so group 0 is decoded while later groups still move. The ranges a peer declared
-are never trusted for more than when to wait: a group is read only after every range up to the one holding its last
-byte has landed.
+Blobs already in device memory (``(cuda tensor, offset, length)``: a hand-off's receive buffer) are not copied through
+the host: their headers come over in two small reads, their sections are gathered device to device into the staged
+buffer, group by group on the caller's stream. An arriving :class:`~dynamo_kvtc.codec.blob.BlobView` is such a blob
+(host or device) whose bytes are still landing: the job waits, on the host, for the byte ranges holding a group just
+before that group's CRCs (its headers before parsing), so group 0 is decoded while later groups still move. The ranges a
+peer declared are never trusted for more than when to wait: a group is read only after every range up to the one holding
+its last byte has landed.
 
 Nothing on that path reads a device value back: the host learns the verdict in :meth:`RestoreJob.finish`, which
 synchronises and raises CorruptBlobError naming the blob and section. ``verify="eager"`` keeps the old contract
@@ -31,14 +31,14 @@ tensors handed to the caller) nothing can be gated on the device, so the verdict
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ...errors import CorruptBlobError, InputError
+from ..blob import BlobView
 from ..container import MAX_HEADER_BYTES, PREFIX, runs_to_positions
 from ..entropy_tags import CHUNK_BYTES, chunk_sizes
 from ..model import DTYPES
@@ -48,66 +48,9 @@ from .clock import Clock
 from .ops import ALIGN, align, device_tensor
 
 if TYPE_CHECKING:
-    from .fused import FusedCodec
+    from .device import FusedDevice
 
 VERIFY_MODES = ("device", "eager")
-
-
-class Arrival(Protocol):
-    """Byte ranges landing one after another (a hand-off's per-layer-group READs)."""
-
-    def wait(self, index: int) -> None:
-        """Return once ranges 0..``index`` have landed; raise (TransferError) when they never will."""
-
-    def consumed(self, event: Any) -> None:
-        """One blob's bytes were read out (on CUDA: once ``event`` completes); called once per blob."""
-
-
-class ArrivingBlob(tuple):
-    """A blob given as ``(tensor, offset, length)`` (host or device memory) whose bytes are still landing: range a,
-    bytes ``[ends[a-1], ends[a])`` of the blob, is in place once ``arrival.wait(a)`` returned. Unpacks like the
-    plain 3-tuple. The fused restore waits group by group; every other reader calls :meth:`settle` first.
-
-    Owns nothing but the view and the ranges; it never reads a byte of a range that was not confirmed landed."""
-
-    arrival: Any
-    ends: tuple[int, ...]
-
-    def __new__(cls, tensor: torch.Tensor, offset: int, length: int, arrival: Any, ends: Sequence[int]):
-        ends = tuple(int(e) for e in ends)
-        if not ends or ends[0] < 1 or ends[-1] != length or any(b <= a for a, b in zip(ends, ends[1:])):
-            raise InputError(f"arrival ranges must increase strictly up to the blob's {length} bytes, got {ends[:8]}")
-        self = super().__new__(cls, (tensor, offset, length))
-        self.arrival, self.ends, self._consumed = arrival, ends, False
-        return self
-
-    def wait_for(self, end: int) -> None:
-        """Block until bytes ``[0, end)`` of the blob have landed."""
-        self.arrival.wait(min(bisect.bisect_left(self.ends, end), len(self.ends) - 1))
-
-    def consumed(self, event: Any = None) -> None:
-        """Tell the arrival this blob was read out (once; later calls do nothing)."""
-        if not self._consumed:
-            self._consumed = True
-            self.arrival.consumed(event)
-
-    def settle(self) -> bytes:
-        """Wait for every byte, copy the blob to host bytes and mark it read out (readers without range waits)."""
-        t, off, n = self
-        self.wait_for(n)
-        out = t[off : off + n].cpu().numpy().tobytes()
-        self.consumed(None)
-        return out
-
-
-def _source(b: Any) -> tuple[Any, int, int, Any, ArrivingBlob | None]:
-    """(tensor or None, offset, length, host memoryview or None (device memory), the arrival view or None)."""
-    if isinstance(b, tuple):
-        t, off, n = b
-        arriving = b if isinstance(b, ArrivingBlob) else None
-        return t, off, n, (None if t.is_cuda else memoryview(t.numpy())[off : off + n]), arriving
-    mv = memoryview(b).cast("B")
-    return None, 0, len(mv), mv, None
 
 
 def _header_end(prefix: Any, n: int) -> int:
@@ -118,27 +61,22 @@ def _header_end(prefix: Any, n: int) -> int:
     return min(n, PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1))
 
 
-def _header_view(t: Any, off: int, n: int, mv: Any, arriving: ArrivingBlob | None) -> memoryview:
+def _header_view(b: BlobView) -> memoryview:
     """A host view of a blob that the header checks can read: the blob itself on the host; for device memory a
     zero-filled host array of the blob's length holding its prefix and header (two small copies; calloc'ed, so only
-    the header's pages are touched: parsing reads nothing else). An arriving blob's header is waited for first."""
-    if mv is None:
-        return _device_header_view(t, off, n, arriving)
-    if arriving is not None:
-        arriving.wait_for(min(n, PREFIX.size))
-        arriving.wait_for(_header_end(mv[: PREFIX.size], n))
-    return mv
-
-
-def _device_header_view(t: torch.Tensor, off: int, n: int, arriving: ArrivingBlob | None) -> memoryview:
-    head = min(n, PREFIX.size)
-    if arriving is not None:
-        arriving.wait_for(head)
-    end = _header_end(t[off : off + head].cpu().numpy(), n)
-    if arriving is not None:
-        arriving.wait_for(end)
+    the header's pages are touched: parsing reads nothing else). A blob still landing is waited for up to its header
+    end first."""
+    n, head = len(b), min(len(b), PREFIX.size)
+    mv = b.host_view()
+    b.wait_for(head)
+    if mv is not None:
+        b.wait_for(_header_end(mv[:head], n))
+        return mv
+    t = b.slice()
+    end = _header_end(t[:head].cpu().numpy(), n)
+    b.wait_for(end)
     out = np.zeros(n, dtype=np.uint8)
-    out[:end] = t[off : off + end].cpu().numpy()
+    out[:end] = t[:end].cpu().numpy()
     return memoryview(out)
 
 
@@ -150,7 +88,7 @@ class RestoreJob:
     CorruptBlobError for a corrupt section and reports timings. It never writes outside the destination rows it is
     given, and never writes them at all unless every section of every blob passed its CRC."""
 
-    def __init__(self, fc: FusedCodec, blobs: Sequence[Any], verify: str = "device") -> None:
+    def __init__(self, fc: FusedDevice, blobs: Sequence[Any], verify: str = "device") -> None:
         if verify not in VERIFY_MODES:
             raise InputError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self.fc, self.verify = fc, verify
@@ -159,9 +97,9 @@ class RestoreJob:
         self.clock.mark("start")
         self.heads: list[dict[str, Any]] = []
         self.recs: list[list] = []
-        srcs = [_source(b) for b in blobs]
+        srcs = [BlobView.of(b) for b in blobs]
         for src in srcs:
-            h, recs = codec.check_blob(_header_view(*src))
+            h, recs = codec.check_blob(_header_view(src))
             self.heads.append(h)
             self.recs.append(recs)
         self.tokens = [h["tokens"] for h in self.heads]
@@ -213,17 +151,17 @@ class RestoreJob:
         dev = self.fc.device
         self._copied: list[Any] = []
         self._srcs = srcs
-        self._lazy = {bi for bi, (_, _, _, mv, arriving) in enumerate(srcs) if mv is None or arriving is not None}
+        self._lazy = {bi for bi, b in enumerate(srcs) if b.host_view() is None or b.arriving}
         eager = [[p for p in pieces if p[0] not in self._lazy] for pieces in self.pieces]
         if dev.type != "cuda":
             for pieces in eager:
                 for bi, lo, dst, n in pieces:
-                    mv = srcs[bi][3]
+                    mv = srcs[bi].host_view()
                     self.staged[dst : dst + n].numpy()[:] = np.frombuffer(mv[lo : lo + n], dtype=np.uint8)
             return
         if not any(eager):
             return
-        pinned = [t is not None and not t.is_cuda and t.is_pinned() for t, *_ in srcs]
+        pinned = [b.pinned for b in srcs]
         bounce_n = sum(n for pieces in eager for bi, _, _, n in pieces if not pinned[bi])
         # a fresh pinned buffer from torch's caching host allocator: it is reused only once these copies are done
         bounce = torch.empty(bounce_n, dtype=torch.uint8, pin_memory=True) if bounce_n else None
@@ -235,10 +173,10 @@ class RestoreJob:
         for pieces in eager:
             with torch.cuda.stream(cs):
                 for bi, lo, dst, n in pieces:
-                    t, off, _, mv, _ = srcs[bi]
                     if pinned[bi]:
-                        src = t[off + lo : off + lo + n]
+                        src = srcs[bi].slice()[lo : lo + n]
                     else:
+                        mv = srcs[bi].host_view()
                         bounce[b0 : b0 + n].numpy()[:] = np.frombuffer(mv[lo : lo + n], dtype=np.uint8)
                         src, b0 = bounce[b0 : b0 + n], b0 + n
                     self.staged[dst : dst + n].copy_(src, non_blocking=True)
@@ -255,26 +193,24 @@ class RestoreJob:
         for bi, lo, dst, n in self.pieces[g]:
             if bi not in self._lazy:
                 continue
-            t, off, _, _, arriving = self._srcs[bi]
-            if arriving is not None:
-                arriving.wait_for(lo + n)
-            out = self.staged[dst : dst + n]
+            b = self._srcs[bi]
+            b.wait_for(lo + n)
+            t, out = b.slice(), self.staged[dst : dst + n]  # lazy blobs are tensor views (device or arriving)
             if t.is_cuda:  # the buffer's memory must outlive this stream's reads even if its owner drops it
                 t.record_stream(torch.cuda.current_stream(t.device))
             if not t.is_cuda and not out.is_cuda:
-                out.numpy()[:] = t[off + lo : off + lo + n].numpy()
+                out.numpy()[:] = t[lo : lo + n].numpy()
             else:
                 # asynchronous only device to device or from pinned memory: a copy to the host must have landed
-                fast = out.is_cuda and (t.is_cuda or t.is_pinned())
-                out.copy_(t[off + lo : off + lo + n], non_blocking=fast)
+                fast = out.is_cuda and (t.is_cuda or b.pinned)
+                out.copy_(t[lo : lo + n], non_blocking=fast)
         if g == len(self.pieces) - 1:
             ev = None
             if self.fc.device.type == "cuda":
                 ev = torch.cuda.Event()
                 ev.record()
-            for src in self._srcs:
-                if src[4] is not None:
-                    src[4].consumed(ev)
+            for b in self._srcs:
+                b.consumed(ev)
 
     def _crc_upto(self, groups: int) -> None:
         """Queue (on the caller's stream) the CRC check of every section of groups < ``groups`` not yet checked."""

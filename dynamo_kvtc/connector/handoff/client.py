@@ -1,10 +1,10 @@
 """Decode side of the hand-off: pulls a prompt's blobs from a prefill worker over NIXL, layer group by layer group.
 
 Before a byte is read the reply is checked against the request (:func:`~.messages.plan_reply`); the blobs are READ
-into one receive buffer registered with NIXL once (:class:`~.staging.RecvBuffer`: device memory on a GPU worker, so a
+into one receive buffer registered with NIXL once (:class:`RecvBuffer`: device memory on a GPU worker, so a
 prefill GPU's staged blobs move GPU to GPU; host memory otherwise), one READ per byte range (range a = every blob's
 layer-group-a bytes, the header with group 0), posted one after another by a reader thread while :meth:`fetch` has
-already returned the runs: each blob an :class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob` over the receive
+already returned the runs: each blob an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over the receive
 buffer, which the fused restore reads in place (device to device), group g as soon as its range landed. Each blob is
 still verified (structure, every section CRC, calibration id) before its bytes are written anywhere. A READ that
 failed or timed out and whose NIXL handle could not be confirmed released keeps its buffer alive (quarantine): no
@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from ...codec.gpu.restore import ArrivingBlob
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
+from ...transport.arriving import ArrivingView
 from ...transport.auth import channel_auth
 from ...transport.channel import ReqClient
 from ...transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
+from ...transport.staging import RecvBuffer, memory_device
 from ..config import ConnectorConfig
 from .link_choice import LinkChoice, LinkPolicy
 from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
-from .staging import RecvBuffer, memory_device
 from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class HandoffClient:
     unconfirmed READ buffers. It never writes into the engine's blocks: it returns
     :class:`~dynamo_kvtc.tiers.blobs.BlobRun` s over the receive buffer that the store verifies and restores, and
     never lets a later fetch write into a buffer whose blobs were not read out. ``device``: where to receive (None:
-    the current CUDA device, else the host; see :func:`~.staging.memory_device`); ``pace``: a token bucket
+    the current CUDA device, else the host; see :func:`~...transport.staging.memory_device`); ``pace``: a token bucket
     emulating a slower link (benchmarks only)."""
 
     def __init__(
@@ -111,7 +111,7 @@ class HandoffClient:
 
     def fetch(self, host: str, port: int, hashes: list[int]) -> list[BlobRun]:
         """The blob runs covering ``hashes`` from the prefill worker at ``host:port``, returned once the READs are
-        posted (the blobs' bytes land range by range: see :class:`~dynamo_kvtc.codec.gpu.restore.ArrivingBlob`);
+        posted (the blobs' bytes land range by range: see :class:`~dynamo_kvtc.transport.arriving.ArrivingView`);
         TransferError on any fault found before that, the waiting restore's TransferError on any fault after."""
         self._settle()
         ch = self._channel(host, port)
@@ -252,7 +252,7 @@ class HandoffClient:
     def _runs(self, buf: torch.Tensor, runs: list[PlannedRun], arrival: GroupArrival) -> list[BlobRun]:
         """The blobs as runs reading the receive buffer in place, each landing range by range."""
         return [
-            BlobRun(ArrivingBlob(buf, r.offset, r.size, arrival, r.ranges), r.first, r.count, r.at, _meta(r.meta))
+            BlobRun(ArrivingView(buf, r.offset, r.size, arrival, r.ranges), r.first, r.count, r.at, _meta(r.meta))
             for r in runs
         ]
 

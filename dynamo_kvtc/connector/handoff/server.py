@@ -3,7 +3,7 @@
 A ``fetch`` names blocks by sequence hash; the server waits (up to half the transfer deadline) for the prompt's encode
 to land in the store, copies the covering blobs (from the host tier's pinned pages in place, under a lease) back to
 back into one contiguous extent of a staging arena registered
-with NIXL once (:class:`~.staging.StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
+with NIXL once (:class:`StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
 host memory otherwise), and replies with its agent metadata, the arena's memory type, one descriptor per blob and
 where each blob's layer groups end (the decode side READs group by group) under a lease. The decode side READs
 them and sends ``release``; a lease that is never released expires after four deadlines.
@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from ...codec.spans import host_bytes
+from ...codec.blob import BlobView
 from ...errors import TierError
 from ...transport.auth import channel_auth
 from ...transport.channel import RepServer
 from ...transport.nixl_io import PeerAgent
+from ...transport.staging import StagingArena, memory_device
 from ..config import ConnectorConfig
 from .messages import LIMITS, check_fetch, fetch_mem
-from .staging import StagingArena, blob_len, memory_device
 from .stream import group_ends
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ class HandoffServer:
         runs, held = self.store.export_leased(hashes)
         lease = f"{peer}/{next(_ids)}"
         try:
-            ends = [group_ends(host_bytes(run.blob)) for run in runs]  # one READ per layer group on the decode side
+            # one READ per layer group on the decode side
+            ends = [group_ends(BlobView.of(run.blob).host()) for run in runs]
             descs = arena.stage(lease, [run.blob for run in runs])
             with self.agent.lock:
                 self.agent.add_remote(peer, md)
@@ -126,7 +127,7 @@ class HandoffServer:
                 h.release()
         blobs = [
             {
-                "size": blob_len(run.blob),
+                "size": len(BlobView.of(run.blob)),
                 "first": run.first,
                 "count": run.count,
                 "j": run.at,

@@ -19,7 +19,6 @@ checks that they still decode bit-identically and that today's writers produce t
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -115,17 +114,15 @@ def load_case(name: str) -> dict[str, torch.Tensor]:
 
 def codecs(cal, ratio: float, window: int, tag: str):
     """The reference codec and the fused codec (torch stages on the CPU) for one case."""
-    from dynamo_kvtc.codec import KvtcCodec
-    from dynamo_kvtc.codec.gpu import FusedCodec
+    from dynamo_kvtc.codec import CodecOptions, KvtcCodec
 
+    strict = CodecOptions(fused_strict=True)  # a failing fused path must fail, not fall back
     ref = KvtcCodec(cal, ratio=ratio, window=window, tag=tag, fused=False)
-    fus = KvtcCodec(cal, ratio=ratio, window=window, tag=tag, fused=True)
-    fus._fused = FusedCodec(fus, ops="torch")
+    fus = KvtcCodec(cal, ratio=ratio, window=window, tag=tag, fused=True, options=strict)
     return ref, fus
 
 
 def main() -> None:
-    os.environ["DYN_KVTC_FUSED_STRICT"] = "1"
     build_calibration().save(HERE / "cal")
     cal = load_calibration()
     for i, (name, (tokens, start, gap, ratio, window, tag)) in enumerate(CASES.items()):

@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import TierFullError, TransferError
-from ...transport.nixl_io import PeerAgent
+from ..codec.blob import BlobView
+from ..errors import TierFullError, TransferError
+from .nixl_io import PeerAgent
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # every extent starts on a 256-byte boundary (CUDA copies, NIXL descriptors)
@@ -52,36 +53,31 @@ def mem_kind(dev: torch.device) -> tuple[str, int]:
     return ("VRAM", dev.index or 0) if dev.type == "cuda" else ("DRAM", 0)
 
 
-def blob_len(b: Any) -> int:
-    """Bytes of a blob given as bytes-like or as ``(tensor, offset, length)``."""
-    return b[2] if isinstance(b, tuple) else len(memoryview(b).cast("B"))
-
-
 def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
-    """Copy ``blobs`` (bytes-like, or ``(CPU tensor, offset, length)`` views: from pinned memory one asynchronous
-    DMA each) back to back into ``dst`` at 256-byte aligned offsets; (offset, size) of each. On a GPU the copies are
-    queued on the current stream and waited for before returning."""
+    """Copy ``blobs`` (BlobViews or what :meth:`BlobView.of` takes; from pinned memory one asynchronous DMA each)
+    back to back into ``dst`` at 256-byte
+    aligned offsets; (offset, size) of each. On a GPU the copies are queued on the current stream and waited for
+    before returning."""
     out, off = [], 0
-    for b in blobs:
-        n = blob_len(b)
+    for b in map(BlobView.of, blobs):
+        n = len(b)
         if off + n > dst.numel():
             raise TierFullError(f"{off + n} bytes do not fit a {dst.numel()}-byte extent")
+        src = b.slice()
         if n == 0:
             pass
-        elif isinstance(b, tuple):
-            t, o, _ = b
+        elif src is not None:
             if dst.is_cuda:
-                dst[off : off + n].copy_(t[o : o + n], non_blocking=t.is_pinned())
+                dst[off : off + n].copy_(src, non_blocking=b.pinned)
             else:
-                dst[off : off + n].numpy()[:] = t[o : o + n].numpy()
+                dst[off : off + n].numpy()[:] = src.numpy()
         elif dst.is_cuda:
-            mv = memoryview(b).cast("B")
             with warnings.catch_warnings():  # a read-only bytes object: torch only reads it
                 warnings.simplefilter("ignore")
-                src = torch.frombuffer(mv, dtype=torch.uint8)
-            dst[off : off + n].copy_(src)
+                host = torch.frombuffer(b.host(), dtype=torch.uint8)
+            dst[off : off + n].copy_(host)
         else:
-            dst[off : off + n].numpy()[:] = np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8)
+            dst[off : off + n].numpy()[:] = np.frombuffer(b.host(), dtype=np.uint8)
         out.append((off, n))
         off = _up(off + n)
     if dst.is_cuda:
@@ -145,7 +141,7 @@ class StagingArena:
 
     def stage(self, key: str, blobs: Sequence[Any]) -> list[list[int]]:
         """Copy ``blobs`` into a new extent for ``key``; one ``[address, length]`` descriptor per blob."""
-        total = sum(_up(blob_len(b)) for b in blobs)
+        total = sum(_up(len(BlobView.of(b))) for b in blobs)
         off = self.take(key, total)
         try:
             placed = copy_in(self.buf[off : off + total], blobs)
