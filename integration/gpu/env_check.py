@@ -22,5 +22,6 @@ for mod, attr in OPTIONAL:
 from dynamo_kvtc.codec.gpu import fused_status  # noqa: E402 - after the optional packages' lines
 from dynamo_kvtc.tiers.config import process_settings  # noqa: E402
 
-print("fused", fused_status("cuda" if torch.cuda.is_available() else "cpu"), "| GPU entropy default", process_settings()["codec"].gpu_tag)
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+print("fused", fused_status(dev), "| GPU entropy default", process_settings()["codec"].gpu_tag)
 print("IMPORTS OK")
