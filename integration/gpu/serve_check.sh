@@ -5,7 +5,7 @@
 #   command: bash integration/gpu/serve_check.sh            (carry [".whl"] for nvCOMP/NIXL: the measured path;
 #                                                             without it blobs are entropy-coded by zlib on the host)
 # With the wheels the shipped calibrations must be untracked for the call as perf_check.sh says.
-# Knobs (environment): MODEL (llama-3.1-8b | mistral-nemo-12b), WORKLOAD (multi-round-qa | conversation |
+# Knobs (environment): MODEL (llama-3.1-8b | mistral-nemo-12b), WORKLOAD (multi-round-qa | lmbench | conversation |
 # long-doc-qa), PARAMS (generator KEY=VALUE list), BUDGETS, SYSTEMS, QPS, EXTRA (more bench serve arguments),
 # TESTS=0 to skip the GPU test, PROFILE=1 for one offload/restore per system with stage timings first, TOTAL_S (default 470: the run stops there; the JSON keeps every finished run),
 # PLAN (several runs in one call, see below).
@@ -64,8 +64,9 @@ if [ "${PROFILE:-0}" != 0 ]; then
 fi
 
 # PLAN: runs separated by ';', each "MODEL WORKLOAD BUDGETS SYSTEMS [QPS-list|-] [KEY=VALUE,...]" (default: the one
-# run the knobs above describe; PARAMS apply to a run of WORKLOAD without its own parameters). Each run gets its own serve-<model>-<workload>[-qps].{json,png,log}; a run that is cut short by
-# TOTAL_S keeps the runs it finished in its JSON.
+# run the knobs above describe; PARAMS apply to a run of WORKLOAD without its own parameters). Each run gets its own serve-<model>-<workload>[-qps][-N].{json,png,log}
+# (-N: the Nth run of the same model and workload in this call); a run that is cut short by TOTAL_S keeps the runs it
+# finished in its JSON. An lmbench run without a QPS list sweeps the preset's rates (0.5,1,2).
 PLAN=${PLAN:-"$MODEL $WORKLOAD $BUDGETS $SYSTEMS"}  # PLAN=- runs nothing (a call for the test or the profile only)
 [ "$PLAN" = "-" ] && PLAN=""
 BENCH_STATUS=0
@@ -77,6 +78,8 @@ for run in "${RUNS[@]}"; do
   LEFT=$((TOTAL_S - $(el)))
   [ "$LEFT" -lt 20 ] && { step "no time left for: $run"; BENCH_STATUS=3; break; }
   NAME="serve-$M-$W${Q:+-qps}"
+  N=2
+  while [ -e "$OUT/$NAME.json" ] || [ -e "$OUT/$NAME.log" ]; do NAME="serve-$M-$W${Q:+-qps}-$N"; N=$((N + 1)); done
   QARGS=()
   [ -n "$Q" ] && QARGS=(--qps "$Q")
   ARGS=()
