@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +101,9 @@ class ServeBench:
         compilation (for the workload's own span and batch shapes) and the allocator are not in the first run."""
         first = list(dict.fromkeys(r.session for r in self.w.requests))[:sessions]
         w = wl.Workload(self.w.name, self.w.seed, self.w.params, [r for r in self.w.requests if r.session in first])
+        cfg = replace(self.cfg, stretch_samples=0)  # nothing to measure: no replay
         for name in systems:
-            engine = ServeEngine(self.decoder, None, self.cfg, self.device)
+            engine = ServeEngine(self.decoder, None, cfg, self.device)
             store = engine.store = self.store(name, 1 << 30, None, engine.alloc(w))
             try:
                 engine.run(w)
