@@ -233,7 +233,8 @@ def tiny_bench():
 
     torch.manual_seed(0)
     w = wl.generate("multi-round-qa", 0, users=4, rounds=3, system=64, history=512, question=16, answer=8, qps=1)
-    bench = ServeBench("tiny", w, EngineConfig(token_budget=512, max_seqs=4, span_tokens=256), "cpu", window=32)
+    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256, stretch_samples=4)  # replays: 12 steps a run
+    bench = ServeBench("tiny", w, cfg, "cpu", window=32)
     bench.warm_up(["raw"])
     return bench
 
@@ -295,7 +296,7 @@ def test_step_stretch_classes_and_replays(tiny_runs):
         assert sum(c["steps"] for c in by.values()) == st["steps"] > 0
         assert st["time_s"] == pytest.approx(sum(c["time_s"] for c in by.values()))
         for c in by.values():
-            assert c["sampled"] == min(16, c["steps"])
+            assert c["sampled"] == min(4, c["steps"])
             if c["sampled"]:
                 assert c["replay_mean_s"] > 0 and c["stretch"] > 0
         assert rec.summary["step_stretch"] == st["stretch"] > 0
@@ -490,12 +491,13 @@ def test_command_writes_json_plot_and_trace(tmp_path):
     params = ["users=2", "rounds=2", "system=32", "history=256", "question=16", "answer=4", "qps=1"]
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--systems", "none,kvtc16", "--budgets", "0.5"]
     argv += [x for p in params for x in ("--param", p)]
-    argv += ["--token-budget", "256", "--span-tokens", "128", "--window", "16", "--no-warmup"]
+    argv += ["--token-budget", "256", "--span-tokens", "128", "--window", "16", "--no-warmup", "--stretch-samples", "0"]
     assert main([*argv, "--json", str(out), "--plot", str(png), "--save-trace", str(trace)]) == 0
     data = json.loads(out.read_text())
     assert "random weights" in data["note"] and data["workload"]["name"] == "multi-round-qa"
     assert [(r["system"], r["budget_fraction"]) for r in data["runs"]] == [("none", None), ("kvtc16", 0.5)]
     assert data["runs"][1]["summary"]["hit_rate"] > 0 and len(data["runs"][1]["requests"]) == 4
+    assert data["runs"][1]["summary"]["step_stretch"] is None  # --stretch-samples 0: nothing replayed
     assert png.stat().st_size > 10000 and data["plot"] == str(png)
     assert wl.load(trace).stats() == data["workload"]["stats"]  # the trace that ran is the one saved
     assert main(["bench", "serve", "--trace", str(trace), "--param", "x=1", "--model", "tiny", "--device", "cpu",
@@ -550,7 +552,7 @@ def test_conversation_and_long_doc_traces_run_through_the_loop(tiny_bench):
     from dynamo_kvtc.bench.serve.engine import EngineConfig, summarize
     from dynamo_kvtc.bench.serve.run import ServeBench
 
-    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256)
+    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256, stretch_samples=0)
     for w in (
         wl.generate("conversation", 0, sessions=4, qps=2, first_median=300, turn_median=60, output_median=8,
                     more_turns=0.8, max_turns=3, think_s=0.5, max_input=1200),
