@@ -64,6 +64,52 @@ def test_working_set_counts_shared_blocks_once():
     assert wl.working_set_blocks(w.requests, 16) == 2 + 2 * (160 - 32) // 16
 
 
+def test_lmbench_preset_has_the_published_parameters_and_schedule():
+    """LMBenchmark long_input_short_output_run.sh: 15 users x 20 rounds, a 1,000-token shared system prompt, 20,000
+    tokens of history per user, 100-token answers, 100 s per QPS point; multi-round-qa.py's schedule: a user asks
+    every users/qps s, a new user joins every users/qps * (rounds-1) / users s, and the run starts with users that are
+    mid-conversation (their first request a cold prompt)."""
+    assert wl.LMBENCH == {"users": 15, "rounds": 20, "system": 1000, "history": 20000, "question": 20, "answer": 100,
+                          "qps": 0.5, "duration_s": 100.0}  # fmt: skip
+    assert wl.PRESET_QPS["lmbench"] == (0.5, 1.0, 2.0)
+    w = wl.generate("lmbench", 0)
+    reqs = w.requests
+    assert all(r.arrival_s < 100 and r.output_tokens == 100 for r in reqs)
+    assert all(r.segments[0] == ("sys", 1000) and r.segments[1][1] == 20000 for r in reqs)
+    assert 40 <= len(reqs) <= 60  # ~qps x 100 s
+    by: dict[str, list] = {}
+    for r in reqs:
+        by.setdefault(r.session, []).append(r)
+    for turns in by.values():
+        assert turns[0].after == -1 and len(turns[0].segments) == 3  # a session's first request is cold
+        for a, b in zip(turns, turns[1:]):
+            assert b.after == a.id and b.arrival_s - a.arrival_s == pytest.approx(30.0)  # users / qps
+            assert b.segments == [*a.segments, a.output, b.segments[-1]] and b.segments[-1][1] == 20
+    # by hand, 3 users x 4 rounds at 1 QPS over 10 s: a user asks every 3 s, a new user joins every 3 s
+    # (3 * 3 / 3); ramp-up: the session that joined 9 s ago is done, the one of 6 s ago asks q3 at 3 s, the one of
+    # 3 s ago asks q2 at 3 s and q3 at 6 s; new users at 0, 3, 6, 9 ask from q0
+    small = wl.generate("lmbench", 0, users=3, rounds=4, qps=1, duration_s=10, system=10, history=20, question=2,
+                        answer=3).requests  # fmt: skip
+    got = [(r.arrival_s, r.session, r.segments[-1][0]) for r in small]
+    assert got == [(0, "u2", "u2/q0"), (3, "u0", "u0/q3"), (3, "u1", "u1/q2"), (3, "u2", "u2/q1"), (3, "u3", "u3/q0"),
+                   (6, "u1", "u1/q3"), (6, "u2", "u2/q2"), (6, "u3", "u3/q1"), (6, "u4", "u4/q0"), (9, "u2", "u2/q3"),
+                   (9, "u3", "u3/q2"), (9, "u4", "u4/q1"), (9, "u5", "u5/q0")]  # fmt: skip
+    assert [len(r.segments) for r in small if r.session == "u2"] == [3, 5, 7, 9]
+    assert [r.id for r in small] == list(range(len(small)))
+
+
+def test_duration_keeps_the_arrivals_before_it():
+    full = wl.generate("multi-round-qa", 0, users=3, rounds=4, qps=2)
+    cut = wl.generate("multi-round-qa", 0, users=3, rounds=4, qps=2, duration_s=2.0)
+    n = sum(r.arrival_s < 2.0 for r in full.requests)
+    assert 0 < n < len(full.requests)
+    assert [r.to_json() for r in cut.requests] == [r.to_json() for r in full.requests[:n]]
+    assert cut.params["duration_s"] == 2.0
+    assert len(wl.generate("lmbench", 0, duration_s=30).requests) < len(wl.generate("lmbench", 0).requests)
+    with pytest.raises(ValueError):
+        wl.generate("conversation", 0, duration_s=0)
+
+
 # ============================================================================================ the raw_first policy
 @pytest.mark.parametrize("fused", ["0", "force"])
 def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth, synth_cal, fused):
@@ -188,16 +234,22 @@ def tiny_bench():
 
     torch.manual_seed(0)
     w = wl.generate("multi-round-qa", 0, users=4, rounds=3, system=64, history=512, question=16, answer=8, qps=1)
-    bench = ServeBench("tiny", w, EngineConfig(token_budget=512, max_seqs=4, span_tokens=256), "cpu", window=32)
+    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256, stretch_samples=4)  # replays: 12 steps a run
+    bench = ServeBench("tiny", w, cfg, "cpu", window=32)
     bench.warm_up(["raw"])
     return bench
 
 
-def test_engine_reuses_histories_through_the_store(tiny_bench):
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_bench):
+    """``none`` and ``raw`` at twice the raw working set (everything fits), run once for the tests below."""
+    return tiny_bench.run("none", None), tiny_bench.run("raw", 2.0)
+
+
+def test_engine_reuses_histories_through_the_store(tiny_bench, tiny_runs):
     bs = 16
     reqs = {r.id: r for r in tiny_bench.w.requests}
-    none = tiny_bench.run("none", None)
-    raw = tiny_bench.run("raw", 2.0)  # twice the raw working set: everything fits
+    none, raw = tiny_runs
     assert none.summary["hit_rate"] == 0 and none.host_bytes == 0
     assert len(raw.requests) == len(reqs) == raw.summary["requests"]
     follow_ups = 0
@@ -210,6 +262,118 @@ def test_engine_reuses_histories_through_the_store(tiny_bench):
             follow_ups += m["hit_tokens"] == (prev.prompt_tokens + prev.output_tokens - 1) // bs * bs
     assert follow_ups == sum(r.after >= 0 for r in reqs.values())
     assert raw.summary["hit_rate"] > 0.6 and raw.summary["restore_failures"] == 0
+
+
+def test_token_times_give_tpot_and_itl_as_a_hand_computation_does(tiny_runs):
+    """Every generated token's time is recorded (the first is the first token); ITL percentiles are those of every
+    gap between two tokens of a request, pooled; TPOT is per request; both as numpy computes them."""
+    import numpy as np
+
+    for rec in tiny_runs:
+        gaps, tpots = [], []
+        for m, row in zip(rec.metrics, rec.requests):
+            t = m.token_times
+            assert len(t) == m.output_tokens and t[0] == m.first_token_s and t[-1] <= m.finish_s
+            assert all(b > a for a, b in zip(t, t[1:]))
+            gaps += [b - a for a, b in zip(t, t[1:])]
+            tpots.append((t[-1] - t[0]) / (len(t) - 1))
+            assert row["tpot_s"] == pytest.approx(tpots[-1]) and "token_times" not in row
+        s = rec.summary
+        assert len(gaps) == sum(m.output_tokens - 1 for m in rec.metrics) > 0
+        for p in (50, 90, 99):
+            assert s[f"itl_p{p}_s"] == pytest.approx(float(np.percentile(gaps, p)), rel=1e-9)
+            assert s[f"tpot_p{p}_s"] == pytest.approx(float(np.percentile(tpots, p)), rel=1e-9)
+        assert s["itl_mean_s"] == pytest.approx(float(np.mean(gaps))) and s["itl_max_s"] == max(gaps)
+        assert s["tpot_mean_s"] == pytest.approx(float(np.mean(tpots)))
+
+
+def test_step_stretch_classes_and_replays(tiny_runs):
+    """Every step is classed; ``none`` has no tier, so every step is idle; ``raw`` restores histories, so some steps
+    waited for a restore. Sampled steps were replayed (the stretch is time in the run over time replayed)."""
+    none, raw = tiny_runs
+    for rec in tiny_runs:
+        st = rec.summary["steps"]
+        by = st["by_class"]
+        assert sum(c["steps"] for c in by.values()) == st["steps"] > 0
+        assert st["time_s"] == pytest.approx(sum(c["time_s"] for c in by.values()))
+        for c in by.values():
+            assert c["sampled"] == min(4, c["steps"])
+            if c["sampled"]:
+                assert c["replay_mean_s"] > 0 and c["stretch"] > 0
+        assert rec.summary["step_stretch"] == st["stretch"] > 0
+    assert none.summary["steps"]["by_class"]["restore"]["steps"] == 0
+    assert none.summary["steps"]["by_class"]["tier"]["steps"] == 0
+    hits = sum(1 for m in raw.metrics if m.hit_tokens)
+    assert 0 < raw.summary["steps"]["by_class"]["restore"]["steps"] <= hits
+
+
+def test_step_log_reservoir_and_stretch():
+    from dynamo_kvtc.bench.serve.engine import StepLog
+
+    log = StepLog(2)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0):
+        log.add("restore", [t], t)
+    log.add("idle", [0.5], 0.5)
+    kept = [t for _, t in log.kept["restore"]]
+    assert len(kept) == 2 and set(kept) <= {1.0, 2.0, 3.0, 4.0, 5.0}
+    log.replay(lambda batch: batch[0] / 2)  # every step replays in half its time
+    assert log.stretch("restore") == pytest.approx(2.0) and log.stretch("idle") == pytest.approx(2.0)
+    assert log.stretch("tier") is None
+    s = log.summary()
+    # the run's stretch: its step time (15.5 s) over the estimate without the tier (15 / 2 + 0.5 / 2)
+    assert s["time_s"] == 15.5 and s["stretch"] == pytest.approx(15.5 / (15 / 2 + 0.5 / 2))
+    assert s["by_class"]["restore"]["sampled"] == 2 and s["by_class"]["tier"]["steps"] == 0
+    off = StepLog(0)
+    off.add("idle", [1], 1.0)
+    off.replay(lambda b: 1.0)
+    assert off.summary()["stretch"] is None and off.summary()["by_class"]["idle"]["sampled"] == 0
+
+
+def test_goodput_under_both_slos_on_a_known_trace():
+    """Four requests with known token times: TTFT 1.0 / 2.5 / 0.5 / 0.4 s, TPOT 50 / 200 / 300 ms / one token."""
+    from dynamo_kvtc.bench.serve.engine import RequestMetrics, summarize
+
+    def req(i, arrival, times):
+        m = RequestMetrics(i, f"s{i}", arrival, 100, len(times), first_token_s=times[0], finish_s=times[-1])
+        m.token_times = list(times)
+        return m
+
+    ms = [req(0, 0.0, [1.0, 1.05, 1.10, 1.15]), req(1, 0.5, [3.0, 3.2, 3.4]), req(2, 1.0, [1.5, 1.8, 2.1]),
+          req(3, 2.0, [2.4])]  # fmt: skip
+    s = summarize(ms, 2.0, 0.1)
+    span = 3.4  # first arrival 0, last token 3.4
+    assert s["span_s"] == pytest.approx(span)
+    assert s["goodput_rps"] == pytest.approx(3 / span) and s["slo_attainment"] == 0.75  # TTFT: all but request 1
+    assert s["goodput_ttft_tpot_rps"] == pytest.approx(2 / span)  # both: requests 0 and 3 (one token: no TPOT)
+    assert s["slo_ttft_tpot_attainment"] == 0.5 and s["tpot_slo_attainment"] == 0.5
+    # ITL over every gap: .05 .05 .05 .2 .2 .3 .3; TPOT per request: .05 .2 .3
+    assert s["itl_p50_s"] == pytest.approx(0.2) and s["itl_p90_s"] == pytest.approx(0.3)
+    assert s["itl_mean_s"] == pytest.approx(1.15 / 7) and s["itl_max_s"] == pytest.approx(0.3)
+    assert s["tpot_p50_s"] == pytest.approx(0.2) and s["tpot_mean_s"] == pytest.approx(0.55 / 3)
+    assert s["ttft_p50_s"] == pytest.approx(0.75)  # 0.4 0.5 1.0 2.5
+    assert summarize(ms, 3.0, 0.35)["slo_ttft_tpot_attainment"] == 1.0
+    assert summarize(ms[3:], 2.0)["tpot_p50_s"] is None  # no request with two tokens
+
+
+def test_slo_break_is_the_first_rate_that_broke():
+    from dynamo_kvtc.bench.serve.engine import RunRecord
+    from dynamo_kvtc.bench.serve.run import slo_break
+
+    def rec(system, budget, qps, att):
+        return RunRecord(system, budget, 0, {"slo_ttft_tpot_attainment": att, "goodput_ttft_tpot_rps": qps * att},
+                         qps=qps)  # fmt: skip
+
+    records = [rec("raw", 0.125, q, a) for q, a in ((4, 0.5), (1, 1.0), (2, 0.9), (8, 0.95))]  # out of order
+    records += [rec("kvtc16", 0.125, q, 1.0) for q in (1, 2, 4, 8)]
+    records += [rec("none", None, q, a) for q, a in ((1, 0.89), (2, 0.0))]
+    rows = {r["system"]: r for r in slo_break(records, 0.9)}
+    # raw: holds at 1 and 2 (exactly 0.9 holds), breaks at 4; recovering at 8 does not move the break point
+    assert (rows["raw"]["breaks_at_qps"], rows["raw"]["holds_up_to_qps"]) == (4, 2)
+    assert rows["raw"]["goodput_ttft_tpot_rps"] == pytest.approx(1.8)
+    assert rows["raw"]["attainment"] == {"1": 1.0, "2": 0.9, "4": 0.5, "8": 0.95}
+    assert (rows["kvtc16"]["breaks_at_qps"], rows["kvtc16"]["holds_up_to_qps"]) == (None, 8)  # never broke
+    assert (rows["none"]["breaks_at_qps"], rows["none"]["holds_up_to_qps"]) == (1, None)  # broke at the lowest
+    assert rows["none"]["goodput_ttft_tpot_rps"] is None
 
 
 @pytest.mark.parametrize("raw_system", ["raw", "raw_blob"])
@@ -287,8 +451,10 @@ def test_help_documents_workloads_and_systems_without_torch():
 
 
 @pytest.mark.parametrize(
-    "args", [["--systems", "raw,zip"], ["--budgets", "0.5,0"], ["--param", "no_equals"], ["--model", "gpt-9"]]
-)
+    "args",
+    [["--systems", "raw,zip"], ["--budgets", "0.5,0"], ["--param", "no_equals"], ["--model", "gpt-9"],
+     ["--slo-attainment", "1.5"], ["--duration-s", "0"], ["--slo-tpot", "-1"], ["--workload", "lmbench2"]],
+)  # fmt: skip
 def test_bad_arguments_exit_2(args, capsys):
     from dynamo_kvtc.cli.main import build_parser
 
@@ -326,12 +492,13 @@ def test_command_writes_json_plot_and_trace(tmp_path):
     params = ["users=2", "rounds=2", "system=32", "history=256", "question=16", "answer=4", "qps=1"]
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--systems", "none,kvtc16", "--budgets", "0.5"]
     argv += [x for p in params for x in ("--param", p)]
-    argv += ["--token-budget", "256", "--span-tokens", "128", "--window", "16", "--no-warmup"]
+    argv += ["--token-budget", "256", "--span-tokens", "128", "--window", "16", "--no-warmup", "--stretch-samples", "0"]
     assert main([*argv, "--json", str(out), "--plot", str(png), "--save-trace", str(trace)]) == 0
     data = json.loads(out.read_text())
     assert "random weights" in data["note"] and data["workload"]["name"] == "multi-round-qa"
     assert [(r["system"], r["budget_fraction"]) for r in data["runs"]] == [("none", None), ("kvtc16", 0.5)]
     assert data["runs"][1]["summary"]["hit_rate"] > 0 and len(data["runs"][1]["requests"]) == 4
+    assert data["runs"][1]["summary"]["step_stretch"] is None  # --stretch-samples 0: nothing replayed
     assert png.stat().st_size > 10000 and data["plot"] == str(png)
     assert wl.load(trace).stats() == data["workload"]["stats"]  # the trace that ran is the one saved
     assert main(["bench", "serve", "--trace", str(trace), "--param", "x=1", "--model", "tiny", "--device", "cpu",
@@ -386,7 +553,7 @@ def test_conversation_and_long_doc_traces_run_through_the_loop(tiny_bench):
     from dynamo_kvtc.bench.serve.engine import EngineConfig, summarize
     from dynamo_kvtc.bench.serve.run import ServeBench
 
-    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256)
+    cfg = EngineConfig(token_budget=512, max_seqs=4, span_tokens=256, stretch_samples=0)
     for w in (
         wl.generate("conversation", 0, sessions=4, qps=2, first_median=300, turn_median=60, output_median=8,
                     more_turns=0.8, max_turns=3, think_s=0.5, max_input=1200),
@@ -421,17 +588,32 @@ def test_disk_tier_serves_what_the_host_budget_cannot_hold(tiny_bench, tmp_path)
     assert with_disk.summary["hit_rate"] > 0.6 > 0.2 > host_only.summary["hit_rate"]
 
 
-def test_qps_sweep_reports_throughput_at_the_slo(tmp_path):
+def test_lmbench_qps_sweep_reports_decode_latency_goodput_and_the_slo_break(tmp_path):
+    """The lmbench preset scaled down (2 users x 3 rounds, 3 s per rate) through the command: per run TPOT, ITL and
+    goodput under both SLOs; per system throughput at the p90 TTFT SLO and where it breaks the SLO; three plots."""
     import json
 
     from dynamo_kvtc.cli.main import main
 
-    out = tmp_path / "serve.json"
-    params = ["users=2", "rounds=2", "system=32", "history=256", "question=16", "answer=4"]
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    params = ["users=2", "rounds=3", "system=32", "history=256", "question=16", "answer=4"]
     argv = ["bench", "serve", "--model", "tiny", "--device", "cpu", "--systems", "none,kvtc16", "--budgets", "0.5"]
-    argv += [x for p in params for x in ("--param", p)] + ["--qps", "1,4", "--slo", "30", "--no-warmup"]
-    assert main([*argv, "--token-budget", "256", "--span-tokens", "128", "--window", "16", "--json", str(out)]) == 0
+    argv += ["--workload", "lmbench", *[x for p in params for x in ("--param", p)], "--duration-s", "3"]
+    argv += ["--qps", "1,2", "--slo", "30", "--slo-tpot", "30", "--no-warmup", "--stretch-samples", "2"]
+    argv += ["--token-budget", "256", "--span-tokens", "128", "--window", "16", "--json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
     data = json.loads(out.read_text())
-    assert [(r["system"], r["qps"]) for r in data["runs"]] == [("none", 1), ("kvtc16", 1), ("none", 4), ("kvtc16", 4)]
+    assert data["workload"]["name"] == "lmbench" and data["workload"]["params"]["duration_s"] == 3
+    assert data["slo"] == {"ttft_s": 30, "tpot_s": 30, "attainment": 0.9}
+    assert [(r["system"], r["qps"]) for r in data["runs"]] == [("none", 1), ("kvtc16", 1), ("none", 2), ("kvtc16", 2)]
+    assert [len(r["requests"]) for r in data["runs"]] == [4, 4, 7, 7]  # the schedule by hand: see the preset test
+    for r in data["runs"]:
+        s = r["summary"]
+        assert s["tpot_p50_s"] > 0 and s["itl_p99_s"] >= s["itl_p50_s"] > 0 and s["step_stretch"] > 0
+        assert s["slo_ttft_tpot_attainment"] == 1.0 and s["goodput_ttft_tpot_rps"] == s["goodput_rps"] > 0
     rows = {r["system"]: r for r in data["throughput_at_slo"]}
-    assert rows["kvtc16"]["qps"] == 4 and rows["kvtc16"]["requests_per_s"] > 0  # a 30 s SLO: every rate meets it
+    assert rows["kvtc16"]["qps"] == 2 and rows["kvtc16"]["requests_per_s"] > 0  # a 30 s SLO: every rate meets it
+    brk = {r["system"]: r for r in data["slo_break"]}
+    assert brk["kvtc16"]["breaks_at_qps"] is None and brk["kvtc16"]["holds_up_to_qps"] == 2
+    for key in ("plot", "plot_distributions", "plot_qps"):
+        assert data[key].endswith(".png") and (tmp_path / data[key].split("/")[-1]).stat().st_size > 10000

@@ -318,9 +318,10 @@ check_tiers() {
 }
 
 # PLAN: runs separated by ';', each "MODEL WORKLOAD BUDGETS SYSTEMS [QPS-list|-] [KEY=VALUE,...]"; PARAMS apply to a
-# run of WORKLOAD without its own parameters. Each run: serve-<model>-<workload>[-qps].{json,png,log}.
+# run of WORKLOAD without its own parameters. Each run: serve-<model>-<workload>[-qps][-N].{json,png,log} (-N: the
+# Nth run of the same model and workload in one call). An lmbench run without a QPS list sweeps 0.5,1,2.
 check_serve() {
-  local d=$1 s=$2 st=0 end=$(($(el) + $2)) run M W B S Q P name l
+  local d=$1 s=$2 st=0 end=$(($(el) + $2)) run M W B S Q P name l n
   local -a runs qargs pargs extra
   # shellcheck disable=SC2206  # SERVE_EXTRA is a list of arguments
   extra=($SERVE_EXTRA)
@@ -332,6 +333,8 @@ check_serve() {
     l=$((end - $(el)))
     [ "$l" -lt 20 ] && { echo "!! no time left for: $run"; st=3; break; }
     name="serve-$M-$W${Q:+-qps}"
+    n=2  # a second run of the same model and workload in one call gets -2, -3, ... instead of overwriting the first
+    while [ -e "$d/$name.json" ] || [ -e "$d/$name.log" ]; do name="serve-$M-$W${Q:+-qps}-$n"; n=$((n + 1)); done
     qargs=()
     [ -n "$Q" ] && qargs=(--qps "$Q")
     pargs=()

@@ -14,11 +14,20 @@ user reads the reply before asking again; the tier's encode time still delays th
 Times are measured in the run itself (the device synchronised after every step). Idle gaps between arrivals are
 skipped once the offload worker is idle (the clock jumps to the next arrival), so a trace of minutes runs in the time
 its work takes.
+
+What operators watch comes from the same clock: each generated token's time (TTFT, TPOT, inter-token latency), and
+each step's time. A step's time is its forward pass (GEMMs, attention, KV writes of every token of the step), waits
+for restored layers, and whatever else shares the device and the host meanwhile (the tier's encode on the offload
+stream, its decode on the restore stream, its worker threads). The *stretch* is how much longer steps took than the
+same steps without the tier's work: after the run, with the tier idle, a sample of the run's steps (reservoir, per
+class: a restore in the batch / tier work in flight / nothing) is replayed — the same sequences, positions and
+token counts — and timed (:class:`StepLog`).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import time
 from collections import deque
@@ -35,25 +44,29 @@ from .workloads import Request, Workload, segment_ids
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineConfig", "RequestMetrics", "ServeEngine", "summarize"]
+__all__ = ["STEP_CLASSES", "EngineConfig", "RequestMetrics", "RunRecord", "ServeEngine", "StepLog", "summarize"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """The batching limits: tokens per step (prefill chunks + decodes), sequences running at once, the store's block
-    and span size, and the TTFT SLO goodput is counted against."""
+    and span size; the TTFT and TPOT SLOs goodput is counted against; how many steps per class are replayed to
+    measure the stretch (0: none)."""
 
     token_budget: int = 8192
     max_seqs: int = 8
     block_size: int = 16
     span_tokens: int = 1024
-    slo_s: float = 2.0
+    slo_s: float = 2.0  # TTFT
+    slo_tpot_s: float = 0.1
+    stretch_samples: int = 16
 
 
 @dataclass
 class RequestMetrics:
     """What one request saw: when it arrived (its dependency included), started, got its first token, finished;
-    prompt and restored (hit) tokens, restore time, and whether a restore failed (then recomputed)."""
+    prompt and restored (hit) tokens, restore time, whether a restore failed (then recomputed), and when each of its
+    tokens was generated (run clock; the first is ``first_token_s``)."""
 
     id: int
     session: str
@@ -66,10 +79,28 @@ class RequestMetrics:
     hit_tokens: int = 0
     restore_s: float = 0.0
     restore_failed: bool = False
+    token_times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def ttft_s(self) -> float:
         return self.first_token_s - self.arrival_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        """The gaps between consecutive tokens (inter-token latencies)."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last token - first token) / (tokens - 1); None for one token."""
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The per-request record of the JSON (token times summarised as TPOT and the largest gap)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "token_times"}
+        return {**d, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s, "itl_max_s": max(self.itl_s, default=None)}
 
 
 @dataclass
@@ -125,6 +156,74 @@ def _rot(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin
 
 
+STEP_CLASSES = ("restore", "tier", "idle")
+
+
+class StepLog:
+    """Every step's time and class, and a reservoir sample of each class's steps to replay with the tier idle.
+
+    Classes: ``restore`` (a sequence of the batch waits for restored layers), ``tier`` (no restore in the batch, but
+    the tier works meanwhile: an offload in flight or a restore of a sequence not in this step), ``idle`` (neither;
+    its stretch is the measurement's own noise, ~1). The stretch of a class is its sampled steps' time in the run over
+    their time replayed; the run's is the whole run's step time over the estimate without the tier's work
+    (each class's time divided by its stretch)."""
+
+    def __init__(self, samples: int, seed: int = 0) -> None:
+        self.samples = samples
+        self.rng = random.Random(seed)
+        self.times: dict[str, list[float]] = {c: [] for c in STEP_CLASSES}
+        self.kept: dict[str, list[tuple[list, float]]] = {c: [] for c in STEP_CLASSES}  # (batch, time in the run)
+        self.replayed: dict[str, list[tuple[float, float]]] = {c: [] for c in STEP_CLASSES}  # (run, replay)
+
+    def add(self, cls: str, batch: list, t: float) -> None:
+        times, kept = self.times[cls], self.kept[cls]
+        times.append(t)
+        if len(kept) < self.samples:
+            kept.append((batch, t))
+        elif self.samples:
+            j = self.rng.randrange(len(times))
+            if j < self.samples:
+                kept[j] = (batch, t)
+
+    def replay(self, step) -> None:
+        """``step(batch)`` -> seconds, for every kept step (then the batches are dropped)."""
+        for c in STEP_CLASSES:
+            self.replayed[c] = [(t, step(batch)) for batch, t in self.kept[c]]
+            self.kept[c] = []
+
+    def stretch(self, cls: str) -> float | None:
+        r = self.replayed[cls]
+        return sum(t for t, _ in r) / max(sum(x for _, x in r), 1e-12) if r else None
+
+    def summary(self) -> dict[str, Any]:
+        total = sum(sum(v) for v in self.times.values())
+        est, known = 0.0, True
+        by: dict[str, Any] = {}
+        for c in STEP_CLASSES:
+            ts, st = self.times[c], self.stretch(c)
+            rep = [x for _, x in self.replayed[c]]
+            by[c] = {
+                "steps": len(ts),
+                "time_s": sum(ts),
+                "sampled": len(rep),
+                "stretch": st,
+                "time_mean_s": statistics.fmean(ts) if ts else None,
+                "replay_mean_s": statistics.fmean(rep) if rep else None,
+            }
+            if ts:
+                known = known and st is not None
+                est += sum(ts) / st if st else 0.0
+        all_t = [t for v in self.times.values() for t in v]
+        return {
+            "steps": len(all_t),
+            "time_s": total,
+            "time_p50_s": _pct(all_t, 0.5),
+            "time_p99_s": _pct(all_t, 0.99),
+            "stretch": total / est if known and est > 0 else None,
+            "by_class": by,
+        }
+
+
 class ServeEngine:
     """Runs one trace against one system: owns the running sequences, their KV (one pool of ``max_seqs`` slots; a
     slot is reused only after its sequence's offload finished), the clock and the metrics. It uses ``store`` (None:
@@ -149,6 +248,7 @@ class ServeEngine:
         self._saved: dict[int, float] = {}  # request id -> when its offload was stored (run clock)
         self._t0 = 0.0
         self._skipped = 0.0
+        self.steps = StepLog(cfg.stretch_samples)
 
     # ------------------------------------------------------------------ clock
     def clock(self) -> float:
@@ -171,6 +271,7 @@ class ServeEngine:
             self.alloc(w)
         self._free, self._busy = list(range(self.cfg.max_seqs)), {}
         self._t0, self._skipped, self._saved = time.perf_counter(), 0.0, {}
+        self.steps = StepLog(self.cfg.stretch_samples)
         while future or blocked or waiting or running:
             now = self.clock() + t_first
             while future and future[0].arrival_s <= now:
@@ -195,8 +296,18 @@ class ServeEngine:
                 done[s.req.id] = s.m
                 self._offload(s, t_first)
         self._drain()
+        self.steps.replay(self._replay)  # the tier is idle now: the same steps without its work
         self.pool = self.kview = None
         return [done[r.id] for r in reqs]
+
+    def _replay(self, batch: list[tuple[_Seq, int, int]]) -> float:
+        """One step of the run again (its sequences' KV views, positions and token counts; no restore waits): its
+        time. The KV it writes lands where that step wrote it; the run is over, nothing reads it any more."""
+        self._sync()
+        t0 = time.perf_counter()
+        self._forward(batch)
+        self._sync()
+        return time.perf_counter() - t0
 
     def alloc(self, w: Workload) -> PagedKV:
         """The KV pool for ``w`` (``max_seqs`` slots of its longest request, whole blocks), as the paged cache a store
@@ -290,8 +401,16 @@ class ServeEngine:
 
     def _step(self, running: list[_Seq], t_first: float) -> None:
         batch = self._plan(running)
+        if any(s.handle is not None for s, _, _ in batch):
+            cls = "restore"
+        elif any(not f.done() for f in self._busy.values()) or any(s.handle is not None for s in running):
+            cls = "tier"
+        else:
+            cls = "idle"
+        t0 = time.perf_counter()
         self._forward(batch)
         self._sync()
+        self.steps.add(cls, batch, time.perf_counter() - t0)
         now = self.clock() + t_first
         for s, start, n in batch:
             if s.failed:  # the restore failed during this step: recompute the whole prompt
@@ -303,6 +422,7 @@ class ServeEngine:
             s.computed = start + n
             if start + n >= s.prompt and s.generated == 0 or start >= s.prompt:
                 s.generated += 1
+                s.m.token_times.append(now)
                 if s.generated == 1:
                     s.m.first_token_s = now
 
@@ -408,35 +528,69 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(ms: list[RequestMetrics], slo_s: float) -> dict[str, Any]:
-    """Per run: hit rate (restored / prompt tokens), mean/p50/p90/p99 TTFT, output tokens/s over the run's span,
-    goodput (requests/s whose TTFT met the SLO) and the fraction that met it, mean restore time of the hits."""
+def _dist(prefix: str, xs: list[float]) -> dict[str, float | None]:
+    """``{prefix}_mean_s``, ``_p50_s``, ``_p90_s``, ``_p99_s`` of ``xs`` (None when empty)."""
+    if not xs:
+        return {f"{prefix}_{k}_s": None for k in ("mean", "p50", "p90", "p99")}
+    return {
+        f"{prefix}_mean_s": statistics.fmean(xs),
+        f"{prefix}_p50_s": _pct(xs, 0.5),
+        f"{prefix}_p90_s": _pct(xs, 0.9),
+        f"{prefix}_p99_s": _pct(xs, 0.99),
+    }
+
+
+def summarize(
+    ms: list[RequestMetrics], slo_s: float, slo_tpot_s: float = 0.1, steps: StepLog | None = None
+) -> dict[str, Any]:
+    """Per run: hit rate (restored / prompt tokens), mean/p50/p90/p99 TTFT, TPOT (per request: time per output token
+    after the first) and ITL (every gap between two tokens of a request, pooled over the run: what a streaming client
+    sees), output tokens/s over the run's span, goodput (requests/s whose TTFT met ``slo_s``) and the fraction that met
+    it, the same for TTFT and TPOT together (``slo_tpot_s``; a one-token reply meets any TPOT SLO), mean restore
+    time of the hits, and with ``steps`` the step times and the stretch (:class:`StepLog`)."""
     if not ms:
         return {}
     ttft = [m.ttft_s for m in ms]
+    tpot = [t for m in ms if (t := m.tpot_s) is not None]
+    itl = [g for m in ms for g in m.itl_s]
     span = max(m.finish_s for m in ms) - min(m.arrival_s for m in ms)
     ok = sum(t <= slo_s for t in ttft)
+    both = sum(m.ttft_s <= slo_s and (m.tpot_s is None or m.tpot_s <= slo_tpot_s) for m in ms)
+    tpot_ok = sum(m.tpot_s is None or m.tpot_s <= slo_tpot_s for m in ms)
     hits = [m for m in ms if m.hit_tokens]
-    return {
+    out = {
         "requests": len(ms),
         "hit_rate": sum(m.hit_tokens for m in ms) / max(1, sum(m.prompt_tokens for m in ms)),
         "ttft_mean_s": statistics.fmean(ttft),
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p90_s": _pct(ttft, 0.9),
         "ttft_p99_s": _pct(ttft, 0.99),
+        **_dist("tpot", tpot),
+        **_dist("itl", itl),
+        "itl_max_s": max(itl, default=None),
         "output_tok_s": sum(m.output_tokens for m in ms) / max(span, 1e-9),
         "goodput_rps": ok / max(span, 1e-9),
         "slo_attainment": ok / len(ms),
         "slo_s": slo_s,
+        "slo_tpot_s": slo_tpot_s,
+        "tpot_slo_attainment": tpot_ok / len(ms),
+        "goodput_ttft_tpot_rps": both / max(span, 1e-9),
+        "slo_ttft_tpot_attainment": both / len(ms),
         "restore_mean_s": statistics.fmean(m.restore_s for m in hits) if hits else 0.0,
         "restore_failures": sum(m.restore_failed for m in ms),
         "span_s": span,
     }
+    if steps is not None:
+        st = steps.summary()
+        out["step_stretch"] = st["stretch"]
+        out["steps"] = st
+    return out
 
 
 @dataclass
 class RunRecord:
-    """One (system, host budget[, arrival rate]) run: the summary and the per-request metrics."""
+    """One (system, host budget[, arrival rate]) run: the summary and the per-request metrics (``metrics``: the same
+    with every token's time, in memory only; the JSON has ``requests``)."""
 
     system: str
     budget_fraction: float | None
@@ -445,3 +599,7 @@ class RunRecord:
     requests: list[dict[str, Any]] = field(default_factory=list)
     store: dict[str, Any] = field(default_factory=dict)
     qps: float | None = None  # the workload's arrival rate, when a --qps sweep set it
+    metrics: list[RequestMetrics] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "metrics"}

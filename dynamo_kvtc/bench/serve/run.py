@@ -1,8 +1,9 @@
-"""``dynamo-kvtc bench serve``: a workload replayed against each system at each host budget; JSON and a plot.
+"""``dynamo-kvtc bench serve``: a workload replayed against each system at each host budget (and arrival rate);
+JSON and plots.
 
 The decoder has a real model's shape and random weights (speed only); the calibration is synthetic (a power-law
 spectrum on random bases, the real DP), so compressed sizes and codec times are real, reconstruction errors are not
-meaningful. ``none`` does not depend on the budget and runs once.
+meaningful. ``none`` does not depend on the budget and runs once (per rate).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from .systems import SYSTEMS, host_budget, tier_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SERVE_MODELS", "ServeBench", "run_bench_serve"]
+__all__ = ["SERVE_MODELS", "ServeBench", "run_bench_serve", "slo_break"]
 
 NOTE = "random weights and a synthetic calibration: speed only (replies and reconstruction errors mean nothing)"
 # model name -> (decoder dims, KV shape); "tiny" is for CPU smoke runs
@@ -100,8 +101,9 @@ class ServeBench:
         compilation (for the workload's own span and batch shapes) and the allocator are not in the first run."""
         first = list(dict.fromkeys(r.session for r in self.w.requests))[:sessions]
         w = wl.Workload(self.w.name, self.w.seed, self.w.params, [r for r in self.w.requests if r.session in first])
+        cfg = replace(self.cfg, stretch_samples=0)  # nothing to measure: no replay
         for name in systems:
-            engine = ServeEngine(self.decoder, None, self.cfg, self.device)
+            engine = ServeEngine(self.decoder, None, cfg, self.device)
             store = engine.store = self.store(name, 1 << 30, None, engine.alloc(w))
             try:
                 engine.run(w)
@@ -117,8 +119,10 @@ class ServeBench:
             snap = store.snapshot() if store is not None else {}
         finally:
             close(store)
-        rec = RunRecord(system_name, fraction, host if store is not None else 0, summarize(ms, self.cfg.slo_s))
-        rec.requests = [{**asdict(m), "ttft_s": m.ttft_s} for m in ms]
+        summary = summarize(ms, self.cfg.slo_s, self.cfg.slo_tpot_s, engine.steps)
+        rec = RunRecord(system_name, fraction, host if store is not None else 0, summary)
+        rec.requests = [m.to_json() for m in ms]
+        rec.metrics = ms
         rec.store = {k: v for k, v in snap.items() if isinstance(v, (int, float))}
         return rec
 
@@ -147,8 +151,10 @@ def sweep(
             print(
                 f"{name:>7} budget {'-' if f is None else f'{f:.3f}':>6}: hit {s['hit_rate']:.3f}  TTFT mean "
                 f"{s['ttft_mean_s']:.3f} p50 {s['ttft_p50_s']:.3f} p99 {s['ttft_p99_s']:.3f} s  "
-                f"{s['output_tok_s']:.1f} out tok/s  goodput {s['goodput_rps']:.3f} req/s  "
-                f"({time.perf_counter() - t0:.1f} s)",
+                f"TPOT p50 {_ms(s['tpot_p50_s'])} p99 {_ms(s['tpot_p99_s'])}  ITL p99 {_ms(s['itl_p99_s'])}  "
+                f"stretch {_x(s.get('step_stretch'))}  "
+                f"{s['output_tok_s']:.1f} out tok/s  goodput {s['goodput_rps']:.3f} req/s "
+                f"(with TPOT {s['goodput_ttft_tpot_rps']:.3f})  ({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
             rec.qps = bench.w.params.get("qps")
@@ -158,15 +164,104 @@ def sweep(
     return out
 
 
-def plot(records: list[RunRecord], path: str, title: str) -> str | None:
-    """Hit rate, mean/p50/p99 TTFT, output tokens/s and goodput vs host budget, one line per system (``none`` as a
-    horizontal line). Returns why not when matplotlib is missing."""
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
+def _label(r: RunRecord) -> str:
+    b = "" if r.budget_fraction is None else f" @{r.budget_fraction:g}"
+    return f"{r.system}{b}" + ("" if r.qps is None else f" {r.qps:g} qps")
+
+
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_distributions(records: list[RunRecord], path: str, title: str) -> str | None:
+    """Two panels: the TTFT and the inter-token-latency distributions (empirical CDFs), one line per run. Returns why
+    not when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
+        return "matplotlib is not installed: no plot"
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    for r in records:
+        for ax, xs in zip(axes, ([m.ttft_s for m in r.metrics], [g for m in r.metrics for g in m.itl_s])):
+            xs = sorted(xs)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=_label(r), drawstyle="steps-post")
+    slo = records[0].summary if records and records[0].summary else {}
+    marks = (
+        (axes[0], "TTFT (s)", "requests", "slo_s", "TTFT SLO"),
+        (axes[1], "inter-token latency (s)", "token gaps", "slo_tpot_s", "TPOT SLO (a per-request mean)"),
+    )
+    for ax, name, what, key, label in marks:
+        ax.set_xscale("log")
+        ax.set_xlabel(name)
+        ax.set_ylabel(f"fraction of {what}")
+        ax.grid(alpha=0.3)
+        if slo.get(key) is not None:
+            ax.axvline(slo[key], color="gray", ls=":", label=f"{label} {slo[key]:g} s")
+        ax.legend(fontsize=8)
+    axes[0].set_title("TTFT distribution")
+    axes[1].set_title("ITL distribution (every gap between two tokens of a request)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def plot_qps(records: list[RunRecord], path: str, title: str) -> str | None:
+    """A QPS sweep: p90 TTFT, p90 TPOT, p99 ITL and goodput under both SLOs against the arrival rate, one line per
+    (system, budget), the SLOs as dotted lines."""
+    plt = _pyplot()
+    if plt is None:
+        return "matplotlib is not installed: no plot"
+    keys = [
+        ("ttft_p90_s", "p90 TTFT (s)", "slo_s"),
+        ("tpot_p90_s", "p90 TPOT (s)", "slo_tpot_s"),
+        ("itl_p99_s", "p99 ITL (s)", None),
+        ("goodput_ttft_tpot_rps", "goodput, TTFT and TPOT SLOs (req/s)", None),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 5))
+    for key in dict.fromkeys((r.system, r.budget_fraction) for r in records):
+        rs = sorted((r for r in records if (r.system, r.budget_fraction) == key), key=lambda r: r.qps or 0.0)
+        lab = key[0] + ("" if key[1] is None else f" @{key[1]:g}")
+        for ax, (k, _, _) in zip(axes, keys):
+            ax.plot([r.qps for r in rs], [r.summary.get(k) for r in rs], marker="o", label=lab)
+    s0 = records[0].summary if records else {}
+    for ax, (_, label, slo) in zip(axes, keys):
+        if slo and s0.get(slo) is not None:
+            ax.axhline(s0[slo], color="gray", ls=":")
+        ax.set_xlabel("arrival rate (QPS)")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def plot(records: list[RunRecord], path: str, title: str) -> str | None:
+    """Hit rate, mean/p50/p99 TTFT, output tokens/s and goodput vs host budget, one line per system (``none`` as a
+    horizontal line). Returns why not when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return "matplotlib is not installed: no plot"
     keys = [
         ("hit_rate", "hit rate"),
@@ -221,6 +316,35 @@ def at_slo(records: list[RunRecord], slo_s: float) -> list[dict[str, Any]]:
     return out
 
 
+def meets_slo(summary: dict[str, Any], attainment: float) -> bool:
+    """A run meets the SLO when at least ``attainment`` of its requests met both the TTFT and the TPOT SLO."""
+    return summary["slo_ttft_tpot_attainment"] >= attainment
+
+
+def slo_break(records: list[RunRecord], attainment: float = 0.9) -> list[dict[str, Any]]:
+    """Per (system, budget) of a ``--qps`` sweep, in rising rate: the first rate where the run broke the SLO (fewer
+    than ``attainment`` of its requests met both the TTFT and the TPOT SLO; None: it held at every rate swept), the
+    highest rate below that which held (None: it broke at the lowest), the goodput under both SLOs there, and every
+    rate's attainment."""
+    out = []
+    for key in dict.fromkeys((r.system, r.budget_fraction) for r in records):
+        rs = sorted((r for r in records if (r.system, r.budget_fraction) == key), key=lambda r: r.qps or 0.0)
+        broke = next((r for r in rs if not meets_slo(r.summary, attainment)), None)
+        held = [r for r in rs if broke is None or (r.qps or 0.0) < (broke.qps or 0.0)]
+        last = held[-1] if held else None
+        out.append(
+            {
+                "system": key[0],
+                "budget_fraction": key[1],
+                "breaks_at_qps": broke.qps if broke is not None else None,
+                "holds_up_to_qps": last.qps if last is not None else None,
+                "goodput_ttft_tpot_rps": last.summary["goodput_ttft_tpot_rps"] if last is not None else None,
+                "attainment": {f"{r.qps:g}": r.summary["slo_ttft_tpot_attainment"] for r in rs},
+            }
+        )
+    return out
+
+
 def load_workload(args, qps: float | None = None) -> wl.Workload:
     """The trace of ``--trace``, or the one ``--workload``/``--param``/``--seed`` generate (``qps`` overrides the
     generator's rate; saved to ``--save-trace``); a bad file or parameter is a :class:`ConfigError`."""
@@ -230,6 +354,8 @@ def load_workload(args, qps: float | None = None) -> wl.Workload:
         params = dict(args.param or {})
         if qps is not None:
             params["qps"] = qps
+        if getattr(args, "duration_s", None) is not None:
+            params["duration_s"] = args.duration_s
         w = wl.generate(args.workload, args.seed, **params)
     except (TypeError, ValueError, KeyError) as e:
         raise ConfigError(f"workload: {e}") from None
@@ -241,8 +367,14 @@ def load_workload(args, qps: float | None = None) -> wl.Workload:
 def run_bench_serve(args) -> int:
     if args.qps and args.trace:
         raise ConfigError("--qps regenerates the workload at each rate: it cannot replay a --trace")
+    if args.duration_s is not None and args.trace:
+        raise ConfigError("--duration-s shortens a generated workload: it cannot cut a --trace")
+    if not args.qps and not args.trace and "qps" not in (args.param or {}) and args.workload in wl.PRESET_QPS:
+        args.qps = list(wl.PRESET_QPS[args.workload])  # the preset's sweep
+        print(f"--workload {args.workload}: QPS sweep {','.join(f'{q:g}' for q in args.qps)} (--qps to change)")
     w = load_workload(args, args.qps[0] if args.qps else None)
-    cfg = EngineConfig(args.token_budget, args.max_seqs, args.block_size, args.span_tokens, args.slo)
+    cfg = EngineConfig(args.token_budget, args.max_seqs, args.block_size, args.span_tokens, args.slo, args.slo_tpot,
+                       args.stretch_samples)  # fmt: skip
     tier_kw: dict[str, Any] = {"window": args.window}
     if args.disk_gb:
         tier_kw["disk_bytes"] = int(args.disk_gb * 1e9)
@@ -258,6 +390,7 @@ def run_bench_serve(args) -> int:
         "model": args.model,
         "device": args.device,
         "engine": asdict(cfg),
+        "slo": {"ttft_s": args.slo, "tpot_s": args.slo_tpot, "attainment": args.slo_attainment},
         "window": args.window,
         "layer_groups": len(bench.cal.groups),
         "disk_gb": args.disk_gb,
@@ -268,7 +401,7 @@ def run_bench_serve(args) -> int:
     }
 
     def partial(records: list[RunRecord]) -> None:  # a run cut short keeps the runs it finished
-        data["runs"] = [asdict(r) for r in records]
+        data["runs"] = [r.to_json() for r in records]
         write_json(args.json_path, data)
 
     records: list[RunRecord] = []
@@ -282,13 +415,26 @@ def run_bench_serve(args) -> int:
         data["throughput_at_slo"] = at_slo(records, args.slo)
         for row in data["throughput_at_slo"]:
             print(f"at p90 TTFT <= {args.slo:g} s: {row}")
+        data["slo_break"] = slo_break(records, args.slo_attainment)
+        for row in data["slo_break"]:
+            print(f"SLO (TTFT <= {args.slo:g} s and TPOT <= {args.slo_tpot * 1e3:g} ms for >= "
+                  f"{args.slo_attainment:.0%} of requests): {row}")  # fmt: skip
     partial(records)
-    if args.qps:  # the plot shows the highest rate
-        records = [r for r in records if r.qps == max(args.qps)]
     if args.plot:
-        why = plot(records, args.plot, f"bench serve: {args.model}, {w.name} ({NOTE})")
+        title = f"bench serve: {args.model}, {w.name} ({NOTE})"
+        stem = Path(args.plot)
+        dist = stem.with_name(f"{stem.stem}-dist{stem.suffix or '.png'}")
+        top = [r for r in records if r.qps == max(args.qps)] if args.qps else records  # the highest rate
+        why = plot(top, args.plot, title)
         data["plot"] = why or str(args.plot)
-        if why:
+        if why is None:
+            plot_distributions(top, str(dist), title)
+            data["plot_distributions"] = str(dist)
+            if args.qps:
+                qp = stem.with_name(f"{stem.stem}-qps{stem.suffix or '.png'}")
+                plot_qps(records, str(qp), title)
+                data["plot_qps"] = str(qp)
+        else:
             print(why)
     write_json(args.json_path, data)
     return 0

@@ -5,14 +5,22 @@ that prefix token for token (a segment's token ids are a function of the seed an
 A request's reply is a segment too, so a later turn of the same session can carry it in its history; ``after`` names
 the request whose reply the prompt contains (the engine does not start a turn before that one finished).
 
-Three generators (statistics and where they come from: docs/serving.md):
+Four generators (statistics and where they come from: docs/serving.md):
 
 - ``multi-round-qa``: LMCache LMBenchmark ``synthetic-multi-round-qa`` (U users x R rounds, a shared system prompt,
   a per-user history, short answers, Poisson arrivals at a QPS; round r of a user follows its round r-1).
+- ``lmbench``: the same benchmark's own schedule at its published parameters (``long_input_short_output_run.sh``:
+  15 users x 20 rounds, 1,000-token shared system prompt, 20,000-token histories, 100-token answers, 100 s per QPS
+  point): each user asks every ``users / qps`` seconds, users join staggered so that ``users`` are active, and the
+  run starts in steady state (users already mid-conversation, each starting with a cold prompt), as
+  ``multi-round-qa.py``'s ``UserSessionManager`` does.
 - ``conversation``: sessions shaped after the Mooncake (FAST'25) conversation trace (long inputs, a reply and the
   whole earlier conversation reused by the next turn, Poisson session starts, think time between turns).
 - ``long-doc-qa``: LMCache ``long-doc-qa`` (D documents, a warm-up pass, then query rounds over the documents in
   random or interleaved order).
+
+Every generator takes ``duration_s``: only the requests that arrive before it are kept (a shorter trace for a
+device-time budget; ``lmbench`` defaults to its published 100 s).
 
 Same parameters and seed -> the same file, byte for byte (sorted keys, fixed float rounding).
 """
@@ -29,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LMBENCH",
+    "PRESET_QPS",
     "WORKLOADS",
     "Request",
     "Workload",
@@ -37,6 +47,7 @@ __all__ = [
     "load",
     "save",
     "segment_ids",
+    "truncate",
     "working_set_blocks",
 ]
 
@@ -184,6 +195,67 @@ def multi_round_qa(
     return reqs
 
 
+LMBENCH = {"users": 15, "rounds": 20, "system": 1000, "history": 20000, "question": 20, "answer": 100, "qps": 0.5,
+           "duration_s": 100.0}  # fmt: skip
+"""LMBenchmark ``long_input_short_output_run.sh``'s parameters (the question is ``multi-round-qa.py``'s ~20-token
+"Here's question #k: can you tell me a new long story with a happy ending?")."""
+
+
+def lmbench(
+    rng: random.Random,
+    *,
+    users: int = LMBENCH["users"],
+    rounds: int = LMBENCH["rounds"],
+    system: int = LMBENCH["system"],
+    history: int = LMBENCH["history"],
+    question: int = LMBENCH["question"],
+    answer: int = LMBENCH["answer"],
+    qps: float = LMBENCH["qps"],
+    duration_s: float = LMBENCH["duration_s"],
+) -> list[Request]:
+    """LMBenchmark ``synthetic-multi-round-qa``'s schedule (``UserSessionManager``; deterministic, the seed only
+    changes token ids). A user asks every ``gap = users / qps`` s; a session lives ``gap * (rounds - 1)`` s, and a
+    new user joins every ``gap * (rounds - 1) / users`` s from t = 0 (so ``users`` are active and the overall rate is
+    ``qps``). At t = 0 the benchmark ramps up: ``users`` sessions that started ``i`` join-gaps ago (i = users..1) are
+    mid-conversation, their next question due within one gap; a ramped-up session's first request carries no earlier
+    rounds (the benchmark starts its chat history then), so every session's first request is a cold prompt
+    [system, history_u, q_k] and each later one adds the reply and the next question. Requests arriving at or after
+    ``duration_s`` are dropped (the benchmark's ``--time``)."""
+    if users < 1 or rounds < 1 or qps <= 0:
+        raise ValueError("lmbench needs users >= 1, rounds >= 1, qps > 0")
+    gap = users / qps
+    alive = gap * (rounds - 1)
+    join = alive / users
+    sessions: list[tuple[float, int]] = []  # (first request's time, first question index)
+    for i in range(users):  # _ramp_up + set_internal_state: the session that joined `offset` seconds ago
+        offset = alive - i * join
+        passed = int(offset / gap) + 1
+        if passed < rounds:
+            sessions.append((passed * gap - offset, passed))
+    if join > 0:
+        sessions += [(k * join, 0) for k in range(int(duration_s / join) + 1)]
+    else:  # one round: every user asks once, at once
+        sessions += [(0.0, 0)] * users
+    pending: list[tuple[float, int, int, Request]] = []
+    for u, (t0, q0) in enumerate(sessions):
+        segs: list[tuple[str, int]] = [("sys", system), (f"u{u}/h", history)] if system else [(f"u{u}/h", history)]
+        for k in range(q0, rounds):
+            t = t0 + (k - q0) * gap
+            if t >= duration_s:
+                break
+            segs.append((f"u{u}/q{k}", question))
+            pending.append((t, u, k, Request(0, t, f"u{u}", list(segs), (f"u{u}/a{k}", answer))))
+            segs.append((f"u{u}/a{k}", answer))
+    pending.sort(key=lambda x: (x[0], x[1], x[2]))
+    reqs: list[Request] = []
+    last: dict[str, int] = {}
+    for i, (*_, r) in enumerate(pending):
+        r.id, r.after = i, last.get(r.session, -1)
+        last[r.session] = i
+        reqs.append(r)
+    return reqs
+
+
 def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, rng.lognormvariate(math.log(median), sigma))))
 
@@ -259,15 +331,37 @@ def long_doc_qa(
     ]
 
 
-WORKLOADS = {"multi-round-qa": multi_round_qa, "conversation": conversation, "long-doc-qa": long_doc_qa}
+WORKLOADS = {
+    "multi-round-qa": multi_round_qa,
+    "lmbench": lmbench,
+    "conversation": conversation,
+    "long-doc-qa": long_doc_qa,
+}
+PRESET_QPS = {"lmbench": (0.5, 1.0, 2.0)}
+"""The QPS sweep a preset runs when no ``--qps`` (nor a ``qps`` parameter) is given."""
+
+
+def truncate(requests: list[Request], duration_s: float) -> list[Request]:
+    """The requests arriving before ``duration_s`` after the first (ids and ``after`` kept: a turn always arrives
+    after the turn it follows, so the kept requests never follow a dropped one)."""
+    t0 = min((r.arrival_s for r in requests), default=0.0)
+    return [r for r in requests if r.arrival_s - t0 < duration_s]
 
 
 def generate(name: str, seed: int = 0, **params: Any) -> Workload:
-    """The workload ``name`` with ``params`` (the generator's keyword arguments; the rest keep their defaults)."""
+    """The workload ``name`` with ``params`` (the generator's keyword arguments; the rest keep their defaults;
+    ``duration_s`` for any of them: only arrivals before it)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     rng = random.Random(f"{name}/{seed}")
-    return Workload(name, seed, dict(sorted(params.items())), WORKLOADS[name](rng, **params))
+    kw = dict(params)
+    duration = kw.pop("duration_s", None) if name != "lmbench" else None
+    reqs = WORKLOADS[name](rng, **kw)
+    if duration is not None:
+        if not duration > 0:
+            raise ValueError(f"duration_s must be > 0, got {duration}")
+        reqs = truncate(reqs, float(duration))
+    return Workload(name, seed, dict(sorted(params.items())), reqs)
 
 
 def _line(obj: Any) -> str:
