@@ -135,10 +135,9 @@ class Offloader:
         return self._pool.submit(self._guarded, req, res, raw)
 
     def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
-        """16-bit-or-wider bytes of ``blocks`` blocks of K and V (what a raw blob of them holds)."""
-        fp = self.cal.fingerprint
-        itemsize = keys.element_size() if keys is not None else self.kv.dtype.itemsize
-        return 2 * fp.num_layers * blocks * self.block_size * fp.num_kv_heads * fp.head_dim * itemsize
+        """Bytes of ``blocks`` blocks of K and V as the engine holds them (what a raw blob of them holds)."""
+        dtype = keys.dtype if keys is not None else self.kv.dtype
+        return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
     def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> OffloadResult:
         try:
@@ -171,7 +170,6 @@ class Offloader:
 
     def _run(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> None:
         t0 = time.perf_counter()
-        bs = self.block_size
         codec = self.codec(req.ratio)
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
@@ -183,11 +181,8 @@ class Offloader:
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
                 self.stats["offload_fused_batches"] += 1
-            fp = self.cal.fingerprint
-            itemsize = req.keys.element_size() if req.keys is not None else self.kv.dtype.itemsize
             for (a, b, _), blob in zip(cuts, encoded.blobs):
-                raw = fp.num_layers * (b - a) * bs * fp.num_kv_heads * fp.head_dim * itemsize * 2
-                self._keep(req, a, b, blob, raw, res)
+                self._keep(req, a, b, blob, self._raw_bytes(b - a, req.keys), res)
         res.ratio = req.ratio
         res.seconds = time.perf_counter() - t0
         self.stats["offload_blocks"] += res.stored_blocks

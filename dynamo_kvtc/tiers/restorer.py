@@ -62,7 +62,7 @@ class OnboardHandle:
         self.started = time.perf_counter()
         self.future: Future | None = None
         self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
-        self.raw_bytes = 0  # 16-bit bytes of the KV it restores
+        self.raw_bytes = 0  # uncompressed bytes of the KV it restores (the engine's dtype)
         self.leases: list[Any] = []  # host pages read in place by this restore (released by the restorer)
 
     # ------------------------------------------------------------------ producer side
@@ -237,9 +237,8 @@ class Restorer:
                     self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
             finally:
                 self._release(handle)
-            fp = self.cal.fingerprint
-            bs = self.block_size
-            handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
+            dtype = self.kv.dtype if self.kv is not None else None  # None: the calibrated model's dtype
+            handle.raw_bytes = len(hashes) * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
             self.stats["onboard_blocks"] += len(hashes)
             for tier, n in tiers.items():
                 self.stats[f"onboard_{tier}_blocks"] += n
