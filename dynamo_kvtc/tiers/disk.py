@@ -18,9 +18,9 @@ at fault and the file is kept. A failed NIXL transfer or I/O error is a miss tha
 (:class:`~dynamo_kvtc.errors.TransferError`, a TierError).
 
 The directory: a symlinked, world-writable or foreign-owned directory is refused. Every operation opens it with
-``ONOFOLLOW``, checks it is still the directory checked at start (device and inode) and works relative to that
+``O_NOFOLLOW``, checks it is still the directory checked at start (device and inode) and works relative to that
 descriptor (``openat``-style), so it cannot be swapped for a symlink or another directory afterwards; files are
-opened with ``ONOFOLLOW``. No descriptor stays open on the cache's file system between operations. One process at a
+opened with ``O_NOFOLLOW``. No descriptor stays open on the cache's file system between operations. One process at a
 time: an ``flock`` on ``$TMPDIR/kvtc-<uid>/disk-<dev>-<inode>.lock`` (a private 0700 directory); a second process gets
 a ConfigError, a crashed one releases it.
 """

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-NOFOLLOW = getattr(os, "ONOFOLLOW", 0)
-CLOEXEC = getattr(os, "OCLOEXEC", 0)
-NONBLOCK = getattr(os, "ONONBLOCK", 0)  # a FIFO planted under a blob's name must not block the open
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted under a blob's name must not block the open
 
 # One locked descriptor per directory per process (flock locks belong to an open file description, so two DiskTiers
 # of one process over the same directory, as after an in-process restart, share it instead of locking each other out)
