@@ -36,12 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..errors import KvtcError
+from ..tiers.layout import probe_cpu_offsets
 from .config import ConnectorConfig
 from .handoff.remote_prefill import RemotePrefill
+from .kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .lookup import LazyLookup
 from .scheduler import KvtcScheduler
 from .step_plan import StepPlan
-from .vllm_parts import EventCollector, EventQueue, KvtcKVEvents, probe_cpu_offsets
 from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .worker import SUPPORTED_KV_DTYPES, KvtcWorker
 
