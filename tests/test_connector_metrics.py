@@ -10,6 +10,8 @@ import pytest
 from dynamo_kvtc.connector import KvtcMetrics
 from dynamo_kvtc.tiers import KvtcStore, TierConfig
 
+from .conftest import offload_seq
+
 
 def _tokens(n, seed):
     rng = random.Random(seed)
@@ -21,8 +23,8 @@ async def test_metrics_scrape_matches_the_store(synth, synth_cal):
     cfg = TierConfig(host_bytes=1 << 20, ratio=8, min_tokens=32, page_bytes=1024, window=32)
     store = KvtcStore(synth_cal, cfg, block_size=16, span_tokens=128)
     toks = _tokens(320, 1)
-    await store.offload(toks, *synth.sample(320)[:2])
-    h = await store.onboard(store.hashes(toks), sink=lambda *a: None)
+    offload_seq(store, toks, *synth.sample(320)[:2])
+    h = store.start_onboard(store.hashes(toks), sink=lambda *a: None)
     assert await h.done()
     m = KvtcMetrics(store)
     text = prometheus_client.generate_latest(m.registry).decode()

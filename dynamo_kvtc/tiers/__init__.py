@@ -32,6 +32,7 @@ _EXPORTS = {
     "RatioPolicy": "admission",
     "OnboardHandle": "restorer",
     "KvtcStore": "store",
+    "StoreStats": "stats",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -22,6 +21,7 @@ from .config import TierConfig
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
+from .stats import StoreStats
 from .streams import codec_stream
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,13 @@ class Offloader:
         block_size: int,
         span_blocks: int,
         device: torch.device,
-        stats: Counter[str],
-        timings: deque,
+        stats: StoreStats,
     ) -> None:
         self.cal, self.cfg, self.kv = cal, cfg, kv
         self.index, self.placement, self.codec = index, placement, codec
         self.policy, self.admit = policy, admit
         self.block_size, self.span_blocks, self.device = block_size, span_blocks, device
-        self.stats, self.timings = stats, timings
+        self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
         self._stream = codec_stream(device)
 
@@ -110,7 +109,7 @@ class Offloader:
             end += 1
         if end == start:
             res.skipped = "filtered"
-            self.stats["offload_filtered"] += 1
+            self.stats.offload_filtered += 1
             done.set_result(res)
             return done
         host = self.placement.host
@@ -144,11 +143,11 @@ class Offloader:
             self._run(req, res, raw)
         except KvtcError as e:
             log.warning("kvtc offload failed: %s", e)
-            self.stats[f"offload_error_{type(e).__name__}"] += 1
+            self.stats.offload_errors[type(e).__name__] += 1
             res.skipped = f"error: {e}"
         except Exception as e:  # an offload never takes the engine down; it only loses a cache entry
             log.warning("kvtc offload failed unexpectedly: %s: %s", type(e).__name__, e)
-            self.stats["offload_error_unexpected"] += 1
+            self.stats.offload_errors["unexpected"] += 1
             res.skipped = f"error: {type(e).__name__}: {e}"
         return res
 
@@ -177,19 +176,20 @@ class Offloader:
                 self._stream.wait_event(req.ready_event)
             cuts = self.cuts(req, raw)
             if raw:
-                self.stats["offload_raw"] += 1
+                self.stats.offload_raw += 1
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
-                self.stats["offload_fused_batches"] += 1
+                self.stats.offload_fused_batches += 1
             for (a, b, _), blob in zip(cuts, encoded.blobs):
                 self._keep(req, a, b, blob, self._raw_bytes(b - a, req.keys), res)
         res.ratio = req.ratio
         res.seconds = time.perf_counter() - t0
-        self.stats["offload_blocks"] += res.stored_blocks
-        self.stats["offload_raw_bytes"] += res.raw_bytes
-        self.stats["offload_stored_bytes"] += res.stored_bytes
-        self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
-        self.timings.append(("encode", res.seconds))
+        st = self.stats
+        st.offload_blocks += res.stored_blocks
+        st.offload_raw_bytes += res.raw_bytes
+        st.offload_stored_bytes += res.stored_bytes
+        st.encode_seconds_x1e6 += int(res.seconds * 1e6)
+        st.time("encode", res.seconds)
 
     def _encode(self, codec: KvtcCodec, req: OffloadRequest, cuts: list[tuple[int, int, int]]):
         bs = self.block_size
