@@ -624,3 +624,23 @@ def test_codec_stream_in_a_green_context_runs_kernels():
         y = x @ x
     s.synchronize()
     assert torch.allclose(y, (x @ x), rtol=1e-3, atol=1e-3)
+
+
+def test_store_stats_are_typed_and_flatten_under_the_historical_keys(synth_cal):
+    """The parts bump fields of one StoreStats; snapshot()/as_dict() keep the flat keys (errors as
+    ``<kind>_error_<Error>``); the bytes a token's KV takes come from the fingerprint only."""
+    from dynamo_kvtc.tiers import StoreStats
+
+    st = StoreStats()
+    st.offload_blocks += 3
+    st.disk_write_errors["TierFullError"] += 2
+    st.onboard_errors["DecodeError"] += 1
+    st.time("encode", 0.5)
+    flat = st.as_dict()
+    assert flat["offload_blocks"] == 3 and flat["disk_write_error_TierFullError"] == 2
+    assert st.faults() == {"onboard_error_DecodeError": 1, "disk_write_error_TierFullError": 2}
+    assert "timings" not in flat and list(st.timings) == [("encode", 0.5)] and st.onboard_from("peer") == 0
+    fp = synth_cal.fingerprint
+    per_token = 2 * fp.num_layers * fp.num_kv_heads * fp.head_dim
+    assert fp.raw_bytes_per_token(torch.bfloat16) == 2 * per_token == fp.raw_bytes_per_token("float16")
+    assert fp.raw_bytes_per_token(torch.float32) == 4 * per_token
