@@ -144,3 +144,14 @@ def marks(ms):
         return fn
 
     return wrap
+
+
+def offload_seq(store, token_ids, keys=None, values=None, *, block_ids=None, **kw):
+    """Store a whole sequence's full blocks (from position 0) through the store's hash API and wait for the
+    :class:`~dynamo_kvtc.tiers.OffloadResult`: the hashes of its full blocks, their K/V (or engine block ids)."""
+    n = len(token_ids) // store.block_size
+    toks = list(token_ids[: n * store.block_size])
+    if keys is not None:
+        keys, values = keys[:, : len(toks)], values[:, : len(toks)]
+    ids = None if block_ids is None else list(block_ids[:n])
+    return store.submit_offload(store.hashes(toks), toks, keys=keys, values=values, block_ids=ids, **kw).result()

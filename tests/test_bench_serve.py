@@ -136,12 +136,12 @@ def test_raw_first_stores_raw_while_the_host_tier_has_room_then_compresses(synth
         return out, store
 
     fixed, s0 = stored("fixed")
-    assert (s0.stats["offload_fused_batches"] > 0) == (fused == "force")
+    assert (s0.stats.offload_fused_batches > 0) == (fused == "force")
     s0.close()
     assert all(r > 2 for r in fixed)  # the default compresses every offload
     first, store = stored("raw_first")
     assert [r < 1.01 for r in first] == [True, True, True, False, False]  # raw until the 4th would pass 90% full
-    assert first[3] > 2 and store.stats["offload_raw"] == 3
+    assert first[3] > 2 and store.stats.offload_raw == 3
     tokens, k, v = seqs[0]  # a raw blob restores bit for bit
     sink_k, sink_v = torch.zeros_like(k), torch.zeros_like(v)
 

@@ -75,15 +75,15 @@ def test_inspect_blob_reads_its_header_without_torch(tmp_path, synth_cal):
 def test_inspect_disk_tier_file_says_which_decoder_it_needs(tmp_path, synth_cal):
     """A file of the disk tier (written by a real store through NIXL) inspects without torch: its record, its blob's
     header, and that its entropy codec (deflate, what a store with a disk tier writes) is readable on a CPU."""
-    import asyncio
-
     from dynamo_kvtc.calibration.synthetic import synthetic_kv
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
+
+    from .conftest import offload_seq
 
     k, v, _ = synthetic_kv(synth_cal, 256)
     cfg = TierConfig(host_bytes=1 << 12, disk_bytes=1 << 24, disk_dir=tmp_path / "g3", min_tokens=0, disk_min_uses=1)
     store = KvtcStore(synth_cal, cfg, block_size=16, span_tokens=256)
-    asyncio.run(store.offload(list(range(256)), k, v))
+    offload_seq(store, list(range(256)), k, v)
     store.close()
     files = sorted((tmp_path / "g3").glob("*.kvtc"))
     assert files, "the blob should be on disk (host tier too small)"

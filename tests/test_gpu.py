@@ -13,6 +13,8 @@ import torch
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.codec.entropy import EntropyCoder, nvcomp_available
 
+from .conftest import offload_seq
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -81,26 +83,26 @@ async def test_store_on_cuda_orders_after_producer_and_signals_layers(synth, syn
         ready = torch.cuda.Event()
         ready.record()
     toks = list(range(256))
-    res = await store.offload(toks, kc, vc, ready_event=ready)
+    res = offload_seq(store, toks, kc, vc, ready_event=ready)
     assert res.stored_blocks == 16
     out = torch.zeros_like(kc)
 
     def sink(layer, start, kk, vv):
         out[layer, start : start + kk.shape[0]] = kk
 
-    h = await store.onboard(store.hashes(toks), sink=sink)
+    h = store.start_onboard(store.hashes(toks), sink=sink)
     for layer in range(k.shape[0]):
         h.wait_layer(layer, timeout=30)
     assert h.wait(30)
     torch.cuda.synchronize()
     cpu = KvtcStore(synth_cal, cfg, device="cpu", block_size=16, span_tokens=128)
-    await cpu.offload(toks, k, v)
+    offload_seq(cpu, toks, k, v)
     ref = torch.zeros_like(k)
 
     def sink_cpu(layer, start, kk, vv):
         ref[layer, start : start + kk.shape[0]] = kk
 
-    assert await (await cpu.onboard(cpu.hashes(toks), sink=sink_cpu)).done()
+    assert await cpu.start_onboard(cpu.hashes(toks), sink=sink_cpu).done()
     # the CUDA store runs the fused path (fp16 tensor-core projections): within about one bf16 rounding step
     assert rel(out, ref) <= 5e-3
     store.close()

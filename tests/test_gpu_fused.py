@@ -24,7 +24,7 @@ from dynamo_kvtc.codec.entropy import nvcomp_available
 from dynamo_kvtc.codec.rope import RotaryConfig, rotate
 from dynamo_kvtc.errors import CorruptBlobError, InputError
 
-from .conftest import marks, rel
+from .conftest import marks, offload_seq, rel
 
 CUDA = torch.cuda.is_available()
 
@@ -466,24 +466,24 @@ async def test_store_on_cuda_uses_the_fused_path(synth, synth_cal, monkeypatch):
     store = KvtcStore(synth_cal, cfg, device="cuda", block_size=16, span_tokens=128)
     k, v, _ = synth.sample(512)
     toks = list(range(512))
-    res = await store.offload(toks, k.cuda(), v.cuda())
+    res = offload_seq(store, toks, k.cuda(), v.cuda())
     assert res.stored_blocks == 32 and store.codec(8).fused is not None
     out_k = torch.zeros_like(k, device="cuda")
 
     def sink(layer, start, kk, vv):
         out_k[layer, start : start + kk.shape[0]] = kk
 
-    h = await store.onboard(store.hashes(toks), sink=sink)
+    h = store.start_onboard(store.hashes(toks), sink=sink)
     assert await h.done()
     torch.cuda.synchronize()
     cpu = KvtcStore(synth_cal, cfg, device="cpu", block_size=16, span_tokens=128)
-    await cpu.offload(toks, k, v)
+    offload_seq(cpu, toks, k, v)
     ref = torch.zeros_like(k)
 
     def sink_cpu(layer, start, kk, vv):
         ref[layer, start : start + kk.shape[0]] = kk
 
-    assert await (await cpu.onboard(cpu.hashes(toks), sink=sink_cpu)).done()
+    assert await cpu.start_onboard(cpu.hashes(toks), sink=sink_cpu).done()
     # fp16 GEMMs track the float32 reference closely; FP8 ones (DYN_KVTC_PROJECTION=fp8, emulated on the CPU side)
     # round both operands to e4m3, so the two paths differ by about one e4m3 step on some coefficients
     fp8 = store.codec(8).fused.projector.name.startswith("fp8")

@@ -302,7 +302,7 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
                     assert expect.check(hashes, 0, out.k, out.v) == (0, 0)
                     assert client.last["ranges"] == 2 and 0 < client.last["first_range_s"] <= client.last["read_s"]
             assert client.recv.registrations == 1  # every fetch's blobs were read out: the buffer was reused
-            assert dst.stats["onboard_fused_batches"] == 2 * len(seqs)  # the fused restore read the ranges
+            assert dst.stats.onboard_fused_batches == 2 * len(seqs)  # the fused restore read the ranges
             client.flush()
             assert srv.open_leases == 0 and client.quarantined_bytes == 0
             host = srv.store.placement.host  # staged from its pages in place: every host-tier lease given back

@@ -176,7 +176,7 @@ def test_two_lora_adapters_never_share_and_events_carry_the_adapter(sched):
 
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    from dynamo_kvtc.connector.vllm_parts import EventCollector, EventQueue
+    from dynamo_kvtc.connector.kv_events import EventCollector, EventQueue
 
     q = EventQueue(BS)
     q.stored(saved[:2], TOKENS[: 2 * BS], None)

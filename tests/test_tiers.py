@@ -27,6 +27,8 @@ from dynamo_kvtc.tiers import (
 )
 from dynamo_kvtc.transport.nixl_io import NixlFiles
 
+from .conftest import offload_seq
+
 BS = 16
 
 
@@ -273,14 +275,14 @@ async def test_offload_onboard_host_roundtrip_matches_codec(synth, synth_cal):
     store = _store(synth_cal)
     toks = _tokens(400, 0)
     k, v, _ = synth.sample(400)
-    res = await store.offload(toks, k, v)
+    res = offload_seq(store, toks, k, v)
     n_full = 400 // BS
     assert res.stored_blocks == n_full and len(res.blobs) == 3 and res.ratio == 8.0
     assert res.raw_bytes / res.stored_bytes > 3
     hashes = store.hashes(toks)
-    assert store.match(hashes) == n_full and store.lookup(toks + [1, 2, 3]) == n_full
+    assert store.match(hashes) == n_full and store.match(store.hashes(toks + [1, 2, 3])) == n_full
     sink = Collect(*k.shape[:1], n_full * BS, *k.shape[2:])
-    h = await store.onboard(hashes, sink=sink)
+    h = store.start_onboard(hashes, sink=sink)
     for layer in range(k.shape[0]):
         h.wait_layer(layer, timeout=30)
     assert await h.done() and sink.order == list(range(k.shape[0]))
@@ -291,7 +293,7 @@ async def test_offload_onboard_host_roundtrip_matches_codec(synth, synth_cal):
     assert torch.equal(sink.k[:, :128], first[0]) and torch.equal(sink.v[:, :128], first[1])
     last = slice(n_full * BS - 32, n_full * BS)
     assert torch.equal(sink.k[:, last], k[:, last])  # the tail blob keeps its raw window
-    again = await store.offload(toks, k, v)
+    again = offload_seq(store, toks, k, v)
     assert again.skipped == "present"
     snap = store.snapshot()
     assert snap["host_blocks"] == n_full and snap["onboard_host_hits"] == 3
@@ -302,7 +304,7 @@ async def test_evict_demote_onboard_from_disk_and_restart(tmp_path, synth, synth
     store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20)
     seqs = [(_tokens(256, s), *synth.sample(256)[:2]) for s in range(6)]
     for toks, k, v in seqs:
-        await store.offload(toks, k, v)
+        offload_seq(store, toks, k, v)
     snap = store.snapshot()
     assert snap["host_evictions"] > 0 and snap["disk_demotions"] == snap["host_evictions"]
     assert snap["host_stored_bytes"] <= store.host.capacity
@@ -310,18 +312,18 @@ async def test_evict_demote_onboard_from_disk_and_restart(tmp_path, synth, synth
     hashes = store.hashes(toks)
     assert store.where(hashes[0]) == "disk"
     sink = Collect(k.shape[0], 256, *k.shape[2:])
-    h = await store.onboard(hashes, sink=sink)
+    h = store.start_onboard(hashes, sink=sink)
     assert await h.done()
     assert store.snapshot()["onboard_disk_hits"] >= 1 and store.where(hashes[0]) == "host"  # promoted
     assert (sink.k[:, 4:128].float() - k[:, 4:128].float()).norm() / k[:, 4:128].float().norm() < 0.2
     store.close()
     # restart: a fresh store over the same directory restores what reached the disk
     store2 = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20)
-    on_disk = [s for s in seqs if store2.lookup(s[0]) == 16]
+    on_disk = [s for s in seqs if store2.match(store2.hashes(s[0])) == 16]
     assert on_disk and store2.snapshot()["disk_recovered_blobs"] > 0
     toks, k, v = on_disk[0]
     sink2 = Collect(k.shape[0], 256, *k.shape[2:])
-    assert await (await store2.onboard(store2.hashes(toks), sink=sink2)).done()
+    assert await store2.start_onboard(store2.hashes(toks), sink=sink2).done()
     store2.close()
 
 
@@ -333,22 +335,22 @@ async def test_disk_admission_writes_only_blobs_used_twice(tmp_path, synth, synt
     store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20, disk_min_uses=2)
     seqs = [(_tokens(256, 100 + s), *synth.sample(256)[:2]) for s in range(6)]
     toks0, k0, v0 = seqs[0]
-    await store.offload(toks0, k0, v0)
+    offload_seq(store, toks0, k0, v0)
     reused = store.hashes(toks0)
-    assert await (await store.onboard(reused, sink=Collect(k0.shape[0], 256, *k0.shape[2:]))).done()  # a 2nd use
+    assert await store.start_onboard(reused, sink=Collect(k0.shape[0], 256, *k0.shape[2:])).done()  # a 2nd use
     for toks, k, v in seqs[1:]:
-        await store.offload(toks, k, v)
+        offload_seq(store, toks, k, v)
     snap = store.snapshot()
     assert snap["host_evictions"] > 0
     assert snap["disk_admission_dropped"] > 0 and snap["disk_demotions"] > 0
     assert snap["disk_demotions"] + snap["disk_admission_dropped"] == snap["host_evictions"]
     assert store.where(reused[0]) == "disk"  # used twice: admitted
-    once = [t for t, _, _ in seqs[1:3] if store.lookup(t) == 0]
+    once = [t for t, _, _ in seqs[1:3] if store.match(store.hashes(t)) == 0]
     assert once, "blobs used once and evicted must be gone, not on disk"
     admitted = set(store.disk.ids())
     assert {m.id for m in store.index.metas() if store.where(m.hashes[0]) == "disk"} == admitted
     sink = Collect(k0.shape[0], 256, *k0.shape[2:])
-    assert await (await store.onboard(reused, sink=sink)).done()
+    assert await store.start_onboard(reused, sink=sink).done()
     assert (sink.k[:, 4:128].float() - k0[:, 4:128].float()).norm() / k0[:, 4:128].float().norm() < 0.2
     store.close()
 
@@ -356,9 +358,9 @@ async def test_disk_admission_writes_only_blobs_used_twice(tmp_path, synth, synt
 async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_cal):
     store = _store(synth_cal, tmp_path / "g3", host=8 * 1024, disk=1 << 20)
     toks, (k, v, _) = _tokens(256, 7), synth.sample(256)
-    await store.offload(toks, k, v)
+    offload_seq(store, toks, k, v)
     for t in range(3):  # push it out of the host tier
-        await store.offload(_tokens(256, 100 + t), *synth.sample(256)[:2])
+        offload_seq(store, _tokens(256, 100 + t), *synth.sample(256)[:2])
     hashes = store.hashes(toks)
     assert store.where(hashes[0]) == "disk"
     blob_id = store.blob_of(hashes[0])
@@ -367,7 +369,7 @@ async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_c
     raw[len(raw) // 2] ^= 0xFF
     f.write_bytes(bytes(raw))
     sink = Collect(k.shape[0], 256, *k.shape[2:])
-    h = await store.onboard(hashes, sink=sink)
+    h = store.start_onboard(hashes, sink=sink)
     assert not await h.done()
     with pytest.raises(TierError):
         h.wait_layer(0, timeout=10)
@@ -382,23 +384,22 @@ async def test_foreign_calibration_blobs_are_not_served(tmp_path, synth, synth_c
 
     store = _store(synth_cal, tmp_path / "g3", host=4 * 1024, disk=1 << 20)
     toks, (k, v, _) = _tokens(256, 3), synth.sample(256)
-    await store.offload(toks, k, v)
-    await store.offload(_tokens(256, 4), *synth.sample(256)[:2])
+    offload_seq(store, toks, k, v)
+    offload_seq(store, _tokens(256, 4), *synth.sample(256)[:2])
     store.close()
     other = calibrate(
         [synth.sample(256, start=i) for i in range(3)], synth.fp, ratios=(8,), dp_tokens=256, progress=False, seed=9
     )
     store2 = _store(other, tmp_path / "g3", host=4 * 1024, disk=1 << 20)
-    assert store2.lookup(toks) == 0 and store2.snapshot()["disk_foreign_blobs"] > 0
+    assert store2.match(store2.hashes(toks)) == 0 and store2.snapshot()["disk_foreign_blobs"] > 0
     store2.close()
 
 
 async def test_filter_bypass_and_paged_offload(synth, synth_cal):
     store = _store(synth_cal, min_frequency=2)
     toks, (k, v, _) = _tokens(320, 11), synth.sample(320)
-    assert (await store.offload(toks[:20], k, v)).skipped == "short"
-    assert (await store.offload(toks, k, v)).skipped == "filtered"
-    assert (await store.offload(toks, k, v)).stored_blocks == 20
+    assert offload_seq(store, toks, k, v).skipped == "filtered"
+    assert offload_seq(store, toks, k, v).stored_blocks == 20
     store.close()
     # from an engine's paged cache (vLLM flash layout) into other blocks of the same cache
     L, _, H, D = k.shape
@@ -414,9 +415,9 @@ async def test_filter_bypass_and_paged_offload(synth, synth_cal):
         span_tokens=128,
         kv=kv,
     )
-    assert (await paged.offload(toks, block_ids=src)).stored_blocks == 20
+    assert offload_seq(paged, toks, block_ids=src).stored_blocks == 20
     dst = list(range(40, 60))
-    h = await paged.onboard(paged.hashes(toks), dst)
+    h = paged.start_onboard(paged.hashes(toks), dst)
     assert await h.done()
     k2, _ = kv.gather(dst)
     assert (k2[:, 4:128].float() - k[:, 4:128].float()).norm() / k[:, 4:128].float().norm() < 0.2
@@ -431,11 +432,11 @@ async def test_many_concurrent_offloads_and_onboards_bounded(tmp_path, synth, sy
 
     async def cycle(i):
         toks, k, v = seqs[i]
-        await store.offload(toks, k, v)
-        n = store.lookup(toks)
+        offload_seq(store, toks, k, v)
+        n = store.match(store.hashes(toks))
         if n:
             sink = Collect(k.shape[0], n * BS, *k.shape[2:])
-            h = await store.onboard(store.hashes(toks)[:n], sink=sink)
+            h = store.start_onboard(store.hashes(toks)[:n], sink=sink)
             if await h.done():
                 refs[i] = (sink.k, k[:, : n * BS])
 
@@ -487,10 +488,10 @@ async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synt
     fut = a.submit_offload(a.hashes(toks), toks, keys=k[:, :320], values=v[:, :320])
     assert a.wait_idle(30) and fut.done() and fut.result().stored_blocks == 20
     hashes = a.hashes(toks)
-    runs = a.export(hashes[2:])
+    runs, _ = a.export(hashes[2:])
     assert all(isinstance(r, BlobRun) and r.meta is not None for r in runs)
     assert runs[0].at == 0 and sum(r.count for r in runs) == 18 and runs[0].first == 2
-    assert a.index.blob_ids() == {r.meta.id for r in a.export(hashes)}
+    assert a.index.blob_ids() == {r.meta.id for r in a.export(hashes)[0]}
     bid = a.blob_of(hashes[0])
     assert a.index.meta(bid).hashes[0] == hashes[0] and hashes[0] in a.index and a.index.locate(hashes[0]) == (bid, 0)
     assert sum(n for _, n in a.host.extents(bid)) == a.index.meta(bid).stored_bytes
@@ -501,7 +502,7 @@ async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synt
     h = b.start_onboard(hashes[2:], sink=sink, source=lambda: runs)
     assert h.wait(30) and h.finished and h.bytes_read == sum(len(r.blob) for r in runs)
     ref = Collect(k.shape[0], 18 * BS, *k.shape[2:])
-    assert await (await a.onboard(hashes[2:], sink=ref)).done()
+    assert await a.start_onboard(hashes[2:], sink=ref).done()
     assert torch.equal(sink.k, ref.k) and torch.equal(sink.v, ref.v)
     snap = b.snapshot()
     assert snap["onboard_peer_blocks"] == 18 and b.match(hashes) == 20  # the peer's whole blobs are kept here
@@ -586,12 +587,12 @@ def test_bench_tiers_puts_raw_host_and_raw_disk_tiers_beside_kvtc(tmp_path):
 async def test_warm_up_runs_the_codec_once_and_stores_nothing(synth, synth_cal):
     store = _store(synth_cal)
     took = store.warm_up()
-    assert took > 0 and ("warm_up", took) in store.timings
-    assert store.stats["warm_up_errors"] == 0  # the encode and restore it ran succeeded
-    assert len(store.host) == 0 and store.snapshot()["host_blocks"] == 0 and store.stats["onboards"] == 0
+    assert took > 0 and ("warm_up", took) in store.stats.timings
+    assert store.stats.warm_up_errors == 0  # the encode and restore it ran succeeded
+    assert len(store.host) == 0 and store.snapshot()["host_blocks"] == 0 and store.stats.onboards == 0
     toks = _tokens(192, 3)
     k, v, _ = synth.sample(192)
-    res = await store.offload(toks, k, v)  # the store works as before after a warm-up
+    res = offload_seq(store, toks, k, v)  # the store works as before after a warm-up
     assert res.stored_blocks == 192 // BS
     store.close()
 
@@ -621,3 +622,23 @@ def test_codec_stream_in_a_green_context_runs_kernels():
         y = x @ x
     s.synchronize()
     assert torch.allclose(y, (x @ x), rtol=1e-3, atol=1e-3)
+
+
+def test_store_stats_are_typed_and_flatten_under_the_historical_keys(synth_cal):
+    """The parts bump fields of one StoreStats; snapshot()/as_dict() keep the flat keys (errors as
+    ``<kind>_error_<Error>``); the bytes a token's KV takes come from the fingerprint only."""
+    from dynamo_kvtc.tiers import StoreStats
+
+    st = StoreStats()
+    st.offload_blocks += 3
+    st.disk_write_errors["TierFullError"] += 2
+    st.onboard_errors["DecodeError"] += 1
+    st.time("encode", 0.5)
+    flat = st.as_dict()
+    assert flat["offload_blocks"] == 3 and flat["disk_write_error_TierFullError"] == 2
+    assert st.faults() == {"onboard_error_DecodeError": 1, "disk_write_error_TierFullError": 2}
+    assert "timings" not in flat and list(st.timings) == [("encode", 0.5)] and st.onboard_from("peer") == 0
+    fp = synth_cal.fingerprint
+    per_token = 2 * fp.num_layers * fp.num_kv_heads * fp.head_dim
+    assert fp.raw_bytes_per_token(torch.bfloat16) == 2 * per_token == fp.raw_bytes_per_token("float16")
+    assert fp.raw_bytes_per_token(torch.float32) == 4 * per_token

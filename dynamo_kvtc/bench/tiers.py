@@ -9,7 +9,6 @@ once (codec set-up, kernel compilation, NIXL agents) before the timed repetition
 
 from __future__ import annotations
 
-import asyncio
 import os
 import statistics
 import sys
@@ -54,13 +53,13 @@ class TierBench:
         a = self.args
         return KvtcStore(self.cal, cfg, device=self.dev, block_size=a.block_size, span_tokens=a.span_tokens)
 
-    async def _once(self, store, label: str, rep: int) -> tuple[float, float, float, Any, int]:
+    def _once(self, store, label: str, rep: int) -> tuple[float, float, float, Any, int]:
         """Offload then onboard once: (offload s, first layer s, all layers s, offload result, blocks matched).
         Every repetition uses its own token ids (same K/V), so it stores and restores new blobs."""
         tokens = [(rep + 1) * len(self.tokens) + t for t in self.tokens]  # rep -1: the warm-up round
         sync(self.dev)
         t0 = time.perf_counter()
-        r = await store.offload(tokens, self.k, self.v)
+        r = store.submit_offload(store.hashes(tokens), tokens, keys=self.k, values=self.v).result()
         sync(self.dev)
         offload_s = time.perf_counter() - t0
         if label == "disk":  # push every blob out of memory, and out of the page cache
@@ -70,7 +69,7 @@ class TierBench:
         hashes = store.hashes(tokens)
         n = store.match(hashes)
         t0 = time.perf_counter()
-        h = await store.onboard(hashes[:n], sink=self.sink)
+        h = store.start_onboard(hashes[:n], sink=self.sink)
         h.wait_layer(0)
         sync(self.dev)
         first = time.perf_counter() - t0
@@ -84,14 +83,14 @@ class TierBench:
         self.last_hashes = hashes[:n]
         return offload_s, first, total, r, n
 
-    async def measure(self, store, label: str) -> dict[str, Any]:
+    def measure(self, store, label: str) -> dict[str, Any]:
         """One store for the whole measurement: warmed up at start (as the engine's worker does), one untimed round,
         then ``repeat`` timed rounds, each on new blobs."""
         res: dict[str, Any] = {"warm_up_s": store.warm_up()}
         times, first, total = [], [], []
-        await self._once(store, label, -1)  # warm-up round, not timed
+        self._once(store, label, -1)  # warm-up round, not timed
         for i in range(max(1, self.args.repeat)):
-            t_off, t_first, t_all, r, n = await self._once(store, label, i)
+            t_off, t_first, t_all, r, n = self._once(store, label, i)
             times.append(t_off)
             first.append(t_first)
             total.append(t_all)
@@ -114,7 +113,7 @@ class TierBench:
         from ..codec.base import RestoreRun
         from ..codec.blob import BlobView
 
-        runs = store.export(self.last_hashes)
+        runs, _ = store.export(self.last_hashes)
         cuda = torch.device(self.dev).type == "cuda"
         buf = torch.empty(sum(len(r.blob) for r in runs), dtype=torch.uint8, pin_memory=cuda)
         specs, at = [], 0
@@ -179,7 +178,7 @@ class TierBench:
         sync(self.dev)
         return time.perf_counter() - t0
 
-    async def run(self, ratio: float) -> dict[str, Any]:
+    def run(self, ratio: float) -> dict[str, Any]:
         from ..tiers import TierConfig
         from ..tiers.config import process_settings
 
@@ -189,10 +188,10 @@ class TierBench:
             base = TierConfig(host_bytes=max(64 << 20, 4 * raw), ratio=ratio, min_tokens=0, window=self.args.window,
                               **process_settings())  # fmt: skip
             store = self.store(base)
-            out["host"] = await self.measure(store, "host")
+            out["host"] = self.measure(store, "host")
             store.close()
             store = self.store(base.with_(disk_bytes=8 * raw + (64 << 20), disk_dir=d))
-            out["disk"] = await self.measure(store, "disk")
+            out["disk"] = self.measure(store, "disk")
             store.close()
             raw_write, raw_read = self.raw_disk_s(d)
             out["raw_disk"] = {"offload_s": raw_write, "onboard_all_layers_s": raw_read, "file_system": _fs_type(d)}
@@ -268,7 +267,7 @@ def run_bench_tiers(args) -> int:
     k, v, _ = spans[0]
     bench = TierBench(cal, k.to(dev), v.to(dev), args)
     ratio = (args.ratios or (16,))[0]
-    results = asyncio.run(bench.run(ratio))
+    results = bench.run(ratio)
     data = {
         "benchmark": "tiers",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),

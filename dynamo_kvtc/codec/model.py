@@ -62,6 +62,13 @@ class ModelFingerprint:
         """p: features per token for K (and for V) across all layers and KV heads of the shard."""
         return self.num_layers * self.num_kv_heads * self.head_dim
 
+    def raw_bytes_per_token(self, dtype: torch.dtype | str | None = None) -> int:
+        """Bytes of one token's K and V over all layers and KV heads of the shard, uncompressed, with elements of
+        ``dtype`` (a torch dtype or a name of ``DTYPES``; None: the fingerprint's own ``dtype``)."""
+        if dtype is None or isinstance(dtype, str):
+            dtype = DTYPES[dtype or self.dtype]
+        return 2 * self.features * dtype.itemsize
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "architecture": self.architecture,

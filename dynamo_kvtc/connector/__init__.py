@@ -1,7 +1,8 @@
-"""Serving integration: the vLLM ``KvtcConnector``, Dynamo KV-router events and Prometheus metrics.
+"""Serving integration: the vLLM ``KvtcConnector``, its KV events (heard by Dynamo's router) and Prometheus metrics.
 
 - :mod:`.vllm` — ``KvtcConnector`` (vLLM's ``KVConnectorBase_V1``): builds exactly one of the two halves by role and
-  delegates every hook to it. :mod:`.vllm_parts` holds its vLLM-specific helpers (KV events, CPU layout probe).
+  delegates every hook to it. :mod:`.kv_events` turns the tiers' stored/removed blocks into vLLM KV events (the one
+  path by which Dynamo's router hears of them).
 - :mod:`.scheduler` — ``KvtcScheduler``: matching, load and save plans (:mod:`.step_plan`: what it sends the workers).
 - :mod:`.worker` — ``KvtcWorker``: the store of one TP rank, layer-by-layer restore, copy-out and encode.
 - :mod:`.services` — what rank 0's worker serves other processes (lookup channel, hand-off server, metrics endpoint),
@@ -10,12 +11,11 @@
 - :mod:`.handoff` — the compressed prefill→decode hand-off (policy, server, client, messages).
 - :mod:`.config` — the connector's settings, parsed once at start-up from the one settings table
   (:mod:`dynamo_kvtc.settings`) and passed down.
-- :mod:`.events`, :mod:`.metrics` — Dynamo router events and the ``kvtc_*`` Prometheus metrics.
+- :mod:`.metrics` — the ``kvtc_*`` Prometheus endpoint; :mod:`.vllm_stats` the same counters as ``vllm:kvtc_*``.
 
 Importing this package does not import vLLM; :mod:`.vllm` does.
 """
 
-from .events import RouterEvents
 from .metrics import KvtcMetrics
 
-__all__ = ["KvtcMetrics", "RouterEvents"]
+__all__ = ["KvtcMetrics"]

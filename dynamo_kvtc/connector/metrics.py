@@ -1,29 +1,78 @@
 """Prometheus metrics for the compressed tiers (``kvtc_*``), served over HTTP on ``DYN_KVTC_METRICS_PORT``.
 
-Counters and gauges are read from ``KvtcStore.snapshot()`` at scrape time (a custom collector, so nothing is double
-counted); encode, restore and time-to-first-layer histograms are fed from the store's timing queue. A disabled
-connector (no store) still serves ``kvtc_enabled 0`` with its reason, its fallbacks and its lookups.
-:func:`connector_counters` is the one flat view of the counters that vLLM's KV-connector stats also carry.
+Counters and gauges are read at scrape time (a custom collector, so nothing is double counted): the tiers' contents
+from ``KvtcStore.snapshot()``, the counters from the store's typed :class:`~dynamo_kvtc.tiers.stats.StoreStats` and
+the worker's own counters; encode, restore and time-to-first-layer histograms are fed from the stats' timing queue. A
+disabled connector (no store) still serves ``kvtc_enabled 0`` with its reason, its fallbacks and its lookups.
+
+The families both exporters carry (this endpoint as ``kvtc_<name>``, the engine's ``/metrics`` through
+:mod:`.vllm_stats` as ``vllm:kvtc_<name>``) are defined once, in :data:`COUNTERS` and :data:`GAUGES`, and both read
+their values from one :class:`ConnectorCounters` (:func:`connector_counters`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from .. import settings
 from ..errors import ConfigError
+from ..tiers.stats import SOURCES
 
 TIERS = ("host", "disk")
-SOURCES = ("host", "disk", "peer")  # where restored blocks come from
+
+# name -> (help, label): the counter families of both exporters (``_total`` is added by Prometheus)
+COUNTERS: dict[str, tuple[str, str | None]] = {
+    "lookup_tokens": ("Prompt tokens looked up in the kvtc compressed tiers", None),
+    "matched_tokens": ("Prompt tokens restored from the kvtc compressed tiers", None),
+    "offload_blocks": ("Blocks offloaded by kvtc: encoded into host memory (and, kvtc_ only, demoted to disk)", "tier"),
+    "onboard_blocks": ("Blocks restored from kvtc into the engine, by source (host, disk, peer)", "tier"),
+    "offload_bytes": ("Bytes offloaded by kvtc: raw (uncompressed KV) and stored (compressed)", "kind"),
+    "fallbacks": ("kvtc faults that cost a recompute or a lost cache entry, by reason", "reason"),
+}
+# name -> help: the gauges of both exporters
+GAUGES: dict[str, str] = {
+    "enabled": "1 when the kvtc connector runs, 0 when disabled (kvtc_: with the reason as a label)",
+    "policy_ratio": "Compression ratio the kvtc policy picks for an offload now (the default, higher under host-tier "
+    "pressure); disk blobs keep the ratio they were encoded at",
+    "host_fill": "Share of the kvtc host tier's pages in use",
+}
 
 
-def connector_counters(worker: Any) -> dict[str, float]:
-    """The connector's monotonic counters, flat: its own (lookups, hits, fallbacks) and the store's (offloads,
-    restores per source, evictions). What :class:`KvtcMetrics` and the vLLM stats report are read from here."""
-    out: dict[str, float] = {k: float(v) for k, v in worker.stats.items()}
-    if worker.store is not None:
-        for k, v in list(worker.store.stats.items()):
-            out[f"store_{k}"] = float(v)
+@dataclass
+class ConnectorCounters:
+    """The monotonic counters both exporters report: the worker's (lookups, hits, fallbacks) and its store's."""
+
+    lookup_tokens: float = 0.0
+    matched_tokens: float = 0.0
+    offload_blocks: float = 0.0  # encoded into the host tier
+    offload_raw_bytes: float = 0.0
+    offload_stored_bytes: float = 0.0
+    onboard_blocks: dict[str, float] = field(default_factory=dict)  # source -> blocks restored
+    fallbacks: dict[str, float] = field(default_factory=dict)  # reason -> faults
+
+
+def connector_counters(worker: Any = None, store: Any = None) -> ConnectorCounters:
+    """The one reading of a worker's counters and its store's :class:`~dynamo_kvtc.tiers.stats.StoreStats` (by
+    attribute) that :class:`KvtcMetrics` and the vLLM stats report (``store``: the worker's unless given; either may
+    be None). Fallback reasons: the worker's ``fallback_<why>`` as ``<why>``, the store's faults under their own names
+    (``onboard_error_<Error>``, ``offload_error_<Error>``, ``disk_write_error_<Error>``, ``blobs_dropped``)."""
+    c = dict(worker.stats) if worker is not None else {}
+    out = ConnectorCounters(
+        lookup_tokens=float(c.get("lookup_tokens", 0)),
+        matched_tokens=float(c.get("hit_tokens", 0)),
+        onboard_blocks={t: 0.0 for t in SOURCES},
+        fallbacks={k[len("fallback_") :]: float(v) for k, v in c.items() if k.startswith("fallback_")},
+    )
+    if store is None:
+        store = getattr(worker, "store", None)
+    if store is not None:
+        st = store.stats
+        out.offload_blocks = float(st.offload_blocks)
+        out.offload_raw_bytes = float(st.offload_raw_bytes)
+        out.offload_stored_bytes = float(st.offload_stored_bytes)
+        out.onboard_blocks = {t: float(st.onboard_from(t)) for t in SOURCES}
+        faults = {**st.faults(), "blobs_dropped": st.blobs_dropped}
+        out.fallbacks.update({k: float(v) for k, v in faults.items() if v})
     return out
 
 
@@ -52,43 +101,46 @@ class KvtcMetrics:
         self.registry.register(_SnapshotCollector(self))  # first: each scrape drains the timings before histograms
         buckets = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
         self.hist = {
-            "encode": Histogram(
-                "kvtc_encode_seconds", "Time to gather and encode one offload", buckets=buckets, registry=self.registry
-            ),
-            "restore": Histogram(
-                "kvtc_restore_seconds",
-                "Time to restore all layers of one onboard",
-                buckets=buckets,
-                registry=self.registry,
-            ),
-            "first_layer": Histogram(
-                "kvtc_time_to_first_layer_seconds",
-                "Time until layer 0 of an onboard is in place",
-                buckets=buckets,
-                registry=self.registry,
-            ),
+            kind: Histogram(name, doc, buckets=buckets, registry=self.registry)
+            for kind, name, doc in (
+                ("encode", "kvtc_encode_seconds", "Time to gather and encode one offload"),
+                ("restore", "kvtc_restore_seconds", "Time to restore all layers of one onboard"),
+                ("first_layer", "kvtc_time_to_first_layer_seconds", "Time until layer 0 of an onboard is in place"),
+            )
         }
 
     def drain(self) -> None:
         if not hasattr(self, "hist") or self.store is None:
             return
-        q = self.store.timings
+        q = self.store.stats.timings
         while q:
             kind, seconds = q.popleft()
             if kind in self.hist:
                 self.hist[kind].observe(seconds)
 
-    def serve(self, port: int | None = None, addr: str = "127.0.0.1") -> int:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve the registry on ``port`` (the configuration's ``metrics_port``; 0: any free port); the port bound."""
         from prometheus_client import start_http_server
 
-        if port is None:
-            port = settings.env_value("metrics_port")
-            if port is None:
-                raise ConfigError("no metrics port: pass one or set DYN_KVTC_METRICS_PORT")
-        if not 0 <= port < 65536:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ConfigError(f"metrics port {port} out of range")
         server, _ = start_http_server(port, addr=addr, registry=self.registry)
         return server.server_port
+
+
+def _counter(name: str, labels: list[str] | None = None, doc: str | None = None):
+    from prometheus_client.core import CounterMetricFamily
+
+    if doc is None:
+        doc, label = COUNTERS[name]
+        labels = [label] if label else []
+    return CounterMetricFamily(f"kvtc_{name}", doc, labels=labels or [])
+
+
+def _gauge(name: str, value: float | None = None, labels: list[str] | None = None, doc: str | None = None):
+    from prometheus_client.core import GaugeMetricFamily
+
+    return GaugeMetricFamily(f"kvtc_{name}", doc or GAUGES[name], value=value, labels=labels)
 
 
 class _SnapshotCollector:
@@ -96,112 +148,82 @@ class _SnapshotCollector:
         self.m = m
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
         self.m.drain()
-        c = dict(self.m.connector.stats) if self.m.connector is not None else {}
         reason = enabled_reason(self.m.connector)
-        en = GaugeMetricFamily(
-            "kvtc_enabled", "1 when the connector runs, 0 when disabled (see reason)", labels=["reason"]
-        )
+        en = _gauge("enabled", labels=["reason"])
         en.add_metric([reason], 1.0 if reason == "none" else 0.0)
         yield en
-        s = self.m.store.snapshot() if self.m.store is not None else {}
+        c = connector_counters(self.m.connector, self.m.store)
         if self.m.store is not None:
-            yield from self._store(s)
-        yield from self._fallbacks(s, c)
+            yield from self._store(self.m.store.snapshot(), c)
+        fb = _counter("fallbacks")
+        for why, n in c.fallbacks.items():
+            fb.add_metric([why], n)
+        yield fb
         if self.m.connector is not None:
-            yield from self._lookups(s, c)
+            yield from self._lookups(c)
         link = getattr(getattr(self.m.connector, "peer", None), "link", None)
         if link is not None:  # a decode worker with the compressed hand-off
             yield from handoff_families(link.snapshot())
 
-    def _store(self, s: dict[str, Any]):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        blocks = GaugeMetricFamily("kvtc_tier_blocks", "Blocks held per tier", labels=["tier"])
-        raw = GaugeMetricFamily("kvtc_tier_raw_bytes", "16-bit bytes of the KV held per tier", labels=["tier"])
-        stored = GaugeMetricFamily("kvtc_tier_stored_bytes", "Compressed bytes held per tier", labels=["tier"])
-        ratio = GaugeMetricFamily("kvtc_tier_ratio", "Raw / stored bytes held per tier", labels=["tier"])
+    def _store(self, s: dict[str, Any], c: ConnectorCounters):
+        st = self.m.store.stats
+        blocks = _gauge("tier_blocks", labels=["tier"], doc="Blocks held per tier")
+        raw = _gauge("tier_raw_bytes", labels=["tier"], doc="Uncompressed bytes of the KV held per tier")
+        stored = _gauge("tier_stored_bytes", labels=["tier"], doc="Compressed bytes held per tier")
+        ratio = _gauge("tier_ratio", labels=["tier"], doc="Raw / stored bytes held per tier")
         for t in TIERS:
             blocks.add_metric([t], s.get(f"{t}_blocks", 0))
             raw.add_metric([t], s.get(f"{t}_raw_bytes", 0))
             stored.add_metric([t], s.get(f"{t}_stored_bytes", 0))
-            st = s.get(f"{t}_stored_bytes", 0)
-            ratio.add_metric([t], s.get(f"{t}_raw_bytes", 0) / st if st else 0.0)
+            st_bytes = s.get(f"{t}_stored_bytes", 0)
+            ratio.add_metric([t], s.get(f"{t}_raw_bytes", 0) / st_bytes if st_bytes else 0.0)
         yield from (blocks, raw, stored, ratio)
         total_raw = sum(s.get(f"{t}_raw_bytes", 0) for t in TIERS)
         total_stored = sum(s.get(f"{t}_stored_bytes", 0) for t in TIERS)
-        yield GaugeMetricFamily(
-            "kvtc_effective_ratio",
-            "Raw / stored bytes over both tiers",
-            value=total_raw / total_stored if total_stored else 0.0,
+        yield _gauge(
+            "effective_ratio",
+            total_raw / total_stored if total_stored else 0.0,
+            doc="Raw / stored bytes over both tiers",
         )
-        yield GaugeMetricFamily(
-            "kvtc_policy_ratio",
-            "Ratio the policy picks for an offload now (the default, higher under host-tier pressure); "
-            "disk blobs keep the ratio they were encoded at",
-            value=policy_ratio(self.m.store),
-        )
-        yield GaugeMetricFamily("kvtc_host_fill", "Share of host-tier pages in use", value=s.get("host_fill", 0.0))
-        off = CounterMetricFamily(
-            "kvtc_offload_blocks", "Blocks offloaded: encoded into host memory, demoted to disk", labels=["tier"]
-        )
-        off.add_metric(["host"], s.get("offload_blocks", 0))
-        off.add_metric(["disk"], s.get("disk_demoted_blocks", 0))
+        yield _gauge("policy_ratio", policy_ratio(self.m.store))
+        yield _gauge("host_fill", s.get("host_fill", 0.0))
+        off = _counter("offload_blocks")
+        off.add_metric(["host"], c.offload_blocks)
+        off.add_metric(["disk"], st.disk_demoted_blocks)
         yield off
-        on = CounterMetricFamily(
-            "kvtc_onboard_blocks", "Blocks restored into the engine, by where they came from", labels=["tier"]
-        )
+        on = _counter("onboard_blocks")
         for t in SOURCES:
-            on.add_metric([t], s.get(f"onboard_{t}_blocks", 0))
+            on.add_metric([t], c.onboard_blocks.get(t, 0.0))
         yield on
-        hits = CounterMetricFamily("kvtc_onboard_blob_hits", "Blobs read for restores, by tier", labels=["tier"])
-        for t in TIERS:
-            hits.add_metric([t], s.get(f"onboard_{t}_hits", 0))
+        hits = _counter("onboard_blob_hits", ["tier"], "Blobs read for restores, by tier")
+        hits.add_metric(["host"], st.onboard_host_hits)
+        hits.add_metric(["disk"], st.onboard_disk_hits)
         yield hits
-        ev = CounterMetricFamily("kvtc_evictions", "Blobs evicted, by tier", labels=["tier"])
-        for t in TIERS:
-            ev.add_metric([t], s.get(f"{t}_evictions", 0))
+        ev = _counter("evictions", ["tier"], "Blobs evicted, by tier")
+        ev.add_metric(["host"], st.host_evictions)
+        ev.add_metric(["disk"], st.disk_evictions)
         yield ev
-        ob = CounterMetricFamily("kvtc_offload_bytes", "Bytes offloaded: raw (16-bit KV) and stored", labels=["kind"])
-        ob.add_metric(["raw"], s.get("offload_raw_bytes", 0))
-        ob.add_metric(["stored"], s.get("offload_stored_bytes", 0))
+        ob = _counter("offload_bytes")
+        ob.add_metric(["raw"], c.offload_raw_bytes)
+        ob.add_metric(["stored"], c.offload_stored_bytes)
         yield ob
 
-    def _fallbacks(self, s: dict[str, Any], c: dict[str, Any]):
-        from prometheus_client.core import CounterMetricFamily
-
-        fb = CounterMetricFamily(
-            "kvtc_fallbacks", "Failed offloads/restores (the engine recomputes), by reason", labels=["reason"]
-        )
-        for k, v in s.items():
-            if k.startswith(("onboard_error_", "offload_error_", "disk_write_error_")) or k == "blobs_dropped":
-                fb.add_metric([k], v)
-        for k, v in c.items():
-            if k.startswith("fallback_"):
-                fb.add_metric([k[len("fallback_") :]], v)
-        yield fb
-
-    def _lookups(self, s: dict[str, Any], c: dict[str, Any]):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        looked, hit = c.get("lookup_tokens", 0), c.get("hit_tokens", 0)
-        lt = CounterMetricFamily("kvtc_lookup_tokens", "Prompt tokens looked up in the compressed tiers")
+    def _lookups(self, c: ConnectorCounters):
+        looked, hit = c.lookup_tokens, c.matched_tokens
+        lt = _counter("lookup_tokens")
         lt.add_metric([], looked)
         yield lt
-        ht = CounterMetricFamily("kvtc_matched_tokens", "Prompt tokens restored from the compressed tiers")
+        ht = _counter("matched_tokens")
         ht.add_metric([], hit)
         yield ht
-        yield GaugeMetricFamily(
-            "kvtc_hit_rate", "Matched / looked-up prompt tokens", value=hit / looked if looked else 0.0
-        )
+        yield _gauge("hit_rate", hit / looked if looked else 0.0, doc="Matched / looked-up prompt tokens")
         bs = getattr(self.m.connector, "block_size", 0)
-        tier = GaugeMetricFamily(
-            "kvtc_tier_hit_rate", "Tokens restored from each source / prompt tokens looked up", labels=["tier"]
+        tier = _gauge(
+            "tier_hit_rate", labels=["tier"], doc="Tokens restored from each source / prompt tokens looked up"
         )
         for t in SOURCES:
-            tier.add_metric([t], s.get(f"onboard_{t}_blocks", 0) * bs / looked if looked else 0.0)
+            tier.add_metric([t], c.onboard_blocks.get(t, 0.0) * bs / looked if looked else 0.0)
         yield tier
 
 

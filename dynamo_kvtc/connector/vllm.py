@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm.config import KVTransferConfig
@@ -36,13 +36,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..errors import KvtcError
+from ..tiers.layout import probe_cpu_offsets
 from .config import ConnectorConfig
 from .guard import shielded
 from .handoff.remote_prefill import RemotePrefill
+from .kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .lookup import LazyLookup
 from .scheduler import KvtcScheduler
 from .step_plan import StepPlan
-from .vllm_parts import EventCollector, EventQueue, KvtcKVEvents, probe_cpu_offsets
 from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .worker import SUPPORTED_KV_DTYPES, KvtcWorker
 
@@ -71,12 +72,15 @@ class KvtcConnectorMetadata(KVConnectorMetadata):
 
 
 def _kv_bytes_per_token(vllm_config: Any) -> int:
-    """16-bit K and V bytes of one token on one TP rank (what a raw hand-off READs per token); 0 when the model config
-    does not say (the link policy then takes every offer compressed)."""
+    """16-bit K and V bytes of one token on one TP rank (what a raw hand-off READs per token), from the model's
+    fingerprint; 0 when the model config does not say (the link policy then takes every offer compressed)."""
+    from ..calibration.models import fingerprint_of
+
     try:
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        return 2 * 2 * int(mc.get_num_layers(pc)) * int(mc.get_num_kv_heads(pc)) * int(mc.get_head_size())
-    except (AttributeError, TypeError, ValueError) as e:
+        fp = replace(fingerprint_of(mc.hf_config), num_kv_heads=int(mc.get_num_kv_heads(pc)))
+        return fp.raw_bytes_per_token()
+    except (AttributeError, TypeError, ValueError, KeyError, KvtcError) as e:
         log.warning("kvtc: KV size per token unknown (%s); the hand-off link policy takes every offer compressed", e)
         return 0
 

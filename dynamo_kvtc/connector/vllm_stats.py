@@ -6,9 +6,9 @@ it there with the connector class's ``build_kv_connector_stats`` (MultiConnector
 to the ``KVConnectorPromMetrics`` the class built (``build_prom_metrics``) and to the periodic log line.
 
 :class:`KvtcConnectorStats` carries counter deltas since the last report (summed on aggregation) and the latest
-gauges; :class:`StatsReporter` makes them from the worker's counters (:func:`~.metrics.connector_counters`), on TP
-rank 0 only (one rank's view, like the ``kvtc_*`` endpoint); :class:`KvtcPromMetrics` turns them into ``vllm:kvtc_*``
-series with the engine's labels.
+gauges; :class:`StatsReporter` makes them from the worker's counters (:func:`~.metrics.connector_counters`; the
+families are defined once, in :mod:`.metrics`), on TP rank 0 only (one rank's view, like the ``kvtc_*`` endpoint);
+:class:`KvtcPromMetrics` turns them into ``vllm:kvtc_*`` series with the engine's labels.
 """
 
 from __future__ import annotations
@@ -18,42 +18,27 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from .metrics import SOURCES, connector_counters, enabled_reason, policy_ratio
+from .metrics import COUNTERS, GAUGES, connector_counters, enabled_reason, policy_ratio
 
-# flat counter key -> (family, label name, label value); keys are "family" or "family:label value"
-LABELS = {"onboard_blocks": "tier", "offload_bytes": "kind", "fallbacks": "reason"}
-_FAMILIES = {
-    "lookup_tokens": "Prompt tokens looked up in the kvtc compressed tiers",
-    "matched_tokens": "Prompt tokens restored from the kvtc compressed tiers",
-    "offload_blocks": "Blocks encoded into the kvtc host tier",
-    "onboard_blocks": "Blocks restored from kvtc, by source (host, disk, peer)",
-    "offload_bytes": "Bytes offloaded by kvtc: raw (16-bit KV) and stored (compressed)",
-    "fallbacks": "kvtc faults that cost a recompute or a lost cache entry, by reason",
-}
-_GAUGES = {
-    "enabled": "1 when the kvtc connector runs, 0 when disabled",
-    "policy_ratio": "Compression ratio the kvtc policy picks for an offload now",
-    "host_fill": "Share of the kvtc host tier in use",
-}
+# the families carried here: every shared counter; offload_blocks without its tier label (host only: demotions to
+# disk stay on the kvtc_ endpoint)
+LABELS = {name: label for name, (_, label) in COUNTERS.items() if label and name != "offload_blocks"}
 
 
 def flat_counters(worker: Any) -> dict[str, float]:
-    """The worker's counters under the names :class:`KvtcConnectorStats` carries."""
+    """The worker's counters under the keys :class:`KvtcConnectorStats` carries (``family`` or ``family:label``)."""
     c = connector_counters(worker)
     out = {
-        "lookup_tokens": c.get("lookup_tokens", 0.0),
-        "matched_tokens": c.get("hit_tokens", 0.0),
-        "offload_blocks": c.get("store_offload_blocks", 0.0),
-        "offload_bytes:raw": c.get("store_offload_raw_bytes", 0.0),
-        "offload_bytes:stored": c.get("store_offload_stored_bytes", 0.0),
+        "lookup_tokens": c.lookup_tokens,
+        "matched_tokens": c.matched_tokens,
+        "offload_blocks": c.offload_blocks,
+        "offload_bytes:raw": c.offload_raw_bytes,
+        "offload_bytes:stored": c.offload_stored_bytes,
     }
-    for t in SOURCES:
-        out[f"onboard_blocks:{t}"] = c.get(f"store_onboard_{t}_blocks", 0.0)
-    for k, v in c.items():
-        if k.startswith("fallback_"):
-            out[f"fallbacks:{k[len('fallback_') :]}"] = v
-        elif k.startswith(("store_onboard_error_", "store_offload_error_", "store_disk_write_error_")):
-            out[f"fallbacks:{k[len('store_') :]}"] = v
+    for t, n in c.onboard_blocks.items():
+        out[f"onboard_blocks:{t}"] = n
+    for why, n in c.fallbacks.items():
+        out[f"fallbacks:{why}"] = n
     return out
 
 
@@ -137,13 +122,13 @@ class KvtcPromMetrics(KVConnectorPromMetrics):
                 documentation=doc,
                 labelnames=labelnames + ([LABELS[name]] if name in LABELS else []),
             )
-            for name, doc in _FAMILIES.items()
+            for name, (doc, _) in COUNTERS.items()
         }
         self._gauges = {
             name: self._gauge_cls(
                 name=f"vllm:kvtc_{name}", documentation=doc, labelnames=labelnames, multiprocess_mode="mostrecent"
             )
-            for name, doc in _GAUGES.items()
+            for name, doc in GAUGES.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

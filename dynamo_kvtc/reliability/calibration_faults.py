@@ -75,7 +75,7 @@ def scenario_calibration(world: World, ledger: Ledger) -> None:
             ledger.problem(kind, f"{served} blocks of another calibration offered after a restart")
         else:
             ledger.add(kind, faults_detected=1, recomputes=len(committed))
-        ledger.detail(kind, foreign_blobs_not_adopted=store_b.stats["disk_foreign_blobs"])
+        ledger.detail(kind, foreign_blobs_not_adopted=store_b.stats.disk_foreign_blobs)
         close_store(store_b)
         store_b = None
         # a forged index record: a blob of calibration A whose disk metadata claims calibration B
@@ -106,7 +106,7 @@ def scenario_calibration(world: World, ledger: Ledger) -> None:
             hashes, _ = offload(world, store_a, toks)
             ledger.add(kind, faults_injected=1)
             ledger.detail(kind, peer_with_other_calibration=1)
-            out = restore(world, store_b, hashes, source=lambda: store_a.export(hashes))
+            out = restore(world, store_b, hashes, source=lambda: store_a.export(hashes)[0])
             if out.ok:
                 ledger.add(kind, wrong_kv_served=len(hashes))
                 ledger.problem(kind, "a peer's blob of another calibration was served")

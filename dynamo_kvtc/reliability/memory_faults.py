@@ -209,7 +209,7 @@ def child_rlimit(world: World, args: dict) -> None:
             c["raised_in_caller"] += 1
             ledger.detail(kind, rlimit_caller_error=f"{type(e).__name__}: {str(e)[:80]}")
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    errors = {k: v for k, v in store.stats.items() if "error" in k}
+    errors = {k: v for k, v in store.stats.as_dict().items() if "error" in k and v}
     failures = sum(c[k] for k in ("failed_offloads", "failed_restores", "failed_restores_tight", "refused"))
     failures += c["raised_in_caller"]
     ledger.add(kind, faults_injected=failures, faults_detected=failures)

@@ -137,5 +137,5 @@ def scenario_soak(world: World, ledger: Ledger, seconds: float, clients: int, lo
         disk_evictions=snap.get("disk_evictions", 0),
         onboard_disk_hits=snap.get("onboard_disk_hits", 0),
         disk_orphans=snap["disk_orphans"],
-        store_errors=json.dumps({k: v for k, v in snap.items() if "error" in k}),
+        store_errors=json.dumps({k: v for k, v in snap.items() if "error" in k and v}),
     )

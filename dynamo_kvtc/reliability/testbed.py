@@ -212,12 +212,12 @@ class Expect:
             return
         n = store.match(hashes)
         try:
-            runs = store.export(list(hashes[:n]))
+            runs, _ = store.export(list(hashes[:n]))
         except KvtcError:  # a blob left the tiers meanwhile: take the others one block at a time
             runs = []
             for h in hashes[:n]:
                 with contextlib.suppress(KvtcError):
-                    runs.extend(store.export([h]))
+                    runs.extend(store.export([h])[0])
         seen = set()
         for r in runs:
             key = (r.meta.id, zlib.crc32(r.blob))

@@ -1,9 +1,10 @@
 """Compressed storage tiers: host (G2c) and disk (G3c) stores of KVTC blobs, NIXL file I/O, layer-ordered restore.
 
 :class:`KvtcStore` (store.py) is the facade; its parts: blobs.py (records), index.py (hash -> blob, listeners),
-base.py / host.py / disk.py (the blob tiers; disk_format.py the file format), placement.py (host <-> disk moves),
-offloader.py (encode worker), restorer.py (restore worker, :class:`OnboardHandle`); the control channel and the NIXL
-I/O they use live below, in :mod:`dynamo_kvtc.transport`; the fused-or-reference codec choice is codec/spans.py.
+base.py / host.py / disk.py (the blob tiers; disk_format.py the file format, disk_dir.py the directory and its lock),
+placement.py (host <-> disk moves), offloader.py (encode worker), restorer.py (restore worker, :class:`OnboardHandle`);
+the control channel and the NIXL I/O they use live below, in :mod:`dynamo_kvtc.transport`; the fused-or-reference
+codec choice is codec/spans.py.
 
 Exports load lazily (PEP 562): ``dynamo_kvtc.tiers.disk_format`` imports without torch.
 """
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RatioPolicy": "admission",
     "OnboardHandle": "restorer",
     "KvtcStore": "store",
+    "StoreStats": "stats",
 }
 
 __all__ = sorted(_EXPORTS)

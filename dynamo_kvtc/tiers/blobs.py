@@ -1,5 +1,6 @@
-"""The records that travel between the store's parts, the connector and a peer: blob metadata, blob runs, offload
-requests and results. Plain dataclasses, no behaviour beyond (de)serialising a :class:`BlobMeta`."""
+"""The records that travel between the store's parts, the connector and a peer: blob metadata (one per stored blob),
+blob runs (one per run of a blob's blocks, planned then read), offload requests and results. Plain dataclasses, no
+behaviour beyond (de)serialising a :class:`BlobMeta`."""
 
 from __future__ import annotations
 
@@ -37,15 +38,20 @@ class BlobMeta:
 
 @dataclass(frozen=True)
 class BlobRun:
-    """Blocks ``first .. first + count`` of one blob, restoring requested blocks ``at .. at + count``.
+    """Blocks ``first .. first + count`` of one blob, restoring requested blocks ``at .. at + count``: the one run
+    record from the index's plan to the restore (and to a peer).
 
-    ``meta`` is set when the blob's metadata travels with it (an export; a peer's blob that may be kept here)."""
+    ``blob`` is None while the run is only planned (:meth:`BlockIndex.plan <dynamo_kvtc.tiers.index.BlockIndex.plan>`),
+    then the blob's bytes (or a view, or a peer's arriving blob); ``blob_id`` names the blob in this store's tiers
+    (None for a peer's blob); ``meta`` is set when the blob's metadata travels with it (an export; a peer's blob that
+    may be kept here)."""
 
-    blob: bytes
+    blob: Any
     first: int  # first block inside the blob
     count: int  # blocks of the blob used
     at: int  # index of its first block among the requested hashes
     meta: BlobMeta | None = None
+    blob_id: str | None = None
 
 
 @dataclass

@@ -27,15 +27,12 @@ a ConfigError, a crashed one releases it.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import stat
 import struct
-import tempfile
 import threading
 import zlib
 from collections import OrderedDict
@@ -49,132 +46,16 @@ from ..errors import ConfigError, TierError, TierFullError, TransferError
 from ..transport.channel import pack
 from ..transport.nixl_io import NixlFiles
 from .base import BlobTier
+from .disk_dir import CLOEXEC, NOFOLLOW, NONBLOCK, lock_dir, open_dir, unlock_dir
 from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, parse_record
 
 log = logging.getLogger(__name__)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted under a blob's name must not block the open
-
-# One locked descriptor per directory per process (flock locks belong to an open file description, so two DiskTiers
-# of one process over the same directory, as after an in-process restart, share it instead of locking each other out)
-_DIR_LOCKS: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [fd, users, lock path]
-_DIR_LOCKS_GUARD = threading.Lock()
 
 
 class _Entry(NamedTuple):
     size: int  # file size
     meta: Any
     crc: int  # CRC-32 of the committed blob
-
-
-def _open_dir(path: Path) -> int:
-    """Create (0700) or open the tier's directory without following a symlink; check who owns it. Returns an fd."""
-    if path.is_symlink():
-        raise ConfigError(f"disk cache dir {path} is a symlink; refusing (point DYN_KVTC_DISK_CACHE_DIR at a real dir)")
-    created = not path.exists()
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ConfigError(f"disk cache dir {path} is a symlink; refusing") from None
-        raise ConfigError(f"disk cache dir {path} cannot be created or opened: {e}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"disk cache dir {path} is not a directory")
-        if st.st_mode & stat.S_IWOTH:
-            raise ConfigError(f"disk cache dir {path} is world-writable; refusing (use a subdirectory)")
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            raise ConfigError(f"disk cache dir {path} is owned by uid {st.st_uid}, not this process ({os.getuid()})")
-        if created:  # make the new directory's own entry durable too
-            _fsync_dir(path.parent)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        pfd = os.open(path, os.O_RDONLY | _CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.fsync(pfd)
-    except OSError:
-        pass
-    finally:
-        os.close(pfd)
-
-
-def _lock_path(ident: tuple[int, int]) -> str:
-    """The lock lives outside the cache directory (no descriptor held on the cache's file system, which can then be
-    unmounted) in this user's private runtime directory: $TMPDIR/kvtc-<uid>, 0700, ours, not a symlink."""
-    root = os.path.join(tempfile.gettempdir(), f"kvtc-{os.getuid()}")
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(root)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ConfigError(f"{root} must be a directory of this user with mode 0700 (it holds the disk tier's locks)")
-    return os.path.join(root, f"disk-{ident[0]:x}-{ident[1]:x}.lock")
-
-
-def _lock_dir(ident: tuple[int, int], path: Path) -> None:
-    """Take the directory for this process: ``flock`` on a lock file named after the directory's (device, inode),
-    shared by every DiskTier of this process over the same directory; released when the process dies."""
-    with _DIR_LOCKS_GUARD:
-        held = _DIR_LOCKS.get(ident)
-        if held is not None:
-            held[1] += 1
-            return
-        lock = _lock_path(ident)
-        for _ in range(8):  # the file may be unlinked by its previous holder between our open and our flock
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise ConfigError(
-                        f"disk cache dir {path} is in use by another process; give each engine (and each "
-                        "tensor-parallel rank) its own DYN_KVTC_DISK_CACHE_DIR"
-                    ) from None
-                raise ConfigError(f"disk cache dir {path}: cannot lock it ({lock}): {e}") from None
-            try:
-                same = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                _DIR_LOCKS[ident] = [fd, 1, lock]
-                return
-            os.close(fd)
-        raise ConfigError(f"disk cache dir {path}: its lock file {lock} keeps changing")
-
-
-@atexit.register
-def _unlock_all() -> None:  # tiers never closed: remove their lock files at exit (kill -9 leaves them; harmless)
-    for ident in list(_DIR_LOCKS):
-        _DIR_LOCKS[ident][1] = 1
-        _unlock_dir(ident)
-
-
-def _unlock_dir(ident: tuple[int, int]) -> None:
-    with _DIR_LOCKS_GUARD:
-        held = _DIR_LOCKS.get(ident)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] <= 0:
-            del _DIR_LOCKS[ident]
-            try:
-                os.unlink(held[2])  # while still holding it: a waiter re-checks the inode and retries
-            except OSError:
-                pass
-            os.close(held[0])  # releases the lock
 
 
 class DiskTier(BlobTier):
@@ -193,17 +74,17 @@ class DiskTier(BlobTier):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"disk tier capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.dir = Path(directory)
-        dfd = _open_dir(self.dir)
+        dfd = open_dir(self.dir)
         try:
             st = os.fstat(dfd)
         finally:
             os.close(dfd)
         self._ident = (st.st_dev, st.st_ino)
-        _lock_dir(self._ident, self.dir)
+        lock_dir(self._ident, self.dir)
         try:
             self._setup(capacity_bytes, io, fsync, timeout_s)
         except BaseException:
-            _unlock_dir(self._ident)
+            unlock_dir(self._ident)
             raise
 
     def _setup(self, capacity_bytes: int, io: NixlFiles | None, fsync: bool, timeout_s: float | None) -> None:
@@ -227,14 +108,14 @@ class DiskTier(BlobTier):
         if self._closed:
             return
         self._closed = True
-        _unlock_dir(self._ident)
+        unlock_dir(self._ident)
 
     @contextlib.contextmanager
     def _at(self) -> Iterator[int]:
         """A descriptor of the tier's directory, checked to still be the directory checked at start (not swapped for
         another directory or a symlink since); file operations go through it (openat-style)."""
         try:
-            fd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
+            fd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC)
         except OSError as e:
             raise TierError(f"disk cache dir {self.dir} is gone or not a directory: {e}") from None
         try:
@@ -280,7 +161,7 @@ class DiskTier(BlobTier):
     @staticmethod
     def _read_header(dfd: int, name: str) -> tuple[int, int, str, Any, int]:
         try:
-            fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+            fd = os.open(name, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK, dir_fd=dfd)
         except OSError as e:
             if e.errno == errno.ELOOP:  # a symlink: never ours, never followed (unlink removes the link only)
                 raise DamagedFile("a symlink") from None
@@ -371,7 +252,7 @@ class DiskTier(BlobTier):
         fd = -1
         committed = False
         try:
-            fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=dfd)
+            fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | NOFOLLOW | CLOEXEC, 0o600, dir_fd=dfd)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
@@ -466,7 +347,7 @@ class DiskTier(BlobTier):
 
     def _open_ro(self, name: str) -> int:
         with self._at() as dfd:
-            return os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | _NONBLOCK, dir_fd=dfd)
+            return os.open(name, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK, dir_fd=dfd)
 
     @staticmethod
     def _verify(data: bytes | memoryview, blob_id: str, entry: _Entry) -> tuple[memoryview, Any]:

@@ -5,25 +5,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from ..errors import TierError
-from .blobs import BlobMeta
+from .blobs import BlobMeta, BlobRun
+from .stats import StoreStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class IndexRun:
-    """Blocks ``first .. first + count`` of blob ``blob_id`` cover requested blocks ``at .. at + count``."""
-
-    blob_id: str
-    first: int
-    count: int
-    at: int
 
 
 class BlockIndex:
@@ -33,7 +23,7 @@ class BlockIndex:
     ``removed(hashes)``); a failing listener is logged and counted (``listener_errors``), never raised. It never reads
     or writes blob bytes and never knows which tier holds a blob: callers ask the tiers."""
 
-    def __init__(self, stats: Counter[str]) -> None:
+    def __init__(self, stats: StoreStats) -> None:
         self._lock = threading.RLock()
         self._index: dict[int, tuple[str, int]] = {}
         self._blobs: dict[str, BlobMeta] = {}
@@ -67,7 +57,7 @@ class BlockIndex:
                 getattr(listener, what)(*args)
             except Exception as e:  # a listener never breaks the data path
                 log.warning("kvtc listener %s.%s failed: %s", type(listener).__name__, what, e)
-                self._stats["listener_errors"] += 1
+                self._stats.listener_errors += 1
 
     # ------------------------------------------------------------------ reads
     def __contains__(self, h: int) -> bool:
@@ -135,9 +125,10 @@ class BlockIndex:
                     n_host = n
         return n, n_host
 
-    def plan(self, hashes: Sequence[int]) -> list[IndexRun]:
-        """The runs of blobs covering ``hashes`` in order; TierError if a block is in no blob."""
-        runs: list[IndexRun] = []
+    def plan(self, hashes: Sequence[int]) -> list[BlobRun]:
+        """The runs of blobs covering ``hashes`` in order (planned: ``blob_id`` set, no bytes yet); TierError if a
+        block is in no blob."""
+        runs: list[BlobRun] = []
         with self._lock:
             for j, h in enumerate(hashes):
                 e = self._index.get(h)
@@ -146,7 +137,7 @@ class BlockIndex:
                 blob_id, i = e
                 last = runs[-1] if runs else None
                 if last is not None and last.blob_id == blob_id and last.first + last.count == i:
-                    runs[-1] = IndexRun(blob_id, last.first, last.count + 1, last.at)
+                    runs[-1] = replace(last, count=last.count + 1)
                 else:
-                    runs.append(IndexRun(blob_id, i, 1, j))
+                    runs.append(BlobRun(None, i, 1, j, blob_id=blob_id))
         return runs

@@ -8,7 +8,8 @@ Layouts (per layer unless noted):
                  then a V half of ``block_size*D`` elements each, whose element order is the attention kernel's own
                  (ISA-dependent: the AVX2 "vec" kernel stores K transposed, ``[D, block_size]``, and V as
                  ``[block_size, D]``). ``k_offsets``/``v_offsets`` give, for logical element ``t*D + d``, its offset
-                 inside the half; the connector learns them by writing a probe through the engine's own kernel.
+                 inside the half; :func:`probe_cpu_offsets` learns them by writing a probe through the engine's own
+                 kernel.
                  Without them both halves are ``[block_size, D]``.
 - ``trtllm``     TensorRT-LLM: one tensor for all layers, ``[num_blocks, L, 2, H, block_size, D]``
 """
@@ -143,3 +144,38 @@ class PagedKV:
         dk, dv = self.layer_views(layer)
         dk.index_copy_(0, ids, k)
         dv.index_copy_(0, ids, v)
+
+
+def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):
+    """Learn where vLLM's CPU attention kernel puts each (token, dim) element of a block's K and V halves, by writing
+    token and dim indices through the kernel itself into a scratch block. Returns (k_offsets, v_offsets) for
+    :class:`PagedKV`, or None when the kernel is unavailable (the plain layout is used)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    _, H, bs, d2 = kv_cache.shape
+    D = d2 // 2
+    if bs * D > 4096 * 256 or max(bs, D) >= 256:  # indices must stay exact in 16-bit floats
+        return None
+    isa = _get_attn_isa(kv_cache.dtype, block_size, D, cache_dtype)
+    found = []
+    for which in ("token", "dim"):
+        scratch = torch.zeros(1, H, bs, d2, dtype=kv_cache.dtype)
+        kc, vc = scratch.view(1, H, 2 * bs, D).chunk(2, dim=2)
+        idx = torch.arange(bs)[:, None, None] if which == "token" else torch.arange(D)[None, None, :]
+        x = (idx + 1).expand(bs, H, D).to(kv_cache.dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
+        found.append(scratch.view(H, 2 * bs * D)[0].to(torch.int64) - 1)
+    tok, dim = found
+    half = bs * D
+    out = []
+    for lo in (0, half):
+        t, d = tok[lo : lo + half], dim[lo : lo + half]
+        if (t < 0).any() or (d < 0).any():
+            return None  # the kernel left holes: not a layout we understand
+        offsets = torch.empty(half, dtype=torch.int64)
+        offsets[t * D + d] = torch.arange(half)
+        out.append(offsets)
+    return out[0], out[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +20,7 @@ from .config import TierConfig
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
+from .stats import StoreStats
 from .streams import codec_stream
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,13 @@ class Offloader:
         block_size: int,
         span_blocks: int,
         device: torch.device,
-        stats: Counter[str],
-        timings: deque,
+        stats: StoreStats,
     ) -> None:
         self.cal, self.cfg, self.kv = cal, cfg, kv
         self.index, self.placement, self.codec = index, placement, codec
         self.policy, self.admit = policy, admit
         self.block_size, self.span_blocks, self.device = block_size, span_blocks, device
-        self.stats, self.timings = stats, timings
+        self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
         self._stream = codec_stream(device)
 
@@ -109,7 +108,7 @@ class Offloader:
             end += 1
         if end == start:
             res.skipped = "filtered"
-            self.stats["offload_filtered"] += 1
+            self.stats.offload_filtered += 1
             done.set_result(res)
             return done
         host = self.placement.host
@@ -134,21 +133,20 @@ class Offloader:
         return self._pool.submit(self._guarded, req, res, raw)
 
     def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
-        """16-bit-or-wider bytes of ``blocks`` blocks of K and V (what a raw blob of them holds)."""
-        fp = self.cal.fingerprint
-        itemsize = keys.element_size() if keys is not None else self.kv.dtype.itemsize
-        return 2 * fp.num_layers * blocks * self.block_size * fp.num_kv_heads * fp.head_dim * itemsize
+        """Bytes of ``blocks`` blocks of K and V as the engine holds them (what a raw blob of them holds)."""
+        dtype = keys.dtype if keys is not None else self.kv.dtype
+        return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
     def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> OffloadResult:
         try:
             self._run(req, res, raw)
         except KvtcError as e:
             log.warning("kvtc offload failed: %s", e)
-            self.stats[f"offload_error_{type(e).__name__}"] += 1
+            self.stats.offload_errors[type(e).__name__] += 1
             res.skipped = f"error: {e}"
         except Exception as e:  # an offload never takes the engine down; it only loses a cache entry
             log.warning("kvtc offload failed unexpectedly: %s: %s", type(e).__name__, e)
-            self.stats["offload_error_unexpected"] += 1
+            self.stats.offload_errors["unexpected"] += 1
             res.skipped = f"error: {type(e).__name__}: {e}"
         return res
 
@@ -170,7 +168,6 @@ class Offloader:
 
     def _run(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> None:
         t0 = time.perf_counter()
-        bs = self.block_size
         codec = self.codec(req.ratio)
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:
@@ -178,22 +175,20 @@ class Offloader:
                 self._stream.wait_event(req.ready_event)
             cuts = self.cuts(req, raw)
             if raw:
-                self.stats["offload_raw"] += 1
+                self.stats.offload_raw += 1
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
-                self.stats["offload_fused_batches"] += 1
-            fp = self.cal.fingerprint
-            itemsize = req.keys.element_size() if req.keys is not None else self.kv.dtype.itemsize
+                self.stats.offload_fused_batches += 1
             for (a, b, _), blob in zip(cuts, encoded.blobs):
-                raw = fp.num_layers * (b - a) * bs * fp.num_kv_heads * fp.head_dim * itemsize * 2
-                self._keep(req, a, b, blob, raw, res)
+                self._keep(req, a, b, blob, self._raw_bytes(b - a, req.keys), res)
         res.ratio = req.ratio
         res.seconds = time.perf_counter() - t0
-        self.stats["offload_blocks"] += res.stored_blocks
-        self.stats["offload_raw_bytes"] += res.raw_bytes
-        self.stats["offload_stored_bytes"] += res.stored_bytes
-        self.stats["encode_seconds_x1e6"] += int(res.seconds * 1e6)
-        self.timings.append(("encode", res.seconds))
+        st = self.stats
+        st.offload_blocks += res.stored_blocks
+        st.offload_raw_bytes += res.raw_bytes
+        st.offload_stored_bytes += res.stored_bytes
+        st.encode_seconds_x1e6 += int(res.seconds * 1e6)
+        st.time("encode", res.seconds)
 
     def _encode(self, codec: Codec, req: OffloadRequest, cuts: list[tuple[int, int, int]]):
         bs = self.block_size

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 
 from ..errors import TierError, TierFullError
 from .blobs import BlobMeta
 from .disk import DiskTier
 from .host import HostLease, HostTier
 from .index import BlockIndex
+from .stats import StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class Placement:
     what to store."""
 
     def __init__(
-        self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: Counter[str], min_uses: int = 1
+        self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: StoreStats, min_uses: int = 1
     ) -> None:
         self.index = index
         self.min_uses = min_uses
@@ -48,12 +48,12 @@ class Placement:
                 self.disk.delete(blob_id)
                 continue
             if meta.cal != cal_id or meta.block_size != block_size:
-                self.stats["disk_foreign_blobs"] += 1
+                self.stats.disk_foreign_blobs += 1
                 continue
             self.index.add(meta)
             self._uses[blob_id] = self.min_uses  # it was admitted to disk before the restart
             n += 1
-        self.stats["disk_recovered_blobs"] += n
+        self.stats.disk_recovered_blobs += n
 
     def where(self, blob_id: str) -> str | None:
         if blob_id in self.host:
@@ -76,13 +76,13 @@ class Placement:
                 self._evict(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
                 return
             for old_id, data, old_meta in evicted:
-                self.stats["host_evictions"] += 1
+                self.stats.host_evictions += 1
                 self._evict(old_id, data, old_meta)
 
     def _evict(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
         """A blob leaving the host tier: to disk if admitted, else out of the tiers."""
         if self.disk is not None and self._uses.get(blob_id, 0) < self.min_uses:
-            self.stats["disk_admission_dropped"] += 1
+            self.stats.disk_admission_dropped += 1
             self._uses.pop(blob_id, None)
             self.index.remove(blob_id)
             return
@@ -105,22 +105,22 @@ class Placement:
             return
         try:
             for gone in self.disk.put(blob_id, data, meta.to_dict()):
-                self.stats["disk_evictions"] += 1
+                self.stats.disk_evictions += 1
                 self._uses.pop(gone, None)
                 self.index.remove(gone)
             self._uses[blob_id] = max(self._uses.get(blob_id, 0), self.min_uses)  # on disk once: admitted again
-            self.stats["disk_demotions"] += 1
-            self.stats["disk_demoted_blocks"] += len(meta.hashes)
+            self.stats.disk_demotions += 1
+            self.stats.disk_demoted_blocks += len(meta.hashes)
         except TierError as e:
             log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
-            self.stats[f"disk_write_error_{type(e).__name__}"] += 1
+            self.stats.disk_write_errors[type(e).__name__] += 1
             self._uses.pop(blob_id, None)
             self.index.remove(blob_id)
 
     def drop(self, blob_id: str, why: BaseException) -> None:
         """Forget an unusable blob everywhere (host, disk file, index)."""
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
-        self.stats["blobs_dropped"] += 1
+        self.stats.blobs_dropped += 1
         self.host.discard(blob_id)
         if self.disk is not None and blob_id in self.disk:
             self.disk.discard(blob_id)
@@ -159,7 +159,7 @@ class Placement:
         raise TierError(f"blob {blob_id} vanished from every tier")
 
     def _count_host_hit(self, blob_id: str) -> None:
-        self.stats["onboard_host_hits"] += 1
+        self.stats.onboard_host_hits += 1
         self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
 
     def _from_disk(self, blob_id: str) -> memoryview | None:
@@ -168,7 +168,7 @@ class Placement:
         if self.disk is None or blob_id not in self.disk:
             return None
         blob, meta = self.disk.get(blob_id)
-        self.stats["onboard_disk_hits"] += 1
+        self.stats.onboard_disk_hits += 1
         try:
             self.put(BlobMeta.from_dict(meta), blob)
         except TierError:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
@@ -24,6 +24,7 @@ from .host import HostLease
 from .index import BlockIndex
 from .layout import PagedKV
 from .placement import Placement
+from .stats import StoreStats
 from .streams import codec_stream
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class OnboardHandle:
         self.started = time.perf_counter()
         self.future: Future | None = None
         self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
-        self.raw_bytes = 0  # 16-bit bytes of the KV it restores
+        self.raw_bytes = 0  # uncompressed bytes of the KV it restores (the engine's dtype)
         self.leases: list[Any] = []  # host pages read in place by this restore (released by the restorer)
 
     # ------------------------------------------------------------------ producer side
@@ -123,13 +124,12 @@ class Restorer:
         decoder: Callable[[], Codec],
         block_size: int,
         device: torch.device,
-        stats: Counter[str],
-        timings: deque,
+        stats: StoreStats,
     ) -> None:
         self.cal, self.kv, self.index, self.placement, self.decoder = cal, kv, index, placement, decoder
         self.block_size, self.device = block_size, device
         self.num_layers = cal.fingerprint.num_layers
-        self.stats, self.timings = stats, timings
+        self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
         self._stream = codec_stream(device)
 
@@ -164,20 +164,12 @@ class Restorer:
         return self._pool.submit(fn)
 
     # ------------------------------------------------------------------ reads for others
-    def export(self, hashes: Sequence[int]) -> list[BlobRun]:
-        """The runs of blobs covering ``hashes``, each with its meta (for a peer)."""
-        out = []
-        for r in self.index.plan(hashes):
-            blob = self.placement.fetch(r.blob_id)
-            meta = self.index.meta(r.blob_id)
-            if meta is None:
-                raise TierError(f"blob {r.blob_id} left the tiers while being exported")
-            out.append(BlobRun(blob, r.first, r.count, r.at, meta))
-        return out
+    def export(self, hashes: Sequence[int], lease: bool = False) -> tuple[list[BlobRun], list[HostLease]]:
+        """The runs of blobs covering ``hashes``, each with its meta (for a peer), and the host leases they hold.
 
-    def export_leased(self, hashes: Sequence[int]) -> tuple[list[BlobRun], list[HostLease]]:
-        """Like :meth:`export`, without copies: host-resident blobs come as views of the host tier's (pinned) pages
-        under a lease, so a peer's staging is one DMA per blob; the caller releases the leases once done."""
+        ``lease=False``: every blob is a copy, no leases. ``lease=True``: no copies: host-resident blobs come as views
+        of the host tier's (pinned) pages under a lease, so a peer's staging is one DMA per blob; the caller releases
+        the leases once done."""
         runs: list[BlobRun] = []
         held: list[HostLease] = []
         try:
@@ -185,11 +177,11 @@ class Restorer:
                 meta = self.index.meta(r.blob_id)
                 if meta is None:
                     raise TierError(f"blob {r.blob_id} left the tiers while being exported")
-                got = self.placement.read(r.blob_id)
+                got = self.placement.read(r.blob_id) if lease else self.placement.fetch(r.blob_id)
                 if isinstance(got, HostLease):
                     held.append(got)
                     got = got.blob()
-                runs.append(BlobRun(got, r.first, r.count, r.at, meta))
+                runs.append(replace(r, blob=got, meta=meta))
         except BaseException:
             for h in held:
                 h.release()
@@ -219,28 +211,30 @@ class Restorer:
                 runs, ids = self._from_source(handle, hashes, source), None
                 tiers: Counter[str] = Counter({"peer": len(hashes)})
             else:
-                runs, ids, tiers = self._from_tiers(handle, hashes)
+                runs, tiers = self._from_tiers(handle, hashes)
+                ids = [r.blob_id for r in runs]
             ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
             try:
                 with ctx:
                     self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
             finally:
                 self._release(handle)
-            fp = self.cal.fingerprint
-            bs = self.block_size
-            handle.raw_bytes = len(hashes) * bs * self.num_layers * fp.num_kv_heads * fp.head_dim * 2 * 2  # K+V, 16-bit
-            self.stats["onboard_blocks"] += len(hashes)
-            for tier, n in tiers.items():
-                self.stats[f"onboard_{tier}_blocks"] += n
-            self.stats["onboards"] += 1
+            dtype = self.kv.dtype if self.kv is not None else None  # None: the calibrated model's dtype
+            handle.raw_bytes = len(hashes) * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
+            st = self.stats
+            st.onboard_blocks += len(hashes)
+            st.onboard_host_blocks += tiers["host"]
+            st.onboard_disk_blocks += tiers["disk"]
+            st.onboard_peer_blocks += tiers["peer"]
+            st.onboards += 1
             if source is not None:
                 self._adopt(runs)
-            self.timings.append(("restore", time.perf_counter() - handle.started))
-            self.timings.append(("first_layer", handle.ready_times[0] or 0.0))
+            st.time("restore", time.perf_counter() - handle.started)
+            st.time("first_layer", handle.ready_times[0] or 0.0)
             handle.finish()
         except BaseException as e:  # any failure is a miss: the engine recomputes
             self._release(handle)
-            self.stats[f"onboard_error_{type(e).__name__}"] += 1
+            self.stats.onboard_errors[type(e).__name__] += 1
             log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
             handle.fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
 
@@ -262,10 +256,10 @@ class Restorer:
         handle.bytes_read += sum(len(r.blob) for r in runs)  # a peer's blob may still be landing: read where it is
         return runs
 
-    def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], list[str], Counter[str]]:
-        """The runs covering ``hashes``; host-resident blobs are leased (read in place) and recorded in
+    def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], Counter[str]]:
+        """The runs covering ``hashes``, read; host-resident blobs are leased (read in place) and recorded in
         ``handle.leases`` for the caller to release once the device has copied them."""
-        runs, ids = [], []
+        runs = []
         tiers: Counter[str] = Counter()
         for r in self.index.plan(hashes):
             tiers["host" if r.blob_id in self.placement.host else "disk"] += r.count
@@ -282,9 +276,8 @@ class Restorer:
             else:
                 blob = BlobView.of(got)
             handle.bytes_read += len(blob)
-            runs.append(BlobRun(blob, r.first, r.count, r.at))
-            ids.append(r.blob_id)
-        return runs, ids, tiers
+            runs.append(replace(r, blob=blob))
+        return runs, tiers
 
     def _write_layers(
         self, decoder: Codec, handle: OnboardHandle, runs: list[BlobRun], ids: list[str] | None, dst_blocks, sink
@@ -314,7 +307,7 @@ class Restorer:
                     self.kv.scatter_layer(layer, dst_blocks[r.at : r.at + r.count], k, v)
             handle.mark_layer_ready(layer)
         if restore.fused:
-            self.stats["onboard_fused_batches"] += 1
+            self.stats.onboard_fused_batches += 1
 
     def _adopt(self, runs: list[BlobRun]) -> None:
         """A peer's blobs of this calibration: keep them in the tiers for the next turn on this side."""

@@ -16,16 +16,15 @@
 The parts: :class:`~.index.BlockIndex` (hash -> blob), :class:`~.host.HostTier` / :class:`~.disk.DiskTier` (one
 :class:`~.base.BlobTier` face), :class:`~.placement.Placement` (moves between tiers), :class:`~.offloader.Offloader`
 and :class:`~.restorer.Restorer` (the two workers), :class:`~dynamo_kvtc.codec.base.Codec` (fused or reference
-codec path). The public methods are asyncio coroutines or thread-safe calls (an engine may call from other threads).
+codec path, chosen once by :func:`~dynamo_kvtc.codec.factory.make_codec`). The public methods are thread-safe calls
+keyed by block hashes (:meth:`KvtcStore.hashes` gives a sequence's); an engine may call from other threads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -35,7 +34,6 @@ import torch
 
 from ..codec.base import Codec, EncodeSpan, RestoreRun
 from ..codec.factory import entropy_tag, make_codec
-from ..errors import TierError
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
@@ -47,6 +45,7 @@ from .layout import PagedKV
 from .offloader import Offloader
 from .placement import Placement
 from .restorer import OnboardHandle, Restorer, Source
+from .stats import StoreStats
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +55,8 @@ __all__ = ["BlobMeta", "BlobRun", "KvtcStore", "OffloadRequest", "OffloadResult"
 class KvtcStore:
     """The compressed tiers of one engine (one calibration, one block size), as one object.
 
-    Owns the parts listed in the module docstring, the codecs per ratio, the shared ``stats`` counter and ``timings``
-    queue, and wires them together; the work itself happens in the parts. It never hands out a part's private state:
+    Owns the parts listed in the module docstring, the codecs per ratio, the parts' :class:`StoreStats` (``stats``),
+    and wires them together; the work itself happens in the parts. It never hands out a part's private state:
     readers use :attr:`index` (a :class:`BlockIndex`), :attr:`host`, :attr:`disk` and the methods below."""
 
     def __init__(
@@ -86,12 +85,11 @@ class KvtcStore:
             )
         self._codecs: dict[float, Codec] = {}
         self._codecs_lock = threading.Lock()
-        self.stats: Counter[str] = Counter()
-        self.timings: deque[tuple[str, float]] = deque(maxlen=4096)  # (kind, seconds), drained by metrics
+        self.stats = StoreStats()  # the parts' counters and timings, read by the metrics
         self.index = BlockIndex(self.stats)
         self.placement = Placement(self.index, host, disk, self.stats, self.cfg.disk_min_uses)
         common = dict(cal=calibration, kv=kv, index=self.index, placement=self.placement, block_size=block_size)
-        common.update(device=self.device, stats=self.stats, timings=self.timings)
+        common.update(device=self.device, stats=self.stats)
         self.offloader = Offloader(
             cfg=self.cfg,
             codec=self.codec,
@@ -163,10 +161,10 @@ class KvtcStore:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - a warm-up never takes the engine down
-            self.stats["warm_up_errors"] += 1
+            self.stats.warm_up_errors += 1
             log.warning("kvtc: warm-up failed (%s: %s); first calls pay their set-up", type(e).__name__, e)
         took = time.perf_counter() - t0
-        self.timings.append(("warm_up", took))
+        self.stats.time("warm_up", took)
         return took
 
     def _warm(self, codec: Codec) -> None:
@@ -209,9 +207,6 @@ class KvtcStore:
         host = self.host
         return self.index.match_tiers(hashes, host.__contains__)
 
-    def lookup(self, token_ids: Sequence[int]) -> int:
-        return self.match(self.hashes(token_ids))
-
     def where(self, h: int) -> str | None:
         """The tier holding block ``h``: "host", "disk" or None."""
         e = self.index.locate(h)
@@ -223,40 +218,6 @@ class KvtcStore:
         return None if e is None else e[0]
 
     # ------------------------------------------------------------------ offload
-    async def offload(
-        self,
-        token_ids: Sequence[int],
-        keys: torch.Tensor | None = None,
-        values: torch.Tensor | None = None,
-        *,
-        block_ids: Sequence[int] | None = None,
-        ready_event: Any = None,
-        tail: bool = True,
-    ) -> OffloadResult:
-        """Store the sequence's full blocks that no tier holds yet. Give either ``keys``/``values``
-        [L, >= n_full*block_size, H, D] for ``token_ids`` from position 0, or the engine ``block_ids`` (one per full
-        block) of the registered paged cache. ``ready_event`` (a CUDA event) orders the encode after the producer."""
-        bs = self.block_size
-        n_full = len(token_ids) // bs
-        if len(token_ids) < self.cfg.min_tokens or n_full == 0:
-            self.stats["offload_bypass_short"] += 1
-            return OffloadResult(skipped="short")
-        if keys is None and (block_ids is None or self.kv is None):
-            raise TierError("offload needs keys/values or block_ids with a registered paged KV cache")
-        if block_ids is not None and len(block_ids) < n_full:
-            raise TierError(f"offload got {len(block_ids)} block ids for {n_full} full blocks")
-        hashes = self.hashes(token_ids[: n_full * bs])
-        fut = self.submit_offload(
-            hashes,
-            list(token_ids[: n_full * bs]),
-            keys=keys,
-            values=values,
-            block_ids=block_ids,
-            ready_event=ready_event,
-            tail=tail,
-        )
-        return await asyncio.wrap_future(fut)
-
     def submit_offload(
         self,
         hashes: Sequence[int],
@@ -289,13 +250,6 @@ class KvtcStore:
         )
 
     # ------------------------------------------------------------------ onboard
-    async def onboard(
-        self, hashes: Sequence[int], dst_blocks: Sequence[int] | None = None, *, sink: Sink | None = None
-    ) -> OnboardHandle:
-        """Start restoring ``hashes`` (a matched prefix) into engine blocks ``dst_blocks`` (or a ``sink``); returns
-        at once with a handle whose ``wait_layer(i)`` returns when layer i is in place."""
-        return self.start_onboard(hashes, dst_blocks, sink=sink)
-
     def start_onboard(
         self,
         hashes: Sequence[int],
@@ -304,25 +258,25 @@ class KvtcStore:
         sink: Sink | None = None,
         source: Source | None = None,
     ) -> OnboardHandle:
-        """Synchronous form of :meth:`onboard` (for engine hooks): queues the restore and returns its handle.
+        """Start restoring ``hashes`` (a matched prefix) into engine blocks ``dst_blocks`` (or a ``sink``): queues the
+        restore on the onboard worker and returns at once with a handle whose ``wait_layer(i)`` returns when layer i
+        is in place.
 
         ``source`` replaces the tiers as where the blobs come from (a peer, for prefill->decode transfer): called on
         the onboard worker, it returns the :class:`BlobRun` s covering ``hashes`` in order; blobs that decode and
         carry a meta of this calibration are kept in the host tier too."""
         return self.restorer.start(hashes, dst_blocks, sink=sink, source=source)
 
-    def export(self, hashes: Sequence[int]) -> list[BlobRun]:
-        """Blobs covering ``hashes``, for a peer: :class:`BlobRun` s with their ``meta`` set."""
-        return self.restorer.export(hashes)
+    def export(self, hashes: Sequence[int], *, lease: bool = False) -> tuple[list[BlobRun], list[HostLease]]:
+        """Blobs covering ``hashes``, for a peer: (:class:`BlobRun` s with their ``meta`` set, host leases). Without
+        ``lease`` every blob is a copy and there are no leases; with it host-resident blobs are views of their pinned
+        pages, under leases the caller releases once it has copied them (the hand-off server's staging)."""
+        return self.restorer.export(hashes, lease)
 
-    def export_leased(self, hashes: Sequence[int]) -> tuple[list[BlobRun], list[HostLease]]:
-        """:meth:`export` without copies: host-resident blobs as views of their pinned pages, under leases the caller
-        releases once it has copied them (the hand-off server's staging)."""
-        return self.restorer.export_leased(hashes)
-
-    async def prefetch(self, hashes: Sequence[int]) -> int:
-        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard; returns blobs moved."""
-        return await asyncio.wrap_future(self.restorer.submit(lambda: self.restorer.prefetch(hashes)))
+    def prefetch(self, hashes: Sequence[int]) -> Future:
+        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard, on the onboard worker;
+        a Future of the number of blobs moved."""
+        return self.restorer.submit(lambda: self.restorer.prefetch(hashes))
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, Any]:
@@ -330,7 +284,7 @@ class KvtcStore:
         host, disk = self.host, self.disk
         host_blobs = [m for m in metas if m.id in host]
         disk_blobs = [m for m in metas if disk is not None and m.id in disk]
-        out: dict[str, Any] = dict(self.stats)
+        out: dict[str, Any] = self.stats.as_dict()
         for name, blobs in (("host", host_blobs), ("disk", disk_blobs)):
             out[f"{name}_blobs"] = len(blobs)
             out[f"{name}_blocks"] = sum(len(m.hashes) for m in blobs)

@@ -111,7 +111,7 @@ class HandoffServer:
         hashes, peer, md = check_fetch(msg)
         arena = self.arena(fetch_mem(msg))
         self._wait_stored(hashes)
-        runs, held = self.store.export_leased(hashes)
+        runs, held = self.store.export(hashes, lease=True)
         lease = f"{peer}/{next(_ids)}"
         try:
             # one READ per layer group on the decode side

@@ -1,23 +1,19 @@
-"""vLLM-specific pieces of the connector that are not hooks: KV cache events and the CPU block layout probe.
+"""The compressed tiers' blocks as vLLM KV cache events, the one path by which Dynamo's router hears of them.
 
 - :class:`EventQueue` (worker) turns the store's stored/removed notifications into vLLM ``BlockStored`` /
   ``BlockRemoved`` events (medium ``CPU``), which vLLM's KV event stream carries to Dynamo's router;
   :class:`EventCollector` (scheduler) aggregates the TP workers' batches of one step and stamps the LoRA adapter of
   the blocks that belong to a LoRA request (the worker's store knows hashes only; the scheduler knows the adapter),
   so Dynamo's router hashes them with the adapter's name as vLLM's own events do.
-- :func:`probe_cpu_offsets` learns the element order of vLLM's CPU attention kernel inside a block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents, KVEventAggregator
-
-if TYPE_CHECKING:
-    import torch
 
 MEDIUM = "CPU"  # the compressed tiers live in host memory (and on local disk behind it)
 
@@ -123,40 +119,3 @@ class EventCollector:
         if lora is None:
             return event
         return msgspec.structs.replace(event, lora_id=lora[0], lora_name=lora[1])
-
-
-def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):
-    """Learn where vLLM's CPU attention kernel puts each (token, dim) element of a block's K and V halves, by writing
-    token and dim indices through the kernel itself into a scratch block. Returns (k_offsets, v_offsets) for
-    :class:`~dynamo_kvtc.tiers.layout.PagedKV`, or None when the kernel is unavailable (the plain layout is used)."""
-    import torch
-
-    try:
-        from vllm import _custom_ops as ops
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:
-        return None
-    _, H, bs, d2 = kv_cache.shape
-    D = d2 // 2
-    if bs * D > 4096 * 256 or max(bs, D) >= 256:  # indices must stay exact in 16-bit floats
-        return None
-    isa = _get_attn_isa(kv_cache.dtype, block_size, D, cache_dtype)
-    found = []
-    for which in ("token", "dim"):
-        scratch = torch.zeros(1, H, bs, d2, dtype=kv_cache.dtype)
-        kc, vc = scratch.view(1, H, 2 * bs, D).chunk(2, dim=2)
-        idx = torch.arange(bs)[:, None, None] if which == "token" else torch.arange(D)[None, None, :]
-        x = (idx + 1).expand(bs, H, D).to(kv_cache.dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
-        found.append(scratch.view(H, 2 * bs * D)[0].to(torch.int64) - 1)
-    tok, dim = found
-    half = bs * D
-    out = []
-    for lo in (0, half):
-        t, d = tok[lo : lo + half], dim[lo : lo + half]
-        if (t < 0).any() or (d < 0).any():
-            return None  # the kernel left holes: not a layout we understand
-        offsets = torch.empty(half, dtype=torch.int64)
-        offsets[t * D + d] = torch.arange(half)
-        out.append(offsets)
-    return out[0], out[1]
