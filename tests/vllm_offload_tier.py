@@ -31,7 +31,7 @@ MODES = {"raw": {"ratio_policy": "raw"}, "kvtc16": {"ratio": 16}}
 def extra_config(mode: str, disk_dir: str | None = None) -> dict:
     tier = {"type": "kvtc", "cpu_cache_gb": 1, **MODES[mode]}
     if disk_dir:
-        tier.update(cpu_cache_gb=0.004, disk_cache_gb=1, disk_cache_dir=disk_dir)  # most blobs go to disk
+        tier.update(cpu_cache_gb=0.001, disk_cache_gb=1, disk_cache_dir=disk_dir)  # ~5 blobs on host, the rest on disk
     return {
         "spec_name": "KvtcTieringSpec",
         "spec_module_path": "dynamo_kvtc.connector.offload_cpu",
