@@ -125,6 +125,8 @@ def test_blob_cache_lru_demotes_to_disk_and_drops_beyond_both_budgets(tmp_path):
     # host holds the 2 newest, disk the 2 before, the 2 oldest were dropped
     assert list(c.host) == [b"\x04", b"\x05"] and list(c.disk) == [b"\x02", b"\x03"]
     assert c.stats["demoted"] == 4 and c.stats["dropped"] == 2
+    c.touch([b"\x04"])  # now the host tier's most recent: b"\x05" is the next victim
+    assert list(c.host) == [b"\x05", b"\x04"]
     assert c.get(b"\x02") == b"\x02" * 100 and c.get(b"\x00") is None
     assert sorted(c.take_removed()) == [b"\x00", b"\x01"]
     assert oct((tmp_path / "d").stat().st_mode & 0o777) == "0o700"

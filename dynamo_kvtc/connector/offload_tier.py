@@ -385,6 +385,15 @@ class BlobCache:
             self.stats["disk_reads"] += 1
         return data  # the codec checks every section's CRC before anything is written
 
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark keys as recently used (vLLM calls this for chunks a request reuses)."""
+        with self.lock:
+            for key in keys:
+                if key in self.host:
+                    self.host.move_to_end(key)
+                elif key in self.disk:
+                    self.disk.move_to_end(key)
+
     def forget(self, key: bytes) -> None:
         with self.lock:
             blob = self.host.pop(key, None)
@@ -459,7 +468,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         )
         if len(layers) != fp.num_layers:
             raise ConfigError(f"engine has {len(layers)} KV layers, calibration {self.cal.id[:12]} {fp.num_layers}")
-        if self.layout.bytes > self.block_size_bytes or self.layout.bytes * 2 <= self.block_size_bytes:
+        if not 0 <= self.block_size_bytes - self.layout.bytes < 4096:  # rows are padded to a page, no more
             raise ConfigError(
                 f"a primary chunk is {self.block_size_bytes} bytes but {len(layers)} layers x {self.layout.bpc} "
                 f"blocks x {group.tokens_per_block} tokens x {fp.num_kv_heads} heads x {fp.head_dim} x K,V x "
@@ -534,6 +543,9 @@ class KvtcSecondaryTier(SecondaryTierManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def touch(self, keys, req_context: ReqContext) -> None:
+        self.cache.touch(keys)
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
