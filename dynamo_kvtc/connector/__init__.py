@@ -8,6 +8,11 @@
 - :mod:`.handoff` — the compressed prefill→decode hand-off (policy, server, client, messages).
 - :mod:`.config` — the connector's settings (parsed from the one settings table, :mod:`dynamo_kvtc.settings`).
 - :mod:`.events`, :mod:`.metrics` — Dynamo router events and the ``kvtc_*`` Prometheus metrics.
+- :mod:`.offload_tier` — the ``kvtc`` secondary tier of vLLM's OffloadingConnector (:mod:`.offload_register`
+  registers it; :mod:`.offload_cpu` runs vLLM's tiered offloading on vLLM's CPU platform).
+- :mod:`.lmcache_serde` — the ``kvtc`` serde for LMCache's L2 adapters (:mod:`.lmcache_server` starts LMCache's
+  server with it registered).
+- :mod:`.dynamo_register` — ``KvtcConnector``'s prefill->decode protocol for ``dynamo.vllm`` (a vLLM plugin).
 
 Importing this package does not import vLLM; :mod:`.vllm` does.
 """
