@@ -212,3 +212,95 @@ def test_history_comes_back_through_the_kvtc_tier_at_16x_from_disk(scenario):
     assert tier["load_failures"] == 0 and tier["disk_reads"] >= 1 and tier["demoted"] >= 1
     assert tier["ratio"] > 8  # 128-token chunks, sinks in the first; the raw bytes / stored bytes
     assert _leading_same(a2["tokens"], a2["reference_tokens"]) >= 3
+
+
+# ----------------------------------------------------------------------------------------------- vLLM's own manager
+def test_vllms_tiering_manager_cascades_promotes_and_fails_safe():
+    """vLLM's TieringOffloadingManager with its real CPU primary tier (a 3-chunk shared-memory region) and the kvtc
+    tier, no engine: stored chunks cascade into the tier (with its own KV events), come back bit-exact through a
+    promotion after leaving the primary tier, and a corrupt blob is a failed promotion (a miss: vLLM recomputes)."""
+    import uuid
+
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import LookupResult
+
+    from dynamo_kvtc.calibration.catalog import find_calibration
+    from dynamo_kvtc.connector import offload_register
+    from dynamo_kvtc.connector.offload_cpu import KvtcTieringSpec
+
+    offload_register.register()
+    L, bs, bpc = 30, 32, 4  # SmolLM2-135M: 30 layers x 3 KV heads x 64
+    per_block = L * bs * 3 * 2 * 64 * 2
+    tier_cfg = {"type": "kvtc", "ratio_policy": "raw", "page_layout": "nhd"}
+    tier_cfg["calibration"] = str(find_calibration("smollm2-135m-instruct"))
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(bs, tuple(f"model.layers.{i}.self_attn.attn" for i in range(L)), 0),),
+        worker_kv_bytes_per_block=per_block,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 3 * (per_block * bpc + 4096), "secondary_tiers": [tier_cfg]},
+        engine_id=f"kvtc-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig("smollm2-135m-instruct", "bfloat16"),
+        cache=OffloadingCacheConfig(bs, bpc),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+    m = KvtcTieringSpec(cfg).get_manager()
+    tier = m.secondary_tiers[0]
+    rows = tier._primary
+    end = ScheduleEndContext((), ())
+
+    def store(req: str, keys: list) -> dict:
+        ctx = ReqContext(req)
+        m.on_new_request(ctx)
+        written = {}
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (i + 1) * bs * bpc)
+        for k, c in zip(keys, m.prepare_store(keys, ctx).store_spec.chunk_ids):
+            x = (torch.randn(tier.layout.bytes // 2) * 0.5).to(torch.bfloat16).view(torch.uint8)
+            rows[int(c), : tier.layout.bytes] = x
+            written[k] = x.clone()
+        m.complete_store(keys, ctx)
+        tier.drain_jobs()
+        m.on_schedule_end(end)
+        m.on_request_finished(ctx)
+        return written
+
+    def promote(req: str, keys: list) -> tuple[ReqContext, list]:
+        ctx = ReqContext(req)
+        m.on_new_request(ctx)
+        first = [m.lookup(k, ctx) for k in keys]
+        m.on_schedule_end(end)  # submits the promotions
+        tier.drain_jobs()
+        m.on_schedule_end(end)  # collects them
+        assert set(first) == {LookupResult.HIT_PENDING}
+        return ctx, [m.lookup(k, ctx) for k in keys]
+
+    try:
+        a = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
+        written = store("a", a)
+        events = [e for e in m.take_events() if e.ownership == "kvtc"]
+        assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(a), False)]
+        store("b", [make_offload_key(bytes([100 + i]) * 8, 0) for i in range(3)])  # a leaves the primary tier
+        ctx, found = promote("a2", a)
+        assert found == [LookupResult.HIT] * 3
+        chunks = m.prepare_load(a, ctx).chunk_ids
+        assert all(torch.equal(rows[int(c), : tier.layout.bytes], written[k]) for k, c in zip(a, chunks))
+        m.complete_load(a, ctx)
+        m.on_request_finished(ctx)
+        store("c", [make_offload_key(bytes([200 + i]) * 8, 0) for i in range(3)])  # a leaves it again
+        blob = bytearray(tier.cache.host[a[0]])
+        blob[len(blob) // 2] ^= 0xFF
+        tier.cache.host[a[0]] = bytes(blob)
+        ctx, found = promote("a3", a[:1])
+        assert found == [LookupResult.MISS] and tier.snapshot()["load_failures"] == 1
+        assert a[0] not in tier.cache and a[1] in tier.cache  # the corrupt blob is dropped, the others stay
+        m.on_request_finished(ctx)
+    finally:
+        m.shutdown()
+    assert not Path(f"/dev/shm/vllm_offload_{cfg.engine_id}.mmap").exists()

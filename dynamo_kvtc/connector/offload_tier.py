@@ -593,9 +593,9 @@ class KvtcSecondaryTier(SecondaryTierManager):
             return ()
         out = []
         if stored:
-            out.append(OffloadingEvent(keys=stored, medium=self.medium, removed=False, locality=self.locality))
+            out.append(OffloadingEvent(stored, self.medium, False, self.locality, ownership=self.tier_type))
         if removed:
-            out.append(OffloadingEvent(keys=removed, medium=self.medium, removed=True, locality=self.locality))
+            out.append(OffloadingEvent(removed, self.medium, True, self.locality, ownership=self.tier_type))
         return out
 
     def shutdown(self) -> None:
