@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 STAMP   := $(VENV)/.setup-done
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench dist clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
@@ -47,6 +47,23 @@ test: setup
 
 bench: setup
 	$(BIN)/dynamo-kvtc bench codec --json out/bench-codec-cpu.json
+
+# A wheel and an sdist in dist/, then each installed in a fresh venv (torch's CPU build first where there is no NVIDIA
+# driver, as in setup) that must run `dynamo-kvtc --help`. Calibrations are data, not package: neither artifact may
+# hold calibrations/ (mount them, or point `calibration` / DYN_KVTC_CALIBRATIONS at them).
+DISTCHECK := build/distcheck
+dist: setup
+	rm -rf dist $(DISTCHECK)
+	$(BIN)/python -m build --sdist --wheel --outdir dist .
+	! $(BIN)/python -m zipfile -l dist/*.whl | grep -q 'calibration\.json'
+	! tar tzf dist/*.tar.gz | grep -q 'calibrations/'
+	for a in dist/*.whl dist/*.tar.gz; do \
+	  rm -rf $(DISTCHECK) && $(PY) -m venv $(DISTCHECK) && \
+	  if ! command -v nvidia-smi >/dev/null 2>&1; then $(DISTCHECK)/bin/pip install -q "$(TORCH_CPU)"; fi && \
+	  $(DISTCHECK)/bin/pip install -q "$$a" && \
+	  $(DISTCHECK)/bin/dynamo-kvtc --help >/dev/null && echo "$$a: installs, dynamo-kvtc --help runs" || exit 1; \
+	done
+	rm -rf $(DISTCHECK)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -9,8 +9,10 @@ negative tests can show that a broken copy of a manifest is caught.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import re
+import sys
 from functools import cache
 from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
@@ -412,8 +414,7 @@ def test_topologies():
     p, d = by_role(xfer)["prefill"], by_role(xfer)["decode"]
     assert kv_config(p)["kv_connector_extra_config"]["transfer"] == "prefill"
     assert kv_config(d)["kv_connector_extra_config"]["transfer"] == "decode"
-    assert container(d)["command"] == ["python3", "-m", "dynamo.vllm"]
-    assert container(p)["command"][:2] == ["python3", "-c"]
+    assert container(d)["command"] == container(p)["command"] == ["python3", "-m", "dynamo.vllm"]
 
 
 # ------------------------------------------------------------------ dynamo.vllm 1.6.1: which connector does PD
@@ -429,15 +430,37 @@ def _prefill_workers():
                     yield path.name, name, s
 
 
+def _general_plugins() -> dict[str, str]:
+    """The `vllm.general_plugins` entry points pyproject.toml declares (name -> module:function)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split('[project.entry-points."vllm.general_plugins"]', 1)[1].split("\n[", 1)[0]
+    return dict(re.findall(r'^(\w+) = "([\w.:]+)"', section, re.M))
+
+
+def test_the_pd_protocol_plugin_acts_only_inside_dynamo_vllm(protocols, monkeypatch):
+    from dynamo_kvtc.connector import dynamo_register
+
+    assert _general_plugins()["dynamo_kvtc_pd_protocol"] == "dynamo_kvtc.connector.dynamo_register:register"
+    argv = ["dynamo.vllm", "--kv-transfer-config", json.dumps({"kv_connector": KVTC, "kv_role": "kv_both"})]
+    multi = ["dynamo.vllm", '--kv-transfer-config={"kv_connector": "MultiConnector"}']
+    monkeypatch.delitem(sys.modules, dynamo_register.PROTOCOLS_MODULE)
+    assert dynamo_register.register(argv) is False  # plain vLLM: nothing imported, nothing registered
+    monkeypatch.setitem(sys.modules, dynamo_register.PROTOCOLS_MODULE, protocols)
+    assert dynamo_register.register(multi) is False  # KvtcConnector beside NixlConnector: Nixl stays the PD one
+    assert KVTC not in protocols.KV_CONNECTOR_PROTOCOLS
+    assert dynamo_register.register(argv) is True
+    assert protocols.KV_CONNECTOR_PROTOCOLS[KVTC] is protocols.NixlConnectorProtocol
+
+
 @pytest.fixture
 def protocols(monkeypatch):
     mod = pytest.importorskip("dynamo.vllm.kv_connector_protocols")
-    monkeypatch.setattr(mod, "KV_CONNECTOR_PROTOCOLS", dict(mod.KV_CONNECTOR_PROTOCOLS))  # undo the launcher's edit
+    monkeypatch.setattr(mod, "KV_CONNECTOR_PROTOCOLS", dict(mod.KV_CONNECTOR_PROTOCOLS))  # undo the plugin's edit
     return mod
 
 
 def test_dynamo_rejects_a_bare_custom_pd_connector(protocols):
-    """The finding the transfer manifest works around; if a Dynamo release changes it, revisit the launcher."""
+    """The finding the transfer manifest works around; if a Dynamo release changes it, revisit dynamo_register.py."""
     cfg = {"kv_connector": KVTC, "kv_connector_module_path": KVTC_MODULE, "kv_connector_extra_config": {}}
     with pytest.raises(ValueError, match="Unsupported kv_connector"):
         protocols.make_kv_connector_protocol(_vllm_config(cfg))
@@ -451,14 +474,13 @@ def test_prefill_worker_resolves_a_pd_protocol(protocols, monkeypatch, where):
     _, _, svc = where
     cmd = container(svc)["command"]
     cfg = kv_config(svc)
-    if cmd != ["python3", "-m", "dynamo.vllm"]:  # the launcher that registers KvtcConnector, then runs dynamo.vllm
-        assert cmd[:2] == ["python3", "-c"], cmd
-        import runpy
-
-        calls = []
-        monkeypatch.setattr(runpy, "run_module", lambda *a, **k: calls.append((a, k)))
-        exec(compile(cmd[2], "<launcher>", "exec"), {"__name__": "__main__"})
-        assert calls == [(("dynamo.vllm",), {"run_name": "__main__", "alter_sys": True})]
+    assert cmd == ["python3", "-m", "dynamo.vllm"], cmd
+    # What vLLM does in dynamo.vllm when it builds EngineArgs: run the package's `vllm.general_plugins` entry points
+    # (with this worker's command line).
+    monkeypatch.setattr(sys, "argv", [*cmd, *container(svc)["args"]])
+    for target in _general_plugins().values():
+        module, func = target.split(":")
+        getattr(importlib.import_module(module), func)()
     proto = protocols.make_kv_connector_protocol(_vllm_config(cfg))
     assert isinstance(proto, protocols.NixlConnectorProtocol)
     assert proto.prefill_request_kv_transfer_params()["do_remote_decode"] is True

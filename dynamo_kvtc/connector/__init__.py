@@ -12,6 +12,11 @@
 - :mod:`.config` — the connector's settings, parsed once at start-up from the one settings table
   (:mod:`dynamo_kvtc.settings`) and passed down.
 - :mod:`.metrics` — the ``kvtc_*`` Prometheus endpoint; :mod:`.vllm_stats` the same counters as ``vllm:kvtc_*``.
+- :mod:`.offload_tier` — the ``kvtc`` secondary tier of vLLM's OffloadingConnector (:mod:`.offload_register`
+  registers it; :mod:`.offload_cpu` runs vLLM's tiered offloading on vLLM's CPU platform).
+- :mod:`.lmcache_serde` — the ``kvtc`` serde for LMCache's L2 adapters (:mod:`.lmcache_server` starts LMCache's
+  server with it registered).
+- :mod:`.dynamo_register` — ``KvtcConnector``'s prefill->decode protocol for ``dynamo.vllm`` (a vLLM plugin).
 
 Importing this package does not import vLLM; :mod:`.vllm` does.
 """

