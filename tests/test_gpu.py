@@ -71,9 +71,12 @@ def test_gpu_only_codecs_roundtrip(synth, synth_cal, tag):
 
 
 async def test_store_on_cuda_orders_after_producer_and_signals_layers(synth, synth_cal):
+    from dynamo_kvtc.codec.options import CodecOptions
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
 
-    cfg = TierConfig(host_bytes=1 << 20, ratio=8, min_tokens=0, window=32, page_bytes=1024)
+    # fp16 projections: "auto" is FP8 on an H200, whose error bound is test_projection.py's, not this one
+    opts = CodecOptions(projection="fp16", fused_strict=True)
+    cfg = TierConfig(host_bytes=1 << 20, ratio=8, min_tokens=0, window=32, page_bytes=1024, codec=opts)
     store = KvtcStore(synth_cal, cfg, device="cuda", block_size=16, span_tokens=128)
     assert store.host.pinned
     k, v, _ = synth.sample(256)
