@@ -10,18 +10,20 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "dynamo_kvtc"
 
+EVERY_ROOM = {"codec", "calibration", "transport", "evaluation", "tiers", "connector", "bench", "reliability", "demo",
+              "cli"}
 # room -> rooms it must never import (anything above it in docs/architecture.md's picture)
 ABOVE = {
     "codec": {"calibration", "transport", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
-    "transport": {"calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
-    "calibration": {"evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "calibration": {"transport", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "transport": {"evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
     "tiers": {"evaluation", "connector", "bench", "reliability", "demo", "cli"},
     "connector": {"evaluation", "bench", "reliability", "demo", "cli"},
     "bench": {"reliability", "cli"},
     "reliability": {"cli"},
     "demo": {"cli"},
-    "settings.py": {"codec", "calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
-    "errors.py": {"codec", "calibration", "evaluation", "tiers", "connector", "bench", "reliability", "demo", "cli"},
+    "settings.py": EVERY_ROOM,
+    "errors.py": EVERY_ROOM,
 }
 
 
@@ -67,6 +69,79 @@ def test_imports_point_one_way():
                 if _room(module) in ABOVE.get(room, set()):
                     bad.append(f"{rel}:{node.lineno} ({room}) imports {module}")
     assert not bad, "imports pointing up the layers:\n" + "\n".join(bad)
+
+
+def _module_name(rel: Path) -> str:
+    return ".".join(_package_of(rel)).removesuffix(".__init__")
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or through others (function-local and TYPE_CHECKING imports count:
+    a circle is a knot in the design whatever defers it). ``from package import module`` depends on the module, not on
+    the package's ``__init__`` (the packages export lazily)."""
+    trees = dict(_modules())
+    names = {_module_name(rel) for rel in trees}
+    graph: dict[str, set[str]] = {}
+    for rel, tree in trees.items():
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            for module, imported in _imported(rel, node):
+                subs = [f"{module}.{n}" for n in imported]
+                deps.update(x for x in subs if x in names)
+                if not imported or any(x not in names for x in subs):
+                    deps.add(module)
+        graph[_module_name(rel)] = {d for d in deps if d in names and d != _module_name(rel)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_module_over_500_lines():
+    long = {str(rel): n for rel, _ in _modules() if (n := len((PKG / rel).read_text().splitlines())) > 500}
+    assert not long, f"split by concept: {long}"
+
+
+def test_blob_forms_are_told_apart_in_blob_view_only():
+    """A stored blob reaches the codec as a ``BlobView`` (codec/blob.py): no other module of the data path asks
+    whether a blob is a tuple, bytes-like or still landing."""
+    rooms = ("codec", "tiers", "transport", "connector")
+    bad = []
+    for rel, tree in _modules():
+        if rel.parts[0] not in rooms or rel.as_posix() == "codec/blob.py":
+            continue
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                args = [ast.unparse(a) for a in n.args]
+                if n.func.id == "isinstance" and len(args) == 2 and ("tuple" in args[1] or "memoryview" in args[1]):
+                    bad.append(f"{rel}:{n.lineno} isinstance(..., {args[1]})")
+                if n.func.id == "hasattr" and len(args) == 2 and args[1] in ("'settle'", "'wait_for'"):
+                    bad.append(f"{rel}:{n.lineno} hasattr(..., {args[1]})")
+    assert not bad, bad
 
 
 def test_no_private_name_crosses_a_module():
