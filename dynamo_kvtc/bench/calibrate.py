@@ -85,6 +85,7 @@ def run_one(model: str, opts: dict[str, Any], out: str, reference: str | None = 
             seconds=sec,
             tokens_per_s=round(prov["tokens"] / max(sec["capture"], 1e-9), 1),
             tokens_per_s_overall=round(prov["tokens"] / max(sec["total"], 1e-9), 1),
+            checkpoint_gib=round(run["checkpoint_bytes"] / GIB, 2),  # what one checkpoint writes
             pca=prov.get("pca"),
             model_dtype=prov.get("model_dtype", "float32"),
             widths={
@@ -154,7 +155,8 @@ def run_bench_calibrate(args: Any) -> int:
         "rank": args.rank,
         "dp_tokens": args.dp_tokens,
         "seq_len": args.seq_len,
-        "checkpoint_every": args.checkpoint_every,
+        # none by default: the run measures calibration; `checkpoint_gib` says what each checkpoint would write
+        "checkpoint_every": args.checkpoint_every or args.tokens + 1,
         "progress": not args.no_progress,
     }
     report: dict[str, Any] = {

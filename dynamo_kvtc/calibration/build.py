@@ -204,6 +204,7 @@ def calibrate_run(args) -> dict:
                 return {"status": 3, "out": None, "seconds": seconds}
     _sync(device)
     seconds["capture"] = time.time() - t_cap0 - t_ckpt
+    state_bytes = cal.state_bytes()
     seconds["checkpoint"] = t_ckpt
     del model  # the PCA needs the memory
     _empty_cache(device)
@@ -223,7 +224,13 @@ def calibrate_run(args) -> dict:
     for name in ("pca", "dp", "save"):
         seconds[name] = sum(r[name] for r in results)
     seconds["total"] = time.time() - t0
-    return {"status": 0, "out": out, "seconds": {k: round(v, 2) for k, v in seconds.items()}, "id": results[0]["id"]}
+    return {
+        "status": 0,
+        "out": out,
+        "seconds": {k: round(v, 2) for k, v in seconds.items()},
+        "id": results[0]["id"],
+        "checkpoint_bytes": state_bytes,
+    }
 
 
 def _sync(device: str) -> None:
@@ -293,13 +300,17 @@ def load_state(folder: Path, meta: dict, device: str = "cpu") -> dict[str, torch
         return load_file(str(folder / "state.safetensors"))
     parts: dict[str, torch.Tensor] = {}
     dev = str(torch.device(device))
+    todo = list(meta["manifest"])
+    out = {}
     for f in sorted(folder.glob("state-*.safetensors")):
         parts.update(load_file(str(f), device=dev))
-    out = {}
-    for name, count in meta["manifest"]:
-        pieces = [parts.pop(f"{name}|{i}") for i in range(count)]
-        out[name] = pieces[0] if count == 1 else torch.cat(pieces)
-        del pieces
+        while todo and all(f"{todo[0][0]}|{i}" in parts for i in range(todo[0][1])):  # pieces come in order
+            name, count = todo.pop(0)
+            pieces = [parts.pop(f"{name}|{i}") for i in range(count)]
+            out[name] = pieces[0] if count == 1 else torch.cat(pieces)  # one tensor's pieces at a time
+            del pieces
+    if todo:
+        raise CalibrationError(f"{folder}: the checkpoint misses pieces of {todo[0][0]}; remove it and rerun")
     return out
 
 

@@ -381,6 +381,12 @@ class Calibrator:
                     out[f"moments.{g}.{kind}.{name}"] = t
         return out
 
+    def state_bytes(self) -> int:
+        """Bytes a checkpoint of this state writes (the float64 Gram matrices and the DP rows dominate)."""
+        grams = sum(8 * m.p * (m.p + 2) + 4 * m.p for m in self.mom.values())
+        rows = sum(t.nbytes for kind in self.res_rows for t in self.res_rows[kind])
+        return grams + rows + sum(u.nbytes for u in self.res_u)
+
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         self.tokens, self.sequences = (int(x) for x in d["counters"])
         self.seconds = float(d["seconds"][0])

@@ -206,7 +206,7 @@ def random_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int 
         raise ModelError(f"the {name} shape does not fit {device}: {str(e).splitlines()[0]}") from e
     finally:
         torch.set_default_dtype(old)
-    model.to(dtype).eval()
+    model.eval()  # no .to(dtype): the rotary inverse frequencies stay float32, as from_pretrained leaves them
     model.name_or_path = f"{PREFIX}{name}" if is_shape(spec) else spec
     return model
 

@@ -33,7 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=types.positive_int, default=None, help="PCA rank cap (default: up to 10240)")
     p.add_argument("--dp-tokens", type=types.positive_int, default=16384)
     p.add_argument("--seq-len", type=types.positive_int, default=2048)
-    p.add_argument("--checkpoint-every", type=types.positive_int, default=None, help="as calibrate's (default: its)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=types.positive_int,
+        default=None,
+        help="tokens between checkpoints (default: none; the JSON's checkpoint_gib is what each would write)",
+    )
     p.add_argument("--reference", type=types.existing_dir, help="compare every calibration with this one")
     p.add_argument("--out-dir", help="keep the calibrations here (default: a temporary folder)")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting models (and stop one) past this many s")
