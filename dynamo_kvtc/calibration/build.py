@@ -120,24 +120,7 @@ def calibrate_run(args) -> dict:
             raise
         texts, desc = None, None  # a random model: random token ids
     counts = _group_counts(args)
-    cfg = CalibrationConfig(
-        ratios=args.ratios,
-        layer_groups=counts[0] if len(counts) == 1 else 1,
-        rank=args.rank,
-        dp_tokens=args.dp_tokens,
-        max_tokens=args.tokens,
-        seed=args.seed,
-        device=device,
-        tp_rank=args.tp_rank,
-        tp_size=args.tp_size,
-        remove_rope=not args.keep_rope,
-        shared_budget=not getattr(args, "no_shared_budget", False),
-        budget_tokens=getattr(args, "budget_tokens", 0),
-        group_error_weights=tuple(getattr(args, "group_error_weights", None) or ()),
-        share_kv=getattr(args, "share_kv", False),
-        budget_error=getattr(args, "budget_error", "relative"),
-        progress=getattr(args, "progress", True),
-    )
+    cfg = _config(args, device, counts)
     model, tok = load_model(args.model, dtype, device)
     _sync(device)
     t_load = time.time() - t0
@@ -148,22 +131,7 @@ def calibrate_run(args) -> dict:
     out = Path(args.out)
     partial = out.with_name(out.name + ".partial")
     windows, win_prov = _windows(args, tok, texts)
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                # the shared-budget DP's options act only when the calibration is finished: a checkpoint taken
-                # under other values (or before they existed) holds the same capture
-                "cfg": {k: str(v) for k, v in vars(cfg).items() if k not in _DP_ONLY},
-                "model": fp.to_dict(),
-                "seq_len": args.seq_len,
-                "length_mix": win_prov.get("length_mix"),
-                "layer_group_counts": counts,
-                "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest() if texts else desc,
-                **({"dtype": str(dtype)} if dtype != torch.float32 else {}),
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()
+    key = _run_key(args, cfg, fp, win_prov, counts, texts, desc, dtype)
     cal = Calibrator(fp, cfg)
     start = 0
     t_ckpt = 0.0
@@ -204,8 +172,8 @@ def calibrate_run(args) -> dict:
                 return {"status": 3, "out": None, "seconds": seconds}
     _sync(device)
     seconds["capture"] = time.time() - t_cap0 - t_ckpt
-    state_bytes = cal.state_bytes()
     seconds["checkpoint"] = t_ckpt
+    state_bytes = cal.state_bytes()
     del model  # the PCA needs the memory
     _empty_cache(device)
     prov = {"model": args.model, "data": desc, **win_prov, "window_lengths": dict(sorted(lengths.items(), key=_num))}
@@ -231,6 +199,47 @@ def calibrate_run(args) -> dict:
         "id": results[0]["id"],
         "checkpoint_bytes": state_bytes,
     }
+
+
+def _config(args, device: str, counts: list[int]) -> CalibrationConfig:
+    return CalibrationConfig(
+        ratios=args.ratios,
+        layer_groups=counts[0] if len(counts) == 1 else 1,
+        rank=args.rank,
+        dp_tokens=args.dp_tokens,
+        max_tokens=args.tokens,
+        seed=args.seed,
+        device=device,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+        remove_rope=not args.keep_rope,
+        shared_budget=not getattr(args, "no_shared_budget", False),
+        budget_tokens=getattr(args, "budget_tokens", 0),
+        group_error_weights=tuple(getattr(args, "group_error_weights", None) or ()),
+        share_kv=getattr(args, "share_kv", False),
+        budget_error=getattr(args, "budget_error", "relative"),
+        progress=getattr(args, "progress", True),
+    )
+
+
+def _run_key(args, cfg, fp, win_prov: dict, counts: list[int], texts, desc, dtype) -> str:
+    """What a checkpoint must match to be resumed: the capture's arguments, model and data."""
+    return hashlib.sha256(
+        json.dumps(
+            {
+                # the shared-budget DP's options act only when the calibration is finished: a checkpoint taken
+                # under other values (or before they existed) holds the same capture
+                "cfg": {k: str(v) for k, v in vars(cfg).items() if k not in _DP_ONLY},
+                "model": fp.to_dict(),
+                "seq_len": args.seq_len,
+                "length_mix": win_prov.get("length_mix"),
+                "layer_group_counts": counts,
+                "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest() if texts else desc,
+                **({"dtype": str(dtype)} if dtype != torch.float32 else {}),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
 
 
 def _sync(device: str) -> None:
