@@ -121,7 +121,7 @@ def calibrate_run(args) -> dict:
         texts, desc = None, None  # a random model: random token ids
     counts = _group_counts(args)
     cfg = _config(args, device, counts)
-    model, tok = load_model(args.model, dtype, device)
+    model, tok = load_model(args.model, dtype, device, reserve_bytes=_reserve(args, device))
     _sync(device)
     t_load = time.time() - t0
     if tok is None or texts is None:
@@ -220,6 +220,17 @@ def _config(args, device: str, counts: list[int]) -> CalibrationConfig:
         budget_error=getattr(args, "budget_error", "relative"),
         progress=getattr(args, "progress", True),
     )
+
+
+def _reserve(args, device: str) -> int:
+    """What the moments need on the first GPU when a real model is spread over several (0 otherwise)."""
+    if is_shape(args.model) or torch.device(device).type != "cuda" or torch.cuda.device_count() < 2:
+        return 0
+    from transformers import AutoConfig
+
+    from .models import calibration_bytes, resolve_model
+
+    return calibration_bytes(AutoConfig.from_pretrained(str(resolve_model(args.model))), args.dp_tokens) + (2 << 30)
 
 
 def _run_key(args, cfg, fp, win_prov: dict, counts: list[int], texts, desc, dtype) -> str:

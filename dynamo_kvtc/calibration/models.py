@@ -144,20 +144,35 @@ def serving_dtype(device: str | torch.device | None, dtype: str | torch.dtype | 
     return torch.float32 if torch.device(device or "cpu").type == "cpu" else torch.bfloat16
 
 
-def _device_map(device: torch.device) -> Any:
-    """``from_pretrained``'s device_map: every visible GPU for plain ``cuda`` when there are several, else one."""
+def _device_map(device: torch.device, reserve_bytes: int = 0) -> dict[str, Any]:
+    """``from_pretrained``'s placement: every visible GPU for plain ``cuda`` when there are several (``device_map``
+    "auto", leaving ``reserve_bytes`` free on the first, where the calibration's moments live), else one device."""
     if device.type == "cuda" and device.index is None and torch.cuda.device_count() > 1:
-        return "auto"
-    return {"": str(device)}
+        mem = {i: int(torch.cuda.mem_get_info(i)[0] * 0.9) for i in range(torch.cuda.device_count())}
+        mem[torch.cuda.current_device()] = max(0, mem[torch.cuda.current_device()] - reserve_bytes)
+        return {"device_map": "auto", "max_memory": mem}
+    return {"device_map": {"": str(device)}}
+
+
+def calibration_bytes(config: Any, dp_tokens: int = 16384) -> int:
+    """Device memory a joint calibration of this model needs beside the weights during the capture: per K and V a
+    float64 Gram (8 p^2) and the DP sample (up to 2 x dp_tokens rows of 4 p), one shared float32 workspace (4 p^2)."""
+    c = getattr(config, "text_config", None) or config
+    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    p = int(c.num_hidden_layers) * heads * head_dim
+    return 2 * (8 * p * p + 2 * dp_tokens * 4 * p) + 4 * p * p
 
 
 def load_model(
     name_or_path: str | os.PathLike,
     dtype: torch.dtype | str | None = torch.float32,
     device: str | torch.device | None = None,
+    reserve_bytes: int = 0,
 ) -> tuple[Any, Any]:
     """(model, tokenizer) in eval mode, on ``device`` (None: the CPU) in ``dtype`` (None or "auto":
-    :func:`serving_dtype`). ``shape:NAME[@LAYERS]`` or a ``config.json`` path: a random-initialised model."""
+    :func:`serving_dtype`). ``shape:NAME[@LAYERS]`` or a ``config.json`` path: a random-initialised model (on one
+    device). Spread over several GPUs, ``reserve_bytes`` stay free on the first (:func:`calibration_bytes`)."""
     dev = torch.device(device or "cpu")
     dt = serving_dtype(dev, dtype)
     s = str(name_or_path)
@@ -169,10 +184,16 @@ def load_model(
 
     kw: dict[str, Any] = {"dtype": dt}
     if dev.type != "cpu":
-        kw["device_map"] = _device_map(dev)  # straight to the device(s): no host copy of the weights
+        kw.update(_device_map(dev, reserve_bytes))  # straight to the device(s): no host copy of the weights
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        except (ImportError, ValueError) as e:
+            if "accelerate" not in str(e) or kw.get("device_map") == "auto":
+                raise
+            log.warning("no accelerate: loading %s on the host, then moving it to %s", path, dev)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev)
     except Exception as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
