@@ -306,10 +306,10 @@ def save_state(folder: Path, tensors: dict[str, torch.Tensor], piece_bytes: int 
             parts = list(t.split(max(1, piece_bytes // max(1, t[0].nbytes))))
         manifest.append([name, len(parts)])
         for i, part in enumerate(parts):
-            batch[f"{name}|{i}"] = part.cpu()
-            size += part.nbytes
-            if size >= piece_bytes:
+            if batch and size + part.nbytes > piece_bytes:
                 flush()
+            batch[f"{name}|{i}"] = part.to("cpu", copy=True)  # a copy: safetensors refuses views of one storage
+            size += part.nbytes
     flush()
     return manifest
 
