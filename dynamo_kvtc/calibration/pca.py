@@ -117,8 +117,10 @@ def fit_pca(
     oversample: int = 64,
     seed: int = 0,
     method: str = "randomized",
+    low_memory: bool | None = None,
 ) -> PcaResult:
-    """Principal components of the accumulated rows, ``rank`` capped at p (None: all p)."""
+    """Principal components of the accumulated rows, ``rank`` capped at p (None: all p). ``low_memory`` (default:
+    off the CPU) builds the randomized solver's float32 Gram by row blocks and draws its start by row blocks."""
     if m.n < 2:
         raise CalibrationError(f"PCA needs at least 2 rows, got {m.n}")
     p = m.p
@@ -134,9 +136,11 @@ def fit_pca(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     mu = m.sum / m.n
     total = float((torch.diagonal(m.gram) - m.n * mu * mu).sum()) / m.n  # the trace of the centred Gram
-    gf = m.covariance_gram().float() if m.gram.device.type == "cpu" else centred_gram_f32(m)
+    if low_memory is None:
+        low_memory = m.gram.device.type != "cpu"
+    gf = centred_gram_f32(m) if low_memory else m.covariance_gram().float()
     k = r + oversample
-    if gf.device.type == "cpu":
+    if not low_memory:
         q = torch.randn(p, k, generator=gen)
     else:  # drawn on the host in row blocks (the same numbers on any device), no p x k host tensor
         q = torch.empty(p, k, device=gf.device)
