@@ -391,7 +391,7 @@ class Calibrator:
         self.tokens, self.sequences = (int(x) for x in d["counters"])
         self.seconds = float(d["seconds"][0])
         self.max_len = int(d["max_len"][0]) if "max_len" in d else 0  # older checkpoints: set budget_tokens
-        self.gen.set_state(d["rng"])
+        self.gen.set_state(d["rng"].cpu())  # a checkpoint loaded onto the GPU brings it there
         if "reservoir.u" in d:
             self.res_u[:] = [d["reservoir.u"].cpu()]
             for kind in "kv":
