@@ -130,10 +130,18 @@ def compare(a: Any, b: Any, top: tuple[int, ...] = (64, 256, 1024)) -> dict[str,
                 "max_sin_angle": {str(k): round(subspace_gap(ba[:, :k], bb[:, :k]), 4) for k in top if k <= w},
                 "mean_rel_diff": round(float((ma - mb).norm() / mb.norm().clamp_min(1e-30)), 5),
                 "rank": {f"{r:g}": [pa[r].rank, pb[r].rank] for r in pa if r in pb},
+                "rel_error_dp_sample": {
+                    f"{r:g}": [_stat(a, i, kind, r), _stat(b, i, kind, r)] for r in pa if r in pb
+                },  # each on its own DP sample
             }
             del ba, bb
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
+
+
+def _stat(cal: Any, g: int, kind: str, r: float) -> float | None:
+    v = (cal.provenance.get("stats") or {}).get(f"g{g}.{kind}.{r:g}x", {}).get("relative_error_dp_sample")
+    return None if v is None else round(float(v), 5)
 
 
 def _child(spec_path: str) -> int:

@@ -163,7 +163,9 @@ def fit_pca(
 
 
 def subspace_gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Sine of the largest principal angle between the column spaces of two orthonormal bases of equal width
-    (0: the same subspace, 1: some direction of one is orthogonal to the other)."""
-    s = torch.linalg.svdvals(a.double().t() @ b.double())
+    """Sine of the largest principal angle between the column spaces of two bases of equal width (0: the same
+    subspace, 1: some direction of one is orthogonal to the other). Both are orthonormalised first, so an fp16
+    basis (a calibration's) does not read as ~0.02 apart from itself."""
+    a, b = torch.linalg.qr(a.double())[0], torch.linalg.qr(b.double())[0]
+    s = torch.linalg.svdvals(a.t() @ b)
     return float((1 - s.min().clamp(max=1) ** 2).clamp_min(0).sqrt())
