@@ -131,3 +131,15 @@ def test_bad_shapes_are_config_errors(spec):
 
     with pytest.raises(ConfigError):
         parse_shape(spec)
+
+
+def test_compare_a_calibration_with_itself(synth_cal):
+    """``bench calibrate --reference``: the same calibration is 0 apart (fp16 bases are orthonormalised first)."""
+    from dynamo_kvtc.bench.calibrate import compare
+
+    out = compare(synth_cal, synth_cal)
+    assert out["same_id"]
+    for kind in "kv":
+        g = out[f"g0.{kind}"]
+        assert g["max_sin_angle"] and all(v < 1e-6 for v in g["max_sin_angle"].values())
+        assert all(a == b for a, b in g["rank"].values()) and g["mean_rel_diff"] == 0
