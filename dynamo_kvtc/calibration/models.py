@@ -201,28 +201,37 @@ def load_model(
     return model, tok
 
 
+SMALL_MODEL_BYTES = 1 << 30  # a random shape this small draws its weights on the CPU: the same model on any device
+
+
 def random_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
-    """A random-initialised causal LM built directly on ``device`` in ``dtype`` from a shape (``shape:NAME[@L]``)
-    or a ``config.json``: the weights are never on the host. Speed and memory only."""
+    """A random-initialised causal LM in ``dtype`` from a shape (``shape:NAME[@L]``) or a ``config.json``, built
+    directly on ``device`` (the weights are never on the host), except a shape of at most 1 GiB of weights, drawn on
+    the CPU and moved, so that a CPU and a GPU calibration of it see the same model. Speed and memory only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    build_on = device
     if is_shape(spec):
         name, shape = parse_shape(spec)
         config = shape.hf_config()
+        if shape.params() * dtype.itemsize <= SMALL_MODEL_BYTES:  # the same weights on any device (CPU draws)
+            build_on = torch.device("cpu")
     else:
         name = str(Path(spec).parent.name or spec)
         try:
             config = AutoConfig.from_pretrained(str(Path(spec).parent))
         except Exception as e:
             raise ModelError(f"cannot read the model config {spec}: {e}") from e
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if build_on.type == "cuda" and build_on.index is None:
+        build_on = torch.device("cuda", torch.cuda.current_device())
     old = torch.get_default_dtype()
     torch.manual_seed(seed)
     try:
         torch.set_default_dtype(dtype)
-        with torch.device(device):
+        with torch.device(build_on):
             model = AutoModelForCausalLM.from_config(config)
+        if build_on != device:
+            model.to(device)  # moves, keeps each tensor's dtype (the rotary frequencies stay float32)
     except torch.OutOfMemoryError as e:
         raise ModelError(f"the {name} shape does not fit {device}: {str(e).splitlines()[0]}") from e
     finally:
