@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..calibration.shapes import SHAPES as MODEL_SHAPES
 from .shapes import Shape
 
 ALPHA = 1.1  # spectrum exponent of the synthetic calibrations
@@ -27,11 +28,16 @@ class ModelDims:
     head: bool  # last pipeline stage (LM head)
 
 
+def _dims(name: str, embed: bool = True, head: bool = True) -> ModelDims:
+    m = MODEL_SHAPES[name]
+    return ModelDims(m.hidden, m.heads, m.inter, m.vocab, embed, head)
+
+
 MODELS = {
-    "llama-3.1-8b": ModelDims(4096, 32, 14336, 128256, True, True),
-    "mistral-nemo-12b": ModelDims(5120, 32, 14336, 131072, True, True),
-    "llama-3.3-70b-pp20": ModelDims(8192, 64, 28672, 128256, False, False),  # a middle stage: layers 20-39 of 80
-    "smollm2-135m": ModelDims(576, 9, 1536, 49152, True, True),  # small: smoke runs
+    "llama-3.1-8b": _dims("llama-3.1-8b"),
+    "mistral-nemo-12b": _dims("mistral-nemo-12b"),
+    "llama-3.3-70b-pp20": _dims("llama-3.1-70b", False, False),  # a middle stage: layers 20-39 of 80
+    "smollm2-135m": _dims("smollm2-135m"),  # small: smoke runs
 }
 
 

