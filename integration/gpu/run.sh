@@ -5,7 +5,7 @@
 #
 #   bash integration/gpu/run.sh [--dry-run] [--smoke] CHECK [CHECK ...]
 #
-# CHECK: tests | codec | gpu | tiers | serve | handoff | profile | compare [OLD_TREE]   (OLD_TREE defaults to .old)
+# CHECK: tests | codec | gpu | tiers | serve | handoff | profile | calibrate | compare [OLD_TREE]   (OLD_TREE: .old)
 #
 # It installs the wheels of $WHEEL_DIR (.whl) once, writes $OUT/env.txt once, then runs the checks in the order given
 # against ONE deadline (TOTAL_S seconds from its start): each check gets at most its own cap (<CHECK>_S) and never more
@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --smoke) SMOKE=1 ;;
     -h | --help) usage; exit 0 ;;
-    tests | codec | gpu | tiers | serve | handoff | profile) CHECKS+=("$1") ;;
+    tests | codec | gpu | tiers | serve | handoff | profile | calibrate) CHECKS+=("$1") ;;
     compare)
       CHECKS+=(compare)
       if [ $# -gt 1 ] && [ -d "$2" ]; then OLD_TREE=$2; shift; fi ;;
@@ -67,6 +67,7 @@ if [ "$SMOKE" != 0 ]; then  # docs/serving.md's CPU run on the tiny shape
   PREFILL_DEVICE=${PREFILL_DEVICE:-cpu} DECODE_DEVICE=${DECODE_DEVICE:-cpu} HANDOFF_SHAPES=${HANDOFF_SHAPES:-smollm2-135m}
   HANDOFF_TOKENS=${HANDOFF_TOKENS:-1024} HANDOFF_RANK=${HANDOFF_RANK:-256} HANDOFF_REPEAT=${HANDOFF_REPEAT:-1}
   LINKS=${LINKS:-0,2}
+  CALIBRATE_SHAPES=${CALIBRATE_SHAPES:-smollm2-135m} CALIBRATE_TOKENS=${CALIBRATE_TOKENS:-2048}
   export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 fi
 # tests
@@ -106,6 +107,9 @@ BUDGETS=${BUDGETS:-1.25,0.25,0.125,0.05}
 SYSTEMS=${SYSTEMS:-none,raw,kvtc16,policy}
 SERVE_EXTRA=${SERVE_EXTRA:-${EXTRA:-}}
 PLAN=${PLAN:-"$MODEL $WORKLOAD $BUDGETS $SYSTEMS"}
+# calibrate (bench calibrate)
+CALIBRATE_SHAPES=${CALIBRATE_SHAPES:-llama-3.1-8b,mistral-nemo-12b,llama-3.1-70b@40}
+CALIBRATE_TOKENS=${CALIBRATE_TOKENS:-200000}
 # handoff (bench transfer + the UCX probe)
 PREFILL_DEVICE=${PREFILL_DEVICE:-cuda:0}
 DECODE_DEVICE=${DECODE_DEVICE:-cuda:0}
@@ -138,9 +142,11 @@ COMPARE_RUN_S=${COMPARE_RUN_S:-90}   # the first run's limit; later runs plan wi
 COMPARE_EXTRA=${COMPARE_EXTRA:-}
 
 # each check's minimum (skipped below it) and cap (seconds; override with <CHECK>_S)
-declare -A MIN=([tests]=45 [codec]=40 [gpu]=120 [tiers]=45 [serve]=60 [handoff]=90 [profile]=45 [compare]=130)
+declare -A MIN=([tests]=45 [codec]=40 [gpu]=120 [tiers]=45 [serve]=60 [handoff]=90 [profile]=45 [compare]=130
+  [calibrate]=120)
 declare -A CAP=([tests]=${TESTS_S:-240} [codec]=${CODEC_S:-150} [gpu]=${GPU_S:-330} [tiers]=${TIERS_S:-150}
-  [serve]=${SERVE_S:-470} [handoff]=${HANDOFF_S:-390} [profile]=${PROFILE_S:-240} [compare]=${COMPARE_S:-$TOTAL_S})
+  [serve]=${SERVE_S:-470} [handoff]=${HANDOFF_S:-390} [profile]=${PROFILE_S:-240} [compare]=${COMPARE_S:-$TOTAL_S}
+  [calibrate]=${CALIBRATE_S:-$TOTAL_S})
 if [ "$SMOKE" != 0 ]; then MIN[gpu]=30; MIN[compare]=60; fi
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -412,6 +418,19 @@ check_profile() {
     --tokens "$PROFILE_TOKENS" --systems "$PROFILE_SYSTEMS" --device "$DEV" --json "$d/restore-profile.json" || st=$?
   [ "$DRY" = 0 ] && quiet "$d/restore-profile.log" | tail -15
   KEEP+=("profile/restore-profile.json")
+  return "$st"
+}
+
+# calibration on the GPU: bench calibrate on random-weight real shapes (each in its own child process; a shape still
+# running at the check's end is stopped and reported, the others keep their results). The full Llama-3.1-70B does not
+# fit one H200 (141 GB of bf16 weights beside 107 GB of float64 moments): its first 40 layers run instead.
+check_calibrate() {
+  local d=$1 s=$2 st=0
+  x "$d/bench-calibrate.log" "$s" "$PY" -m dynamo_kvtc.cli.main bench calibrate --device "$DEV" \
+    --tokens "$CALIBRATE_TOKENS" --shapes "$CALIBRATE_SHAPES" --budget-s $((s - 20)) --no-progress \
+    --out-dir /tmp/kvtc-bench-cal --json "$d/bench-calibrate.json" || st=$?
+  [ "$DRY" = 0 ] && quiet "$d/bench-calibrate.log" | grep -E "^(==|   )" | tail -20
+  KEEP+=("calibrate/bench-calibrate.json")
   return "$st"
 }
 
