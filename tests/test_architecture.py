@@ -22,7 +22,7 @@ ABOVE = {
     "bench": {"reliability", "cli"},
     "reliability": {"cli"},
     "demo": {"cli"},
-    "settings.py": EVERY_ROOM,
+    "settings": EVERY_ROOM,
     "errors.py": EVERY_ROOM,
 }
 
@@ -55,7 +55,7 @@ def _room(module: str) -> str:
     parts = module.split(".")
     if len(parts) < 2:
         return ""
-    return parts[1] + (".py" if parts[1] in ("settings", "errors") else "")
+    return parts[1] + (".py" if parts[1] == "errors" else "")
 
 
 def test_imports_point_one_way():
@@ -191,10 +191,10 @@ def test_one_control_channel():
 
 
 def test_settings_are_read_through_the_table():
-    """No module but settings.py reads a DYN_KVTC_* variable itself."""
+    """No module but the settings package reads a DYN_KVTC_* variable itself."""
     bad = []
     for rel, tree in _modules():
-        if rel.as_posix() == "settings.py":
+        if rel.parts[0] == "settings":
             continue
         for n in ast.walk(tree):
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("DYN_KVTC_"):
@@ -206,12 +206,12 @@ def test_settings_are_read_through_the_table():
     assert not bad, bad
 
 
-ENV_READERS = {"settings.py", "tiers/config.py", "connector/config.py"}  # where the environment is parsed
+ENV_READERS = {"settings/__init__.py", "tiers/config.py", "connector/config.py"}  # where the environment is parsed
 
 
 def test_settings_are_parsed_once_by_the_configs():
     """``settings.env_value``/``env_is_set`` (a process knob read from the environment where it is used) are called
-    only by settings.py and the config modules: everything else gets its settings passed down from the configs built
+    only by the settings package and the config modules: everything else gets its settings passed down from the configs built
     at start-up (or, in the offline tools, from ``settings.tool_settings()``)."""
     callers = set()
     for rel, tree in _modules():
@@ -247,7 +247,7 @@ def test_declared_dependencies_cover_what_is_imported():
                 top = name.split(".")[0]
                 if top in sys.stdlib_module_names or top in ("dynamo_kvtc", "__future__") or top in engine:
                     continue
-                (core if rel.parts[0] in ("codec", "tiers", "connector", "settings.py", "errors.py") else optional).add(
+                (core if rel.parts[0] in ("codec", "tiers", "transport", "connector", "settings", "errors.py") else optional).add(
                     dist_of.get(top, top).replace("_", "-").lower()
                 )
     assert core <= declared, f"imported by the connector's layers but not declared: {sorted(core - declared)}"

@@ -1,4 +1,4 @@
-"""The settings table (dynamo_kvtc/settings.py): one parser for every DYN_KVTC_* key, its errors, and the generated
+"""The settings table (dynamo_kvtc/settings/): one parser for every DYN_KVTC_* key, its errors, and the generated
 configuration reference in docs/configuration.md. Everything here parses real values; nothing is mocked."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_kvtc import settings
+from dynamo_kvtc.settings import reference
 from dynamo_kvtc.codec.options import FUSED_MODES, GPU_TAGS, PROJECTIONS, CodecOptions
 from dynamo_kvtc.connector.config import HANDOFF_KEYS, ConnectorConfig
 from dynamo_kvtc.errors import ConfigError
@@ -68,9 +69,9 @@ def test_every_process_knob_has_one_reader():
 # ---------------------------------------------------------------------------------------------- the doc
 def test_configuration_doc_is_the_generated_table():
     text = DOC.read_text(encoding="utf-8")
-    assert settings.documented_table(text) == settings.markdown_table()
+    assert reference.documented_table(text) == reference.markdown_table()
     for s in settings.SETTINGS:
-        assert f"`{s.env}`" in settings.markdown_table()
+        assert f"`{s.env}`" in reference.markdown_table()
 
 
 def test_check_command_fails_on_a_stale_doc_and_write_repairs_it(tmp_path):
@@ -81,7 +82,7 @@ def test_check_command_fails_on_a_stale_doc_and_write_repairs_it(tmp_path):
 
     assert run("--check", str(DOC)).returncode == 0
     printed = run()
-    assert printed.returncode == 0 and printed.stdout.strip() == settings.markdown_table()
+    assert printed.returncode == 0 and printed.stdout.strip() == reference.markdown_table()
     stale = tmp_path / "configuration.md"
     stale.write_text(DOC.read_text(encoding="utf-8").replace("| 16384 |", "| 8192 |"), encoding="utf-8")
     bad = run("--check", str(stale))
