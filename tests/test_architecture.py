@@ -211,8 +211,8 @@ ENV_READERS = {"settings/__init__.py", "tiers/config.py", "connector/config.py"}
 
 def test_settings_are_parsed_once_by_the_configs():
     """``settings.env_value``/``env_is_set`` (a process knob read from the environment where it is used) are called
-    only by the settings package and the config modules: everything else gets its settings passed down from the configs built
-    at start-up (or, in the offline tools, from ``settings.tool_settings()``)."""
+    only by the settings package and the config modules: everything else gets its settings passed down from the configs
+    built at start-up (or, in the offline tools, from ``settings.tool_settings()``)."""
     callers = set()
     for rel, tree in _modules():
         for attr in ("env_value", "env_is_set"):
@@ -247,8 +247,7 @@ def test_declared_dependencies_cover_what_is_imported():
                 top = name.split(".")[0]
                 if top in sys.stdlib_module_names or top in ("dynamo_kvtc", "__future__") or top in engine:
                     continue
-                (core if rel.parts[0] in ("codec", "tiers", "transport", "connector", "settings", "errors.py") else optional).add(
-                    dist_of.get(top, top).replace("_", "-").lower()
-                )
+                serving = rel.parts[0] in ("codec", "tiers", "transport", "connector", "settings", "errors.py")
+                (core if serving else optional).add(dist_of.get(top, top).replace("_", "-").lower())
     assert core <= declared, f"imported by the connector's layers but not declared: {sorted(core - declared)}"
     assert optional <= declared | extras, f"imported but declared nowhere: {sorted(optional - declared - extras)}"

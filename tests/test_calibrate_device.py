@@ -48,7 +48,7 @@ def test_randomized_pca_is_close_to_the_exact_one():
 
 def test_dp_sample_filter_keeps_the_same_sample(synth, monkeypatch):
     """Rows whose key cannot make the DP sample never reach it: the sample is the one of keeping every row."""
-    from dynamo_kvtc.calibration.calibrate import _compact
+    from dynamo_kvtc.calibration.dp import compact_sample
 
     samples = [KvSample(*synth.sample(300, start=i * 300)) for i in range(10)]
     cfg = CalibrationConfig(ratios=(16,), dp_tokens=200, progress=False, seed=5)
@@ -56,7 +56,7 @@ def test_dp_sample_filter_keeps_the_same_sample(synth, monkeypatch):
     for s in samples:
         fast.add(s)
     assert fast._res_cut < 0.5  # after the first compaction most rows are turned away before any copy
-    monkeypatch.setattr(Calibrator, "_compact", lambda self: _compact(self.res_u, self.res_rows, 200))
+    monkeypatch.setattr(Calibrator, "_compact", lambda self: compact_sample(self.res_u, self.res_rows, 200))
     plain = Calibrator(synth.fp, cfg)  # keeps every row until each compaction, as before
     for s in samples:
         plain.add(s)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from dynamo_kvtc import settings
-from dynamo_kvtc.settings import reference
 from dynamo_kvtc.codec.options import FUSED_MODES, GPU_TAGS, PROJECTIONS, CodecOptions
 from dynamo_kvtc.connector.config import HANDOFF_KEYS, ConnectorConfig
 from dynamo_kvtc.errors import ConfigError
+from dynamo_kvtc.settings import reference
 from dynamo_kvtc.tiers.config import PROCESS_KEYS as TIER_PROCESS_KEYS
 from dynamo_kvtc.tiers.config import TierConfig
 

@@ -27,124 +27,28 @@ import os
 import platform
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..codec.model import BasisGroup, ModelFingerprint
-from ..codec.plan import Plan
 from ..codec.rope import rotate
 from ..errors import CalibrationError, ConfigError, InputError
 from .artifact import Calibration
-from .dp import Allocation, allocate, block_errors
+from .config import CalibrationConfig, KvSample, group_plan, shard_heads
+from .dp import Allocation, allocate, block_errors, compact_sample
 from .group_budget import GroupTable, share_budget, token_weights
+from .group_fit import GroupFit, orthonormality, plans_and_stats
 from .pca import Moments, default_rank, fit_pca
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class KvSample:
-    """One calibration sequence: post-RoPE keys and values [L, T, H, D] at absolute positions [T]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-
-
-@dataclass
-class CalibrationConfig:
-    ratios: tuple[float, ...] = (8, 16, 32, 64)
-    layer_groups: int = 1
-    rank: int | None = None  # cap on retained components per layer group (None: pca.default_rank(p))
-    niter: int = 8
-    pca_method: str = "randomized"
-    dp_tokens: int = 16384
-    sinks: int = 4
-    remove_rope: bool = True
-    max_tokens: int | None = None
-    seed: int = 0
-    tp_rank: int = 0
-    tp_size: int = 1
-    token_sets: bool = True  # group sliding-window layers by attention type, with per-group token sets
-    kept_rows_only: bool = False  # fit a sliding group only on each sample's last `window` tokens
-    shared_budget: bool = True  # one DP over all groups when their token sets differ (calibration/group_budget.py)
-    budget_tokens: int = 0  # span length that weights the shared budget (0: the longest calibration sample)
-    group_error_weights: tuple[float, ...] = ()  # error weight per basis group in the shared DP (default 1 each)
-    share_kv: bool = False  # the shared DP also spends K's and V's bits from one budget
-    budget_error: str = "relative"  # shared DP objective: "relative" (each layer's error over its energy) or "absolute"
-    device: str = "cpu"
-    progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.ratios or any(float(r) <= 0 for r in self.ratios):
-            raise ConfigError(f"ratios must be positive numbers, got {self.ratios}")
-        if self.layer_groups < 1:
-            raise ConfigError(f"layer_groups must be >= 1, got {self.layer_groups}")
-        if self.rank is not None and self.rank < 1:
-            raise ConfigError(f"rank must be >= 1, got {self.rank}")
-        if self.dp_tokens < 16:
-            raise ConfigError(f"dp_tokens must be >= 16, got {self.dp_tokens}")
-        if self.budget_tokens < 0 or any(not w > 0 for w in self.group_error_weights):
-            raise ConfigError("budget_tokens must be >= 0 and group_error_weights positive")
-        if self.budget_error not in ("relative", "absolute"):
-            raise ConfigError(f"budget_error must be 'relative' or 'absolute', got {self.budget_error!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank {self.tp_rank} must lie in [0, tp_size={self.tp_size})")
-
-
-def shard_heads(total_heads: int, tp_rank: int, tp_size: int) -> slice:
-    """KV heads held by one tensor-parallel rank (contiguous split, as vLLM does; replicated when tp > heads)."""
-    if tp_size == 1:
-        return slice(0, total_heads)
-    if total_heads % tp_size == 0:
-        per = total_heads // tp_size
-        return slice(tp_rank * per, (tp_rank + 1) * per)
-    if tp_size % total_heads == 0:
-        h = tp_rank // (tp_size // total_heads)
-        return slice(h, h + 1)
-    raise ConfigError(f"cannot split {total_heads} KV heads over tp_size {tp_size}")
 
 
 def _bar(total: int | None, desc: str, enabled: bool, unit: str = "it"):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, disable=not enabled, unit=unit, dynamic_ncols=True)
-
-
-def _layer_slices(num_layers: int, groups: int) -> list[tuple[int, int]]:
-    if groups > num_layers:
-        raise ConfigError(f"layer_groups={groups} exceeds the model's {num_layers} layers")
-    bounds = np.linspace(0, num_layers, groups + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def group_plan(
-    fp: ModelFingerprint, layer_groups: int, token_sets: bool = True
-) -> tuple[tuple[int, ...] | None, list[tuple[int, int]], list[int]]:
-    """``(layer_order, slices, tokens)`` of a calibration: the layer permutation (None: identity), the groups as
-    ranges over it and each group's token set (0: all tokens). Without sliding-window layers (or ``token_sets``
-    off): ``layer_groups`` consecutive groups. Otherwise one run of layers per attention type (types in the order of
-    their first layer), each split into up to ``layer_groups`` consecutive groups."""
-    L = fp.num_layers
-    if not (token_sets and fp.windows):
-        return None, _layer_slices(L, layer_groups), [0] * layer_groups
-    types: dict[int, list[int]] = {}
-    for layer, w in enumerate(fp.windows):
-        types.setdefault(w, []).append(layer)
-    order: list[int] = []
-    slices: list[tuple[int, int]] = []
-    tokens: list[int] = []
-    for w, members in types.items():
-        off = len(order)
-        order += members
-        for a, b in _layer_slices(len(members), min(layer_groups, len(members))):
-            slices.append((off + a, off + b))
-            tokens.append(w)
-    return tuple(order), slices, tokens
 
 
 def calibrate(
@@ -321,7 +225,7 @@ class Calibrator:
         self._bar.update(n)
 
     def _compact(self) -> None:
-        _compact(self.res_u, self.res_rows, self.cfg.dp_tokens)
+        compact_sample(self.res_u, self.res_rows, self.cfg.dp_tokens)
         if self.res_u and self.res_u[0].numel() >= self.cfg.dp_tokens:
             self._res_cut = float(self.res_u[0].max())
 
@@ -419,7 +323,7 @@ class Calibrator:
         t_start = time.time() - self.seconds
         if n_tokens < max(64, 2 * cfg.sinks):
             raise CalibrationError(f"calibration data too short: {n_tokens} usable tokens (need at least 64)")
-        _compact(res_u, res_rows, cfg.dp_tokens)
+        compact_sample(res_u, res_rows, cfg.dp_tokens)
         t_capture = time.time() - t_start
         fits, t_pca, t_dp = self._fit_groups()
         t0 = time.time()
@@ -432,7 +336,7 @@ class Calibrator:
             parts: dict[str, Any] = {}
             for kind in "kv":
                 fit, al = fits[(g, kind)], allocs[(g, kind)]
-                parts[kind] = _plans_and_stats(g, kind, p, fit, al, cfg.ratios, stats, bool(budget_prov))
+                parts[kind] = plans_and_stats(g, kind, p, fit, al, cfg.ratios, stats, bool(budget_prov))
             groups.append(
                 BasisGroup(
                     (a, b),
@@ -459,7 +363,7 @@ class Calibrator:
                 "method": "exact" if any(f.pca.method == "exact" for f in fits.values()) else cfg.pca_method,
                 "niter": cfg.niter,
                 "rank": {f"g{g}.{kind}": int(f.pca.basis.shape[1]) for (g, kind), f in fits.items()},
-                **_orthonormality(fits),
+                **orthonormality(fits),
             },
             "seconds": {
                 "capture": round(t_capture, 2),
@@ -479,11 +383,11 @@ class Calibrator:
         }
         return Calibration(fp, groups, rope_removed=cfg.remove_rope, provenance=prov, layer_order=self.order)
 
-    def _fit_groups(self) -> tuple[dict[tuple[int, str], _GroupFit], float, float]:
+    def _fit_groups(self) -> tuple[dict[tuple[int, str], GroupFit], float, float]:
         """PCA of every group and kind, and the DP error tables of its DP sample (seconds of PCA and DP too)."""
         cfg, dev = self.cfg, self.dev
         H, D = self.fp.num_kv_heads, self.fp.head_dim
-        fits: dict[tuple[int, str], _GroupFit] = {}
+        fits: dict[tuple[int, str], GroupFit] = {}
         t_pca = t_dp = 0.0
         for m in self.mom.values():
             m.release()  # the capture's scratch buffer: the PCA needs the memory
@@ -512,7 +416,7 @@ class Calibrator:
                 zero, errs = block_errors(coeffs, progress=_tick)
                 bar.close()
                 energy = float(((sample - pca.mean.to(dev)) ** 2).sum())
-                fits[(g, kind)] = _GroupFit(pca, basis16, zero, errs, energy, int(sample.shape[0]))
+                fits[(g, kind)] = GroupFit(pca, basis16, zero, errs, energy, int(sample.shape[0]))
                 t_pca += t1 - t0
                 t_dp += time.time() - t1
         return fits, t_pca, t_dp
@@ -522,7 +426,7 @@ class Calibrator:
         return self.cfg.shared_budget and len(self.slices) > 1 and len(set(self.group_tokens)) > 1
 
     def _allocate(
-        self, fits: dict[tuple[int, str], _GroupFit]
+        self, fits: dict[tuple[int, str], GroupFit]
     ) -> tuple[dict[tuple[int, str], list[Allocation]], dict[str, Any]]:
         """Allocations per (group, kind), one per ratio: a DP per group, or one DP over all groups."""
         cfg = self.cfg
@@ -563,70 +467,11 @@ class Calibrator:
         return out, prov
 
 
-@dataclass
-class _GroupFit:
-    """What the DP and the artifact need of one group and kind: its PCA, fp16 basis and DP error tables."""
-
-    pca: Any
-    basis16: torch.Tensor
-    zero: np.ndarray
-    errs: dict[tuple[int, str], np.ndarray]
-    energy: float  # squared norm of the mean-centred DP sample
-    rows: int
-
-
-def _plans_and_stats(
-    g: int, kind: str, p: int, fit: _GroupFit, allocs: list[Allocation], ratios, stats: dict[str, Any], shared: bool
-) -> tuple[torch.Tensor, torch.Tensor, dict[float, Plan]]:
-    """(mean, trimmed basis, plans by ratio) of one group and kind; its stats go into ``stats``."""
-    plans = {}
-    for r, al in zip(ratios, allocs):
-        bud = al.bits if shared else int(16 * p / float(r))  # a shared budget's group gets what the DP gave it
-        plans[float(r)] = Plan(p, float(r), bud, al.groups)
-        stats[f"g{g}.{kind}.{float(r):g}x"] = {
-            "rank": plans[float(r)].rank,
-            "bits_per_token": al.bits,
-            "budget_bits": bud,
-            "relative_error_dp_sample": (al.error + max(0.0, fit.energy - float(fit.zero.sum()))) / fit.energy,
-        }
-    width = max(pl.rank for pl in plans.values())
-    ev = fit.pca.variances
-    stats[f"g{g}.{kind}.variance_captured_by_width"] = float(ev[:width].sum() / max(fit.pca.total_variance, 1e-30))
-    log.info("group %d %s: width %d of %d", g, kind, width, p)
-    return fit.pca.mean.cpu().float(), fit.basis16[:, :width].cpu(), plans
-
 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
-def _orthonormality(fits: dict[tuple[int, str], _GroupFit]) -> dict[str, float]:
-    errs = [f.pca.orthonormality_error for f in fits.values() if f.pca.orthonormality_error is not None]
-    return {"orthonormality_error": max(errs)} if errs else {}
-
-
 def _token_set_provenance(order: tuple[int, ...] | None, tokens: list[int]) -> dict[str, Any]:
     return {"token_sets": {"layer_order": list(order), "group_tokens": tokens}} if order else {}
-
-
-def _compact(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]], keep: int) -> None:
-    """Keep the ``keep`` rows with the smallest random keys (a seeded uniform sample without replacement)."""
-    u = torch.cat(res_u)
-    order = torch.argsort(u)[:keep]
-    order, _ = torch.sort(order)
-    res_u[:] = [u[order]]
-    for kind in res_rows:
-        pieces, res_rows[kind] = res_rows[kind], []
-        if len(pieces) == 1:
-            res_rows[kind].append(pieces[0][order.to(pieces[0].device)])
-            continue
-        kept, start = [], 0  # piece by piece, each dropped once read: no copy of all pieces at once
-        for i in range(len(pieces)):
-            piece, pieces[i] = pieces[i], None
-            stop = start + len(piece)
-            idx = order[(order >= start) & (order < stop)] - start
-            kept.append(piece[idx.to(piece.device)])
-            start = stop
-            del piece
-        res_rows[kind].append(torch.cat(kept))

@@ -140,3 +140,24 @@ def plan_error(
         total += float(block_err[(size, kind)][start // size])
         coded[start : start + size] = True
     return total + float(zero_err[~coded].sum())
+
+def compact_sample(res_u: list[torch.Tensor], res_rows: dict[str, list[torch.Tensor]], keep: int) -> None:
+    """The DP sample: keep the ``keep`` rows with the smallest random keys (seeded, uniform, without replacement)."""
+    u = torch.cat(res_u)
+    order = torch.argsort(u)[:keep]
+    order, _ = torch.sort(order)
+    res_u[:] = [u[order]]
+    for kind in res_rows:
+        pieces, res_rows[kind] = res_rows[kind], []
+        if len(pieces) == 1:
+            res_rows[kind].append(pieces[0][order.to(pieces[0].device)])
+            continue
+        kept, start = [], 0  # piece by piece, each dropped once read: no copy of all pieces at once
+        for i in range(len(pieces)):
+            piece, pieces[i] = pieces[i], None
+            stop = start + len(piece)
+            idx = order[(order >= start) & (order < stop)] - start
+            kept.append(piece[idx.to(piece.device)])
+            start = stop
+            del piece
+        res_rows[kind].append(torch.cat(kept))

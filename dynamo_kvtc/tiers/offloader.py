@@ -59,7 +59,7 @@ class Offloader:
         self.block_size, self.span_blocks, self.device = block_size, span_blocks, device
         self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
-        self._stream = codec_stream(device)
+        self._stream = codec_stream(device, cfg.codec_sms)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

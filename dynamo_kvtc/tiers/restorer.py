@@ -125,13 +125,14 @@ class Restorer:
         block_size: int,
         device: torch.device,
         stats: StoreStats,
+        codec_sms: int = 0,
     ) -> None:
         self.cal, self.kv, self.index, self.placement, self.decoder = cal, kv, index, placement, decoder
         self.block_size, self.device = block_size, device
         self.num_layers = cal.fingerprint.num_layers
         self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
-        self._stream = codec_stream(device)
+        self._stream = codec_stream(device, codec_sms)  # codec_sms: the green context's SMs (0: all)
 
     @property
     def stream(self) -> Any:

@@ -98,7 +98,7 @@ class KvtcStore:
             span_blocks=self.span_blocks,
             **common,
         )
-        self.restorer = Restorer(decoder=self.default_codec, **common)
+        self.restorer = Restorer(decoder=self.default_codec, codec_sms=self.cfg.codec_sms, **common)
         if disk is not None:
             self.placement.adopt_disk(calibration.id, block_size)
 
