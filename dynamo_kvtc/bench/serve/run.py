@@ -25,7 +25,8 @@ from ..gpu_model import MODELS, ModelDims, RandomDecoder
 from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
 from . import workloads as wl
-from .engine import EngineConfig, RunRecord, ServeEngine, summarize
+from .engine import EngineConfig, ServeEngine
+from .latency import RunRecord, summarize
 from .rawtier import RawDmaConfig, RawDmaTier
 from .systems import SYSTEMS, host_budget, tier_config
 
