@@ -35,7 +35,7 @@ class ChunkLayout:
     - ``nhd``: ``[block_size, H, 2, D]`` (vLLM 0.31's logical ``[B, H, N, C]`` in the LBNHC layout, C = K then V);
     - ``hnd``: ``[H, block_size, 2, D]`` (LBHNC);
     - ``cpu``: vLLM's CPU attention block ``[H, 2, block_size * D]``, each half in the kernel's own element order
-      (``k_offsets``/``v_offsets``, probed through the kernel as :func:`.vllm_parts.probe_cpu_offsets` does).
+      (``k_offsets``/``v_offsets``, probed through the kernel as :func:`..tiers.layout.probe_cpu_offsets` does).
 
     :meth:`unpack` turns a chunk's bytes into ``(keys, values)`` ``[L, T, H, D]`` in model layer order,
     :meth:`pack` is its exact inverse."""
@@ -143,7 +143,7 @@ def resolve_page_layout(requested: str, kv_cache_layout: str | None) -> str:
 
 def cpu_offsets(num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
     """Element order of vLLM's CPU attention kernel inside a block (None: plain ``[block_size, D]`` halves)."""
-    from .vllm_parts import probe_cpu_offsets
+    from ..tiers.layout import probe_cpu_offsets
 
     try:
         return probe_cpu_offsets(torch.empty(1, num_heads, block_size, 2 * head_dim, dtype=dtype), block_size)
