@@ -15,7 +15,7 @@ from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkLayout", "cpu_offsets", "layer_index", "resolve_page_layout"]
+__all__ = ["ChunkLayout", "cpu_offsets", "layer_index", "resolve_page_layout", "torch_dtype"]
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)")
@@ -111,7 +111,8 @@ class ChunkLayout:
         return x.contiguous().view(-1).view(torch.uint8)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (``bfloat16`` or ``torch.bfloat16``)."""
     name = str(name).removeprefix("torch.")
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):

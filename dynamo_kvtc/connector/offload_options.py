@@ -26,7 +26,7 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["DEVICES", "PAGE_LAYOUTS", "RATIO_POLICIES", "TIER_TYPE", "KvtcTierOptions"]
+__all__ = ["DEVICES", "PAGE_LAYOUTS", "RATIO_POLICIES", "TIER_TYPE", "KvtcTierOptions", "option_error"]
 
 
 TIER_TYPE = "kvtc"
@@ -35,7 +35,8 @@ RATIO_POLICIES = ("fixed", "raw")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def _err(key: str, msg: str) -> ConfigError:
+def option_error(key: str, msg: str) -> ConfigError:
+    """The error for a bad value of option ``key`` (its message names the tier and the key)."""
     return ConfigError(f"secondary_tiers[type={TIER_TYPE}].{key}: {msg}")
 
 
@@ -60,24 +61,24 @@ class KvtcTierOptions:
         known = set(cls.__dataclass_fields__)
         for key in cfg:
             if key not in known:
-                raise _err(key, f"unknown option; known: {', '.join(sorted(known))}")
+                raise option_error(key, f"unknown option; known: {', '.join(sorted(known))}")
         out: dict[str, Any] = {}
         for key, conv in (("ratio", float), ("cpu_cache_gb", float), ("disk_cache_gb", float)):
             if key in cfg:
                 try:
                     out[key] = conv(cfg[key])
                 except (TypeError, ValueError):
-                    raise _err(key, f"must be a number, got {cfg[key]!r}") from None
+                    raise option_error(key, f"must be a number, got {cfg[key]!r}") from None
         for key in ("window", "threads"):
             if key in cfg:
                 v = cfg[key]
                 if isinstance(v, bool) or not isinstance(v, int):
-                    raise _err(key, f"must be an integer, got {v!r}")
+                    raise option_error(key, f"must be an integer, got {v!r}")
                 out[key] = v
         for key in ("calibration", "disk_cache_dir", "ratio_policy", "device", "page_layout", "locality"):
             if key in cfg and cfg[key] is not None:
                 if not isinstance(cfg[key], (str, os.PathLike)):
-                    raise _err(key, f"must be a string, got {cfg[key]!r}")
+                    raise option_error(key, f"must be a string, got {cfg[key]!r}")
                 out[key] = str(cfg[key])
         opts = cls(**out)
         opts._validate()
@@ -85,27 +86,27 @@ class KvtcTierOptions:
 
     def _validate(self) -> None:
         if self.ratio <= 1:
-            raise _err("ratio", f"must be > 1, got {self.ratio:g}")
+            raise option_error("ratio", f"must be > 1, got {self.ratio:g}")
         if self.ratio_policy not in RATIO_POLICIES:
-            raise _err("ratio_policy", f"must be one of {', '.join(RATIO_POLICIES)}, got {self.ratio_policy!r}")
+            raise option_error("ratio_policy", f"must be one of {', '.join(RATIO_POLICIES)}, got {self.ratio_policy!r}")
         if self.window < 0:
-            raise _err("window", f"must be >= 0, got {self.window}")
+            raise option_error("window", f"must be >= 0, got {self.window}")
         if self.cpu_cache_gb <= 0:
-            raise _err("cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb:g}")
+            raise option_error("cpu_cache_gb", f"must be > 0, got {self.cpu_cache_gb:g}")
         if self.disk_cache_gb < 0:
-            raise _err("disk_cache_gb", f"must be >= 0, got {self.disk_cache_gb:g}")
+            raise option_error("disk_cache_gb", f"must be >= 0, got {self.disk_cache_gb:g}")
         if self.disk_cache_gb > 0 and not self.disk_cache_dir:
-            raise _err("disk_cache_dir", "is required when disk_cache_gb > 0")
+            raise option_error("disk_cache_dir", "is required when disk_cache_gb > 0")
         if self.device not in DEVICES:
-            raise _err("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+            raise option_error("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise _err("device", "'cuda' requested but CUDA is not available in the scheduler process")
+            raise option_error("device", "'cuda' requested but CUDA is not available in the scheduler process")
         if self.page_layout not in PAGE_LAYOUTS:
-            raise _err("page_layout", f"must be one of {', '.join(PAGE_LAYOUTS)}, got {self.page_layout!r}")
+            raise option_error("page_layout", f"must be one of {', '.join(PAGE_LAYOUTS)}, got {self.page_layout!r}")
         if not 1 <= self.threads <= 64:
-            raise _err("threads", f"must be in 1..64, got {self.threads}")
+            raise option_error("threads", f"must be in 1..64, got {self.threads}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):
-            raise _err("locality", f"must be LOCAL or REMOTE, got {self.locality!r}")
+            raise option_error("locality", f"must be LOCAL or REMOTE, got {self.locality!r}")
 
     @property
     def torch_device(self) -> torch.device:

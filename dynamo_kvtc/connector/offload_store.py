@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from .offload_options import _err
+from .offload_options import option_error
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class BlobCache:
             self.dir = Path(disk_dir)
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             if self.dir.is_symlink() or (self.dir.stat().st_mode & 0o002):
-                raise _err("disk_cache_dir", f"{self.dir} is a symlink or world-writable")
+                raise option_error("disk_cache_dir", f"{self.dir} is a symlink or world-writable")
             for f in self.dir.glob("*.tmp"):
                 f.unlink(missing_ok=True)
             for f in self.dir.glob("*.kvtc"):  # a restart forgets the old disk tier (no key survives the engine)

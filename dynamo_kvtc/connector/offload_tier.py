@@ -49,8 +49,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ..errors import ConfigError, KvtcError
-from .offload_layout import ChunkLayout, _torch_dtype, cpu_offsets, layer_index, resolve_page_layout
-from .offload_options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, _err
+from .offload_layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
+from .offload_options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
 from .offload_store import BlobCache
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self.device = self.opts.torch_device
         self.cal = self._calibration(cfg)
         fp = self.cal.fingerprint
-        dtype = _torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else _torch_dtype(fp.dtype)
+        dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else torch_dtype(fp.dtype)
         if dtype.is_floating_point is False or dtype.itemsize == 1:
             raise ConfigError(f"the kvtc tier encodes 16/32-bit float KV caches, not {dtype}")
         group = cfg.groups[0]
@@ -184,17 +184,17 @@ class KvtcSecondaryTier(SecondaryTierManager):
         if path is None:
             found = find_calibration(Path(cfg.model.name).name) or find_calibration(cfg.model.name)
             if found is None:
-                raise _err(
+                raise option_error(
                     "calibration",
                     f"no calibration found for model {cfg.model.name!r}: set it, or put one in calibrations/<model "
                     "folder name> or $DYN_KVTC_CALIBRATIONS/<name> (`dynamo-kvtc calibrate`)",
                 )
             path = str(found)
         if not (Path(path) / "calibration.json").is_file():
-            raise _err("calibration", f"{path} has no calibration.json")
+            raise option_error("calibration", f"{path} has no calibration.json")
         cal = Calibration.load(path)
         if self.opts.ratio_policy == "fixed" and float(self.opts.ratio) not in [float(r) for r in cal.ratios]:
-            raise _err("ratio", f"{self.opts.ratio:g} has no plan in calibration {path} ({cal.ratios})")
+            raise option_error("ratio", f"{self.opts.ratio:g} has no plan in calibration {path} ({cal.ratios})")
         return cal
 
     # ------------------------------------------------------------------ scheduler-facing hooks (non-blocking)
