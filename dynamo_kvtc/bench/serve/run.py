@@ -25,7 +25,8 @@ from ..gpu_model import MODELS, ModelDims, RandomDecoder
 from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
 from . import workloads as wl
-from .engine import EngineConfig, RunRecord, ServeEngine, summarize
+from .engine import EngineConfig, ServeEngine
+from .latency import RunRecord, summarize
 from .rawtier import RawDmaConfig, RawDmaTier
 from .systems import SYSTEMS, host_budget, tier_config
 
@@ -188,6 +189,15 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: str, title: str) -> None:
+    """Title the figure, write it to ``path`` (its folder created) and close it: the end of every plot here."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_distributions(records: list[RunRecord], path: str, title: str) -> str | None:
     """Two panels: the TTFT and the inter-token-latency distributions (empirical CDFs), one line per run. Returns why
     not when matplotlib is missing."""
@@ -215,11 +225,7 @@ def plot_distributions(records: list[RunRecord], path: str, title: str) -> str |
         ax.legend(fontsize=8)
     axes[0].set_title("TTFT distribution")
     axes[1].set_title("ITL distribution (every gap between two tokens of a request)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return None
 
 
@@ -249,11 +255,7 @@ def plot_qps(records: list[RunRecord], path: str, title: str) -> str | None:
         ax.set_title(label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return None
 
 
@@ -288,11 +290,7 @@ def plot(records: list[RunRecord], path: str, title: str) -> str | None:
         ax.set_xlabel("host budget / raw working set")
         ax.set_title(label)
     axes.flat[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path, title)
     return None
 
 
