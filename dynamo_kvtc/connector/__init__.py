@@ -12,7 +12,8 @@
 - :mod:`.config` — the connector's settings, parsed once at start-up from the one settings table
   (:mod:`dynamo_kvtc.settings`) and passed down.
 - :mod:`.metrics` — the ``kvtc_*`` Prometheus endpoint; :mod:`.vllm_stats` the same counters as ``vllm:kvtc_*``.
-- :mod:`.offload_tier` — the ``kvtc`` secondary tier of vLLM's OffloadingConnector (:mod:`.offload_register`
+- :mod:`.offload_tier` — the ``kvtc`` secondary tier of vLLM's OffloadingConnector (:mod:`.offload_options`,
+  :mod:`.offload_layout`, :mod:`.offload_store` its options, chunk layouts and blob LRU; :mod:`.offload_register`
   registers it; :mod:`.offload_cpu` runs vLLM's tiered offloading on vLLM's CPU platform).
 - :mod:`.lmcache_serde` — the ``kvtc`` serde for LMCache's L2 adapters (:mod:`.lmcache_server` starts LMCache's
   server with it registered).
