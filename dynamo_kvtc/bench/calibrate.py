@@ -61,6 +61,7 @@ def run_one(model: str, opts: dict[str, Any], out: str, reference: str | None = 
 
     cuda = torch.cuda.is_available() and torch.device(opts.get("device", "cpu")).type == "cuda"
     if cuda:
+        torch.cuda.init()  # resetting a device's peak stats before CUDA is initialised is "Invalid device argument"
         for i in range(torch.cuda.device_count()):
             torch.cuda.reset_peak_memory_stats(i)
     res: dict[str, Any] = {"model": model}
