@@ -443,3 +443,17 @@ def test_when_the_fallback_fails_too_the_hook_answers_its_default():
     assert c.request_finished(_req({}), []) == (False, None)
     assert c.update_state_after_alloc(_req({}), Blocks(1), 16) is None
     assert guard.FAULTS["build_connector_meta_fallback"] == before + 2
+
+
+def test_a_lease_is_unguessable_and_only_its_fetching_peer_may_release_it():
+    from dynamo_kvtc.connector.handoff.server import HandoffServer
+
+    given_back = []
+    arena = SimpleNamespace(give=given_back.append)
+    srv = HandoffServer.__new__(HandoffServer)  # only the lease table is under test here
+    srv._leases = {"a" * 32: (arena, float("inf"), "decode-1")}
+    assert srv._handle({"op": "release", "lease": "a" * 32, "agent": "intruder"}) == {"ok": False}
+    assert given_back == [] and srv.open_leases == 1
+    assert srv._handle({"op": "release", "lease": "b" * 32, "agent": "decode-1"}) == {"ok": False}
+    assert srv._handle({"op": "release", "lease": "a" * 32, "agent": "decode-1"}) == {"ok": True}
+    assert given_back == ["a" * 32] and srv.open_leases == 0

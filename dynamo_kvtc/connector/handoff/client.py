@@ -140,7 +140,7 @@ class HandoffClient:
     def release(self, host: str, port: int, lease: str) -> None:
         """Tell the prefill worker its staged bytes for ``lease`` may go (best effort: leases also expire)."""
         try:
-            self._channel(host, port).ask({"op": "release", "lease": lease})
+            self._channel(host, port).ask({"op": "release", "lease": lease, "agent": self.agent.name})
         except TransferError as e:
             log.info("kvtc hand-off release not acknowledged: %s", e)
 

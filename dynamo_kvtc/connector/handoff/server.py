@@ -11,8 +11,8 @@ them and sends ``release``; a lease that is never released expires after four de
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -29,7 +29,6 @@ from .messages import LIMITS, check_fetch, fetch_mem
 from .stream import group_ends
 
 log = logging.getLogger(__name__)
-_ids = itertools.count()
 
 
 class HandoffServer:
@@ -48,7 +47,7 @@ class HandoffServer:
         self._arenas: dict[str, StagingArena] = {}
         if dev.type == "cuda":
             self._arenas["VRAM"] = StagingArena(self.agent, cfg.transfer_staging_mb << 20, dev)
-        self._leases: dict[str, tuple[StagingArena, float]] = {}
+        self._leases: dict[str, tuple[StagingArena, float, str]] = {}
         self.served = 0  # fetches answered with staged blobs (releases are not counted)
         endpoint = f"tcp://{cfg.transfer_host}" + (f":{cfg.transfer_port}" if cfg.transfer_port else "")
         self._rep = RepServer(
@@ -96,8 +95,7 @@ class HandoffServer:
         if op == "fetch":
             return self._fetch(msg)
         if op == "release":
-            self._release(str(msg.get("lease", "")))
-            return {"ok": True}
+            return {"ok": self._release(str(msg.get("lease", "")), str(msg.get("agent", "")))}
         raise TierError(f"unknown op {op!r}")
 
     def _wait_stored(self, hashes: list[int]) -> None:
@@ -112,7 +110,7 @@ class HandoffServer:
         arena = self.arena(fetch_mem(msg))
         self._wait_stored(hashes)
         runs, held = self.store.export(hashes, lease=True)
-        lease = f"{peer}/{next(_ids)}"
+        lease = secrets.token_hex(16)  # unguessable; bound to the fetching peer below
         try:
             # one READ per layer group on the decode side
             ends = [group_ends(BlobView.of(run.blob).host()) for run in runs]
@@ -139,19 +137,23 @@ class HandoffServer:
         if all(e is not None for e in ends) and len({len(e) for e in ends}) == 1:
             for b, e in zip(blobs, ends):
                 b["ranges"] = e
-        self._leases[lease] = (arena, time.monotonic() + 4 * self.cfg.transfer_timeout_s)
+        self._leases[lease] = (arena, time.monotonic() + 4 * self.cfg.transfer_timeout_s, peer)
         self.served += 1
         reply = {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
         return {**reply, "mem": arena.mem, "dev": arena.dev}
 
-    def _release(self, lease: str) -> None:
-        arena, _ = self._leases.pop(lease, (None, 0))
-        if arena is not None:
-            arena.give(lease)
+    def _release(self, lease: str, peer: str | None = None) -> bool:
+        """Free ``lease``'s staged bytes; a release naming a peer other than the one that fetched is refused."""
+        held = self._leases.get(lease)
+        if held is None or (peer is not None and peer != held[2]):
+            return False
+        del self._leases[lease]
+        held[0].give(lease)
+        return True
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for lease, (_, until) in list(self._leases.items()):
+        for lease, (_, until, _peer) in list(self._leases.items()):
             if until < now:
                 log.warning("kvtc hand-off lease %s expired without a release", lease)
                 self._release(lease)
