@@ -410,8 +410,11 @@ def test_engine_on_cuda_restores_exactly_and_kvtc_hits_more_than_raw():
     bench.warm_up(["raw", "raw_blob", "kvtc16"])
     check_restored_history(bench, "cuda", "raw")
     check_restored_history(bench, "cuda", "raw_blob")
+    check_cascade(bench, "cuda")
     raw, kvtc = bench.run("raw", 0.2), bench.run("kvtc16", 0.2)
     assert kvtc.summary["hit_rate"] > 2 * raw.summary["hit_rate"] and kvtc.summary["restore_failures"] == 0
+    tier = bench.run("vllm_tier", 0.2)
+    assert tier.summary["hit_rate"] > raw.summary["hit_rate"] and tier.summary["restore_failures"] == 0
 
 
 def check_restored_history(bench, device: str, system: str) -> None:
@@ -440,13 +443,64 @@ def check_restored_history(bench, device: str, system: str) -> None:
         assert hit > 0 and torch.equal(k[:, :hit], pk[:, :hit]) and torch.equal(v[:, :hit], pv[:, :hit])
 
 
+def test_vllm_tier_cascade_promotes_from_the_kvtc_tier_exactly(tiny_bench):
+    check_cascade(tiny_bench, "cpu")
+
+
+def check_cascade(bench, device: str) -> None:
+    """vLLM's tiered layout: a raw primary too small for two users' histories in front of a kvtc store (codec off, so
+    the bytes must come back bit for bit). Later turns whose history left the primary are promoted from the kvtc tier
+    into the primary and loaded from there; every restored token equals what the turn before computed."""
+    import torch
+
+    from dynamo_kvtc.bench.serve.cascade import CascadeTier
+    from dynamo_kvtc.bench.serve.engine import ServeEngine
+    from dynamo_kvtc.bench.serve.rawtier import RawDmaConfig, RawDmaTier
+
+    kept: dict[int, tuple] = {}
+
+    class Keep(ServeEngine):
+        def _offload(self, s, *args):
+            kept[s.req.id] = (s.k.clone(), s.v.clone(), s.m.hit_tokens)
+            super()._offload(s, *args)
+
+    w = wl.generate("multi-round-qa", 2, users=2, rounds=3, system=0, history=300, question=16, answer=8, qps=4)
+    longest = max(r.prompt_tokens + r.output_tokens for r in w.requests)
+    s, bs = bench.shape, bench.cfg.block_size
+    engine = Keep(bench.decoder, None, bench.cfg, device)
+    kv = engine.alloc(w)
+    primary_bytes = int(1.2 * longest * bench.bytes_per_token)  # one history, not two
+    raw = RawDmaTier(RawDmaConfig(primary_bytes, s.layers, s.kv_heads, s.head_dim, bs), device, kv=kv)
+    store = engine.store = CascadeTier(raw, bench.store("raw_blob", 1 << 24, None, kv), kv)
+    try:
+        engine.run(w)
+    finally:
+        store.close()
+    snap = store.snapshot()
+    assert snap["promotions"] > 0 and snap.get("promotion_failures", 0) == 0, snap
+    assert snap["primary_evicted_blocks"] > 0  # the primary did overflow: the promotions were needed
+    for r in w.requests:
+        if r.after < 0:
+            continue
+        k, v, hit = kept[r.id]
+        pk, pv, _ = kept[r.after]
+        assert hit > 0 and torch.equal(k[:, :hit], pk[:, :hit]) and torch.equal(v[:, :hit], pv[:, :hit])
+
+
+def test_vllm_tier_system_holds_more_history_than_raw_at_the_same_budget(tiny_bench):
+    raw = tiny_bench.run("raw", 0.2)
+    tier = tiny_bench.run("vllm_tier", 0.2)
+    assert tier.host_bytes == raw.host_bytes and tier.store["host_stored_bytes"] <= tier.host_bytes
+    assert tier.summary["hit_rate"] > raw.summary["hit_rate"] and tier.summary["restore_failures"] == 0
+
+
 # ============================================================================================ the command
 def test_help_documents_workloads_and_systems_without_torch():
     from .test_cli import cli
 
     p, heavy = cli("bench", "serve", "--help")
     assert p.returncode == 0 and heavy == []
-    for name in [*wl.WORKLOADS, "none", "raw", "raw_blob", "kvtc16", "kvtc32", "policy", "random weights"]:
+    for name in [*wl.WORKLOADS, "none", "raw", "raw_blob", "kvtc16", "kvtc32", "policy", "vllm_tier", "random weights"]:
         assert name in p.stdout.replace("\n", " "), name
 
 

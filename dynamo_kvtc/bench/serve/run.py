@@ -25,6 +25,7 @@ from ..gpu_model import MODELS, ModelDims, RandomDecoder
 from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
 from . import workloads as wl
+from .cascade import CascadeTier
 from .engine import EngineConfig, ServeEngine
 from .latency import RunRecord, summarize
 from .rawtier import RawDmaConfig, RawDmaTier
@@ -92,10 +93,16 @@ class ServeBench:
         kw = dict(self.tier_kw)
         if kw.get("disk_bytes"):
             kw["disk_dir"] = tempfile.mkdtemp(prefix=f"serve-{system_name}-", dir=disk_dir)
-        cfg = tier_config(sysm, host_bytes, **kw)
-        return KvtcStore(
+        primary = int(host_bytes * sysm.primary_share)
+        cfg = tier_config(sysm, host_bytes - primary, **kw)
+        store = KvtcStore(
             self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens, kv=kv
         )
+        if not primary:
+            return store
+        s = self.shape
+        raw = RawDmaConfig(primary, s.layers, s.kv_heads, s.head_dim, self.cfg.block_size)
+        return CascadeTier(RawDmaTier(raw, self.device, kv=kv), store, kv)
 
     def warm_up(self, systems: list[str], sessions: int = 2) -> None:
         """Every turn of the workload's first ``sessions`` sessions once per system, untimed, so codec set-up, kernel

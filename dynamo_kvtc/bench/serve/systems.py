@@ -9,6 +9,9 @@
   (``ratio_policy=raw``): blobs cut into the same spans, every one stored uncompressed with its header and section
   CRCs. Slower than ``raw`` per byte (the encode path's framing and host copies); kept to show that cost.
 - ``kvtc16`` / ``kvtc32``: the kvtc tier at 16x / 32x (each saved sequence's last ``window`` tokens raw).
+- ``vllm_tier``: vLLM's tiered OffloadingConnector with the ``kvtc`` secondary tier (:mod:`.cascade`): a raw
+  primary of a quarter of the budget, every chunk cascaded to a kvtc 16x tier holding the other three quarters; a
+  chunk only in the kvtc tier is promoted into the primary before it loads (no layer-by-layer restore).
 - ``policy``: kvtc 16x under ``ratio_policy=raw_first``: stored raw while the host tier has room, compressed once it
   has not.
 
@@ -37,6 +40,7 @@ class System:
     dma: bool = False  # the raw DMA pool (RawDmaTier) instead of the KvtcStore
     ratio: float = 16.0
     ratio_policy: str = "fixed"
+    primary_share: float = 0.0  # > 0: a raw DMA primary of this share of the budget in front of the kvtc tier
 
 
 SYSTEMS = {
@@ -49,6 +53,8 @@ SYSTEMS = {
                ratio_policy="raw"),
         System("kvtc16", "kvtc at 16x", ratio=16.0),
         System("kvtc32", "kvtc at 32x", ratio=32.0),
+        System("vllm_tier", "vLLM's tiered offloading: raw primary (1/4 of the budget) + kvtc 16x secondary (3/4)",
+               primary_share=0.25),
         System("policy", "kvtc 16x, stored raw while the host tier has room (ratio_policy=raw_first)",
                ratio_policy="raw_first"),
     )
