@@ -65,5 +65,9 @@ class TierFullError(TierError):
     """Not enough room in a tier even after eviction."""
 
 
+class BlobKeyError(TierError):
+    """A blob does not carry the block keys a restore asked for (or none at all): never served, a counted miss."""
+
+
 class TransferError(TierError):
     """A NIXL transfer failed, timed out or the peer disappeared."""

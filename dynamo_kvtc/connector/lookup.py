@@ -87,7 +87,7 @@ class LookupServer:
         if (
             op != "match"
             or not isinstance(hashes, list)
-            or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
+            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 128 for h in hashes)
         ):
             raise TransferError("bad lookup request")
         n, n_host = self._worker.match(hashes)
