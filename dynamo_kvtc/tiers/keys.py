@@ -26,7 +26,8 @@ multimodal item, so two requests share blocks only when all of these are equal.
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ TENANT_DOMAIN = "dynamo-kvtc/tenant/v2"  # versions the digest: a change of its 
 _BLOCK = b"dynamo-kvtc/block/v2\0"
 _CHAIN = b"dynamo-kvtc/chain/v2\0"
 _MASK64 = (1 << 64) - 1
+_BLOCK_HASH = hashlib.sha256(_BLOCK)  # copied per block: the domain tag is hashed once
+_CHAIN_HASH = hashlib.sha256(_CHAIN)
 
 
 def _h128(data: bytes) -> int:
@@ -93,8 +96,16 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     n = len(tokens) // block_size
-    fmt = f"<{block_size}I"
-    return [_h128(_BLOCK + struct.pack(fmt, *tokens[i * block_size : (i + 1) * block_size])) for i in range(n)]
+    words = array("I", tokens[: n * block_size])  # uint32; OverflowError for a token outside [0, 2**32)
+    if sys.byteorder != "little":
+        words.byteswap()
+    data, step = memoryview(words.tobytes()), 4 * block_size
+    out = []
+    for i in range(n):
+        h = _BLOCK_HASH.copy()
+        h.update(data[i * step : (i + 1) * step])
+        out.append(int.from_bytes(h.digest()[:KEY_BYTES], "big"))
+    return out
 
 
 def chain(block_hashes_: Sequence[int], parent: int | None = None) -> list[int]:
@@ -102,8 +113,12 @@ def chain(block_hashes_: Sequence[int], parent: int | None = None) -> list[int]:
     out: list[int] = []
     prev = parent
     for h in block_hashes_:
-        prev = h if prev is None else _h128(_CHAIN + prev.to_bytes(KEY_BYTES, "big") + h.to_bytes(KEY_BYTES, "big"))
-        out.append(prev)
+        if prev is not None:
+            c = _CHAIN_HASH.copy()
+            c.update(prev.to_bytes(KEY_BYTES, "big") + h.to_bytes(KEY_BYTES, "big"))
+            h = int.from_bytes(c.digest()[:KEY_BYTES], "big")
+        out.append(h)
+        prev = h
     return out
 
 
