@@ -122,6 +122,10 @@ async def test_a_blob_indexed_under_other_keys_is_a_counted_miss(synth, synth_ca
     forged = BlobMeta("collision", list(ha), BS, 0, meta_b.ratio, meta_b.cal, meta_b.raw_bytes, len(blob_b))
     store.placement.put(forged, blob_b)  # key A's slot now points at B's bytes
     assert store.match(ha) == len(ha)
+    for lease in (False, True):  # a peer asking for A is not handed B's blob either
+        with pytest.raises(BlobKeyError):
+            store.export(ha, lease=lease)
+    assert len(store.export(hb, lease=False)[0]) == 1
     sink = Sink()
     h = store.start_onboard(ha, sink=sink)
     assert not await h.done()

@@ -30,6 +30,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -154,11 +155,11 @@ def keyed_blob(blob: bytes | memoryview, keys: Sequence[int]) -> bytes:
     return with_keys(blob, keys_to_bytes(keys))
 
 
-def check_blob_keys(blob: bytes | memoryview, first: int, wanted: Sequence[int]) -> None:
-    """Raise :class:`~dynamo_kvtc.errors.BlobKeyError` unless blocks ``first .. first + len(wanted)`` of ``blob`` carry
-    exactly the keys ``wanted`` (its header's ``keys`` field); a blob without keys is refused the same way.
-    CorruptBlobError when the blob's header does not parse."""
-    stored = blob_keys(blob)
+def check_blob_keys(blob: Any, first: int, wanted: Sequence[int]) -> None:
+    """Raise :class:`~dynamo_kvtc.errors.BlobKeyError` unless blocks ``first .. first + len(wanted)`` of ``blob``
+    (bytes, or a host :class:`~dynamo_kvtc.codec.blob.BlobView`) carry exactly the keys ``wanted`` (its header's
+    ``keys`` field); a blob without keys is refused the same way. CorruptBlobError when the header does not parse."""
+    stored = blob_keys(blob.host() if hasattr(blob, "host") else blob)
     if stored is None:
         raise BlobKeyError("blob carries no block keys (written by an older version); refused")
     got = stored[first * KEY_BYTES : (first + len(wanted)) * KEY_BYTES]

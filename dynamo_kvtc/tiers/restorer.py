@@ -184,6 +184,7 @@ class Restorer:
                     held.append(got)
                     got = got.blob()
                 runs.append(replace(r, blob=got, meta=meta))
+                check_blob_keys(got, r.first, hashes[r.at : r.at + r.count])  # a peer gets only what it asked for
         except BaseException:
             for h in held:
                 h.release()
@@ -280,7 +281,7 @@ class Restorer:
             handle.bytes_read += len(blob)
             runs.append(replace(r, blob=blob))
             try:  # the blob must answer for exactly the keys asked for: else a counted miss, never served
-                check_blob_keys(blob.host(), r.first, hashes[r.at : r.at + r.count])
+                check_blob_keys(blob, r.first, hashes[r.at : r.at + r.count])
             except KvtcError as e:
                 self.placement.drop(r.blob_id, e)
                 raise
