@@ -65,5 +65,14 @@ class TierFullError(TierError):
     """Not enough room in a tier even after eviction."""
 
 
+class BadRecordError(TierError, ValueError):
+    """A record from outside the process (a disk file's blob metadata, a peer's) with a missing, extra, wrong-typed
+    or out-of-range field: dropped with its reason, never used."""
+
+
+class BlobKeyError(TierError):
+    """A blob does not carry the block keys a restore asked for (or none at all): never served, a counted miss."""
+
+
 class TransferError(TierError):
     """A NIXL transfer failed, timed out or the peer disappeared."""

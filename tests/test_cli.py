@@ -91,6 +91,8 @@ def test_inspect_disk_tier_file_says_which_decoder_it_needs(tmp_path, synth_cal)
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["disk_record"]["id"] == files[0].stem and info["header"]["tokens"] > 0
+    keys = info["disk_record"]["meta"]["hashes"]  # the blob carries its blocks' keys, shown as hex
+    assert info["header"]["keys"] == [f"{h:032x}" for h in keys] and len(keys) == 256 // 16
     assert info["needs"]["entropy_codecs"] == ["deflate"] or "store" in info["needs"]["entropy_codecs"]
     assert info["needs"]["readable_on_cpu"] is True and heavy == []
     damaged = tmp_path / "damaged.kvtc"

@@ -155,15 +155,22 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
 
 def test_tier_blocks_reach_vllms_kv_event_stream(scenario):
     """What dynamo.vllm relays to Dynamo's KV router: BlockStored events for every block in the compressed tier."""
-    from dynamo_kvtc.tiers.keys import block_hashes, chain
+    from dynamo_kvtc.tiers.keys import block_hashes, chain, router_hash
 
     r = scenario("events")
     stored = [e for e in r["events"] if e["kind"] == "BlockStored"]
     assert stored and all(e["medium"] == "CPU" and e["block_size"] == 32 for e in stored)
     assert r["stored_hashes"] == r["stored_hashes_in_index"] == r["index_size"] > 0
-    for e in stored:  # each event's hashes are the chained Dynamo hashes of its own tokens
+    keys: dict[int, int] = {}  # router hash -> the full 128-bit block key
+    todo = list(stored)
+    while todo:  # each event's hashes are the 64-bit router hashes of its own tokens' chained block keys
+        e = next((e for e in todo if e["parent"] is None or e["parent"] in keys), None)
+        assert e is not None, "an event continues a block no event stored"
+        todo.remove(e)
         assert len(e["tokens"]) == 32 * len(e["hashes"])
-        assert chain(block_hashes(e["tokens"], 32), e["parent"]) == e["hashes"]
+        full = chain(block_hashes(e["tokens"], 32), None if e["parent"] is None else keys[e["parent"]])
+        assert [router_hash(k) for k in full] == e["hashes"]
+        keys.update((router_hash(k), k) for k in full)
     firsts = [e for e in stored if e["parent"] is None]
     assert len(firsts) == 1  # one sequence: every other event continues a stored block
     known = {h for e in stored for h in e["hashes"]}

@@ -297,7 +297,7 @@ def test_only_requested_hashes_are_kept_and_the_id_is_ours():
         [_blob([104, 105, 106], 0, 3, 3), _blob([101, 102, 103], 0, 3, 0)],  # runs out of order
         [_blob([101, 102, 103, 104, 105, 106, "x"], 0, 6, 0)],  # junk beside the requested hashes
         [_blob([101, 102, 103, 104, 105, 106, -1], 0, 6, 0)],
-        [_blob([101, 102, 103, 104, 105, 106, 1 << 64], 0, 6, 0)],
+        [_blob([101, 102, 103, 104, 105, 106, 1 << 128], 0, 6, 0)],  # wider than a block key
         [_blob([True, 102, 103, 104, 105, 106], 0, 6, 0)],
     ],
 )

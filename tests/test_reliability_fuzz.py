@@ -214,7 +214,7 @@ def test_disk_recovery_over_damaged_files(nixl_files, data):
                     mb = msgpack.packb(meta, use_bin_type=True)
                 except (OverflowError, ValueError, TypeError):
                     continue
-                raw = bytearray(struct.pack("<8sII", b"KVTCD001", len(mb), zlib.crc32(mb)) + mb)
+                raw = bytearray(struct.pack("<8sII", disk_format.MAGIC, len(mb), zlib.crc32(mb)) + mb)
             f.write_bytes(bytes(raw))
             damaged.add(f.name[: -len(".kvtc")])
         (d / "junk.kvtc").write_bytes(data.draw(st.binary(max_size=64)))

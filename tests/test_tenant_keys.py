@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_kvtc.tiers.keys import TenantKey, block_hashes, chain, sequence_hashes
+from dynamo_kvtc.tiers.keys import TenantKey, block_hashes, chain, router_hash, sequence_hashes
 
 from .conftest import ENGINE_ENV
 
@@ -35,20 +35,21 @@ TENANTS = {
 
 
 # ---------------------------------------------------------------------------------------------- the key function
-def test_no_tenant_keeps_dynamos_chain():
-    plain = sequence_hashes(TOKENS, BS, use_dynamo=False)
-    assert sequence_hashes(TOKENS, BS, use_dynamo=False, tenant=TenantKey()) == plain
+def test_no_tenant_keeps_the_plain_chain_and_keys_are_128_bit():
+    plain = sequence_hashes(TOKENS, BS)
+    assert sequence_hashes(TOKENS, BS, tenant=TenantKey()) == plain
     assert TenantKey().empty and TenantKey(cache_salt="").empty
-    llm = pytest.importorskip("dynamo.llm")
-    assert plain == chain([int(h) for h in llm.compute_block_hash_for_seq(TOKENS, BS)])
+    assert all(0 <= h < 1 << 128 for h in plain) and max(plain) >= 1 << 64
+    t = TenantKey(cache_salt="tenant-A")
+    assert t.digest().bit_length() <= 128 and t.digest() != TenantKey(cache_salt="tenant-B").digest()
 
 
 def test_salt_lora_and_mm_change_every_key():
-    plain = sequence_hashes(TOKENS, BS, use_dynamo=False)
+    plain = sequence_hashes(TOKENS, BS)
     seen = {h: "plain" for h in plain}
     for name, tenant in TENANTS.items():
         assert not tenant.empty
-        keys = sequence_hashes(TOKENS, BS, use_dynamo=False, tenant=tenant)
+        keys = sequence_hashes(TOKENS, BS, tenant=tenant)
         assert len(keys) == len(plain) == 6
         for h in keys:
             assert h not in seen, f"{name} shares a key with {seen[h]}"
@@ -57,10 +58,10 @@ def test_salt_lora_and_mm_change_every_key():
 
 def test_tenant_chain_is_prefix_consistent_and_deterministic():
     t = TenantKey(cache_salt="tenant-A")
-    full = sequence_hashes(TOKENS, BS, use_dynamo=False, tenant=t)
-    assert sequence_hashes(TOKENS[: 3 * BS], BS, use_dynamo=False, tenant=TenantKey(cache_salt="tenant-A")) == full[:3]
+    full = sequence_hashes(TOKENS, BS, tenant=t)
+    assert sequence_hashes(TOKENS[: 3 * BS], BS, tenant=TenantKey(cache_salt="tenant-A")) == full[:3]
     # extending a chain block by block (what the scheduler does) gives the same keys
-    bh = block_hashes(TOKENS, BS, use_dynamo=False)
+    bh = block_hashes(TOKENS, BS)
     assert chain(bh[:2], t.root()) + chain(bh[2:], chain(bh[:2], t.root())[-1]) == full
     assert t.digest() == TenantKey(cache_salt="tenant-A").digest()
     assert TenantKey().root() is None
@@ -140,7 +141,7 @@ def test_scheduler_keys_follow_the_tenant(sched):
 
     plain = _request("p")
     assert tenant_of(plain) == TenantKey()
-    assert sched.hashes_for(plain) == sequence_hashes(TOKENS, BS)  # Dynamo's chain for plain requests
+    assert sched.hashes_for(plain) == sequence_hashes(TOKENS, BS)  # the plain chain for plain requests
     salted = _request("s", cache_salt="tenant-A")
     assert tenant_of(salted) == TenantKey(cache_salt="tenant-A")
     assert sched.hashes_for(salted) == sequence_hashes(TOKENS, BS, tenant=TenantKey(cache_salt="tenant-A"))
@@ -169,7 +170,7 @@ def test_same_tokens_under_two_salts_never_share(sched):
 def test_two_lora_adapters_never_share_and_events_carry_the_adapter(sched):
     one = _request("one", lora_request=_lora("adapter-1", 1))
     saved = _save_all(sched, one)
-    assert saved and all(sched.lora_of(h) == (1, "adapter-1") for h in saved)
+    assert saved and all(sched.lora_of(router_hash(h)) == (1, "adapter-1") for h in saved)
     two = _request("two", lora_request=_lora("adapter-2", 2))
     assert sched.get_num_new_matched_tokens(two, 0) == (0, False)
     assert sched.get_num_new_matched_tokens(_request("one-again", lora_request=_lora("adapter-1", 1)), 0)[0] == 6 * BS
@@ -186,6 +187,8 @@ def test_two_lora_adapters_never_share_and_events_carry_the_adapter(sched):
     col.add(type("Out", (), {"kv_cache_events": q.take()})())
     events = list(col.take())
     assert [type(e) for e in events] == [BlockStored, BlockStored, BlockRemoved]
+    assert events[0].block_hashes == [router_hash(h) for h in saved[:2]]  # the router's 64-bit width
+    assert all(0 <= h < 1 << 64 for e in events for h in e.block_hashes)
     assert (events[0].lora_id, events[0].lora_name) == (1, "adapter-1")
     assert (events[1].lora_id, events[1].lora_name) == (None, None)
 

@@ -25,6 +25,7 @@ from dynamo_kvtc.tiers import (
     sequence_hashes,
     to_signed,
 )
+from dynamo_kvtc.tiers.keys import router_hash
 from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 from .conftest import offload_seq
@@ -33,18 +34,19 @@ BS = 16
 
 
 # ---------------------------------------------------------------------------------------------- keys
-def test_block_hashes_equal_dynamo_runtime():
-    llm = pytest.importorskip("dynamo.llm")
+def test_block_keys_are_128_bit_and_router_hashes_64():
     toks = [random.Random(0).randrange(50000) for _ in range(16 * 9 + 5)]
-    ours = block_hashes(toks, 16, use_dynamo=False)
-    assert ours == [int(h) for h in llm.compute_block_hash_for_seq(toks, 16)]
+    ours = block_hashes(toks, 16)
     assert len(ours) == 9  # the partial tail block has no hash
+    assert all(0 <= h < 1 << 128 for h in ours) and any(h >= 1 << 64 for h in ours)
+    keys = sequence_hashes(toks, 16)
+    assert all(0 <= router_hash(h) < 1 << 64 for h in keys) and len({router_hash(h) for h in keys}) == 9
 
 
 def test_sequence_hashes_chain_the_prefix():
-    a = sequence_hashes(list(range(64)), 16, use_dynamo=False)
-    b = sequence_hashes(list(range(48)) + [7] * 16, 16, use_dynamo=False)
-    c = sequence_hashes([9] + list(range(1, 64)), 16, use_dynamo=False)
+    a = sequence_hashes(list(range(64)), 16)
+    b = sequence_hashes(list(range(48)) + [7] * 16, 16)
+    c = sequence_hashes([9] + list(range(1, 64)), 16)
     assert a[:3] == b[:3] and a[3] != b[3]
     assert all(x != y for x, y in zip(a, c))  # a changed first block changes every later key
     assert to_signed(2**64 - 1) == -1 and to_signed(5) == 5

@@ -220,7 +220,9 @@ def scenario_events(tmp: Path) -> dict:
     stop.set()
     t.join()
     stored = [e for e in got if type(e).__name__ == "BlockStored"]
-    index = {h: bid for h, (bid, _) in w.store.index.entries().items()}
+    from dynamo_kvtc.tiers.keys import router_hash
+
+    index = {router_hash(h): bid for h, (bid, _) in w.store.index.entries().items()}  # events carry router hashes
     return {
         **out,
         "events": [

@@ -23,14 +23,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         from ..codec.container import parse_blob
         from ..codec.entropy_tags import GPU_ONLY_TAGS
-        from ..tiers.disk_format import MAGIC, split_file
+        from ..tiers.disk_format import MAGIC, OLD_MAGICS, split_file
 
         data, info = args.path.read_bytes(), {}
-        if data.startswith(MAGIC):  # a disk-tier file: its record, then the blob
+        if data[: len(MAGIC)] in (MAGIC, *OLD_MAGICS):  # a disk-tier file: its record, then the blob
             record, data = split_file(data)
             info["disk_record"] = record
         h, recs = parse_blob(data)
         h.pop("sections")
+        if "keys" in h:  # the blocks' 128-bit keys, as hex
+            h["keys"] = [h["keys"][i : i + 16].hex() for i in range(0, len(h["keys"]), 16)]
         tags = sorted({r.tag for r in recs})
         gpu_only = sorted(set(tags) & GPU_ONLY_TAGS)
         info.update(

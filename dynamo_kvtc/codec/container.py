@@ -20,6 +20,9 @@ Optional keys (per-layer token sets; written only by calibrations that have them
 are not neighbours, e.g. all sliding-window layers) and ``token_sets`` (one ``[start, stop]`` token-index range per
 group: the tokens of the span that group encodes; the blob's ``sinks`` and ``window`` apply inside each range).
 
+Optional ``keys`` (bin): the 128-bit keys of the blocks the blob holds, 16 big-endian bytes each, in order; written
+by the tiers (:func:`with_keys`) so a restore can check that a blob is the one it asked for. The codec never reads it.
+
 Parsing checks magic, version, flags, header length and CRC, unpacks msgpack with hard limits, checks every field's
 type and range, and checks that the section table accounts for exactly the remaining bytes. Section CRCs are checked
 before anything is inflated. Any failure raises :class:`~dynamo_kvtc.errors.CorruptBlobError`.
@@ -75,6 +78,8 @@ HEADER_KEYS = (
     "sections",
 )
 OPTIONAL_KEYS = ("order", "token_sets")  # per-layer token sets (absent from every blob without them)
+KEY_BYTES = 16  # one block key in the ``keys`` field (128 bits, big-endian)
+MAX_KEYS = 1 << 16  # block keys one blob may carry
 
 
 @dataclass
@@ -201,8 +206,8 @@ def _int(h: dict, key: str, lo: int, hi: int) -> int:
     return v
 
 
-def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[SectionRecord]]:
-    """Validate a blob's prefix, header and section table; return the header and section records."""
+def _header(blob: bytes | bytearray | memoryview) -> tuple[memoryview, dict[str, Any], int]:
+    """(the blob as bytes, its header unpacked within limits, header length): prefix and header CRC checked."""
     mv = memoryview(blob)
     if mv.ndim != 1 or mv.itemsize != 1:
         mv = mv.cast("B")
@@ -227,7 +232,7 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
             strict_map_key=True,
             use_list=True,
             max_str_len=1024,
-            max_bin_len=0,
+            max_bin_len=KEY_BYTES * MAX_KEYS,
             max_ext_len=0,
             max_array_len=MAX_TOKENS,
             max_map_len=64,
@@ -235,6 +240,17 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise CorruptBlobError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
     _need(isinstance(h, dict), "not a map")
+    keys = h.get("keys")
+    if keys is not None:
+        _need(isinstance(keys, bytes) and 0 < len(keys) and len(keys) % KEY_BYTES == 0, "keys must be 16 bytes a block")
+    for k, v in h.items():  # the one binary field: a bin anywhere else is refused
+        _need(k == "keys" or not isinstance(v, bytes), f"{k} must not be binary")
+    return mv, h, hlen
+
+
+def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[SectionRecord]]:
+    """Validate a blob's prefix, header and section table; return the header and section records."""
+    mv, h, hlen = _header(blob)
     missing = [k for k in HEADER_KEYS if k not in h]
     _need(not missing, f"missing header keys {missing}")
     _need(isinstance(h.get("cal"), str), "cal must be a string")
@@ -314,6 +330,26 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
             f"({'truncated' if off > len(mv) else 'trailing bytes'})"
         )
     return h, recs
+
+
+def with_keys(blob: bytes | memoryview, keys: bytes) -> bytes:
+    """A copy of ``blob`` whose header carries ``keys`` (16 bytes per block key, see the module docstring), replacing
+    any it had; sections unchanged. Raises CorruptBlobError for a blob that does not parse, InputError for bad keys."""
+    if not keys or len(keys) % KEY_BYTES or len(keys) > KEY_BYTES * MAX_KEYS:
+        raise InputError(f"keys of {len(keys)} bytes: need 1..{MAX_KEYS} keys of {KEY_BYTES} bytes")
+    h, recs = parse_blob(blob)
+    h["keys"] = bytes(keys)
+    hdr = msgpack.packb(h, use_bin_type=True)
+    if len(hdr) > MAX_HEADER_BYTES:
+        raise InputError(f"header of {len(hdr)} bytes exceeds {MAX_HEADER_BYTES}")
+    start = recs[0].offset if recs else len(blob)
+    return b"".join((PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(hdr), zlib.crc32(hdr)), hdr, memoryview(blob)[start:]))
+
+
+def blob_keys(blob: bytes | memoryview) -> bytes | None:
+    """The ``keys`` field of a blob's header (None when it has none); CorruptBlobError for a blob whose prefix or
+    header does not check out. Reads the prefix and header only."""
+    return _header(blob)[1].get("keys")
 
 
 def check_section(blob: bytes | memoryview, rec: SectionRecord) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents, KVEventAggregator
 
+from ..tiers.keys import router_hash
+
 MEDIUM = "CPU"  # the compressed tiers live in host memory (and on local disk behind it)
 
 
@@ -51,7 +53,8 @@ class KvtcKVEvents(KVConnectorKVEvents):
 class EventQueue:
     """Store listener turning committed/dropped blobs into vLLM KV cache events (relayed by dynamo.vllm).
 
-    Owns the events of one worker between two steps; it never blocks or raises into the store."""
+    Owns the events of one worker between two steps; it never blocks or raises into the store. Events carry each
+    block key's 64-bit :func:`~dynamo_kvtc.tiers.keys.router_hash` (the router's width)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -60,8 +63,8 @@ class EventQueue:
     def stored(self, hashes, token_ids, parent) -> None:
         self.events.append(
             BlockStored(
-                block_hashes=list(hashes),
-                parent_block_hash=parent,
+                block_hashes=[router_hash(h) for h in hashes],
+                parent_block_hash=None if parent is None else router_hash(parent),
                 token_ids=list(token_ids),
                 block_size=self.block_size,
                 lora_id=None,
@@ -71,7 +74,7 @@ class EventQueue:
         )
 
     def removed(self, hashes) -> None:
-        self.events.append(BlockRemoved(block_hashes=list(hashes), medium=MEDIUM))
+        self.events.append(BlockRemoved(block_hashes=[router_hash(h) for h in hashes], medium=MEDIUM))
 
     def take(self) -> KvtcKVEvents | None:
         """This step's events as vLLM's connector event batch (None when there are none)."""

@@ -22,7 +22,7 @@ from ..errors import ConfigError, TransferError
 from ..transport.channel import Limits, RepServer, ReqClient
 
 log = logging.getLogger(__name__)
-MAX_MESSAGE = 1 << 22  # 4 MiB: ~500K hashes, far above any request
+MAX_MESSAGE = 1 << 22  # 4 MiB: ~230K block keys (18 bytes each), far above any request
 
 
 def socket_dir() -> str:
@@ -87,7 +87,7 @@ class LookupServer:
         if (
             op != "match"
             or not isinstance(hashes, list)
-            or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes)
+            or not all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 128 for h in hashes)
         ):
             raise TransferError("bad lookup request")
         n, n_host = self._worker.match(hashes)

@@ -1,11 +1,12 @@
 """The scheduler half of the connector: matches requests against the compressed tiers and plans loads and saves.
 
 It owns no KV bytes. Matching asks the worker's store (in the same process, or over the lookup channel when the
-workers are separate processes); block keys are Dynamo's chained XXH3 sequence hashes of the request's tokens, so
-what is matched here is exactly what the router hears about. A request with a cache salt, a LoRA adapter or
-multimodal inputs keys its blocks with a chain seeded by its :class:`~dynamo_kvtc.tiers.keys.TenantKey` (see
-:func:`tenant_of`), so tenants never share blocks; a request whose KV cannot be keyed safely (prompt embeddings,
-anything not understood) bypasses the tiers: no match, no save, counted as ``bypass_unkeyable`` in ``stats``.
+workers are separate processes); block keys are 128-bit chained hashes of the request's tokens
+(:mod:`dynamo_kvtc.tiers.keys`); the router hears of the same blocks under each key's 64-bit projection. A request
+with a cache salt, a LoRA adapter or multimodal inputs keys its blocks with a chain seeded by its
+:class:`~dynamo_kvtc.tiers.keys.TenantKey` (see :func:`tenant_of`), so tenants never share blocks; a request whose KV
+cannot be keyed safely (prompt embeddings, anything not understood) bypasses the tiers: no match, no save, counted as
+``bypass_unkeyable`` in ``stats``.
 
 Saves follow vLLM's block life: a request's prompt blocks are saved in the step its prefill completes (the raw window
 on its tail), decode blocks once ``flush_tokens`` new tokens filled blocks, and a finished request's remaining full
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tiers.keys import TenantKey, block_hashes, chain
+from ..tiers.keys import TenantKey, block_hashes, chain, router_hash
 from .config import ConnectorConfig
 from .handoff.remote_prefill import RemotePrefill
 from .lookup import Matcher
@@ -140,14 +141,15 @@ class KvtcScheduler:
         return self._hashes(st, toks, len(toks) // self.block_size)
 
     def lora_of(self, block_hash: int) -> tuple[int, str] | None:
-        """(lora id, lora name) of a block this scheduler planned to save for a LoRA request (router events)."""
+        """(lora id, lora name) of a block this scheduler planned to save for a LoRA request, by the 64-bit
+        :func:`~dynamo_kvtc.tiers.keys.router_hash` its router events carry."""
         return self._lora.get(block_hash)
 
     def _remember_lora(self, st: _Req, hashes: Sequence[int]) -> None:
         t = st.tenant
         if t is None or t.lora_name is None:
             return
-        for h in hashes:
+        for h in map(router_hash, hashes):
             self._lora[h] = (t.lora_id, t.lora_name)
             self._lora.move_to_end(h)
         while len(self._lora) > LORA_MEMORY:

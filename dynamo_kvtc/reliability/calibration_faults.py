@@ -8,8 +8,7 @@ import zlib
 
 from ..calibration.artifact import Calibration
 from ..errors import CalibrationError, DecodeError
-from ..tiers import KvtcStore
-from ..tiers.disk_format import RECORD_LIMITS
+from ..tiers import KvtcStore, disk_format
 from ..transport.channel import pack, unpack
 from .ledger import Ledger
 from .testbed import (
@@ -83,10 +82,10 @@ def scenario_calibration(world: World, ledger: Ledger) -> None:
         path = d / f"{target}.kvtc"
         data = path.read_bytes()
         mlen = struct.unpack_from("<I", data, 8)[0]
-        m = unpack(data[16 : 16 + mlen], RECORD_LIMITS, what="index record")
+        m = unpack(data[16 : 16 + mlen], disk_format.RECORD_LIMITS, what="index record")
         m["meta"]["cal"] = other.id
         mb = pack(m)
-        path.write_bytes(struct.pack("<8sII", b"KVTCD001", len(mb), zlib.crc32(mb)) + mb + data[16 + mlen :])
+        path.write_bytes(struct.pack("<8sII", disk_format.MAGIC, len(mb), zlib.crc32(mb)) + mb + data[16 + mlen :])
         store_b = KvtcStore(other, tier_config(True, 0, 64 << 20, d), block_size=BS, span_tokens=SPAN)
         ledger.add(kind, faults_injected=1)
         ledger.detail(kind, forged_index_record=1)

@@ -13,8 +13,6 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
-
 from ..connector.handoff.messages import LIMITS
 from ..errors import TransferError
 from ..tiers.keys import sequence_hashes
@@ -187,18 +185,18 @@ def _lying_replies(client: Any, hashes: list[int]) -> list[bytes]:
     base = {"lease": "x", "agent": client.agent.name + "-fake", "agent_md": client.agent.metadata()}
     return [
         b"\xc1\xc1 not msgpack",
-        msgpack.packb([1, 2, 3]),
-        msgpack.packb({"lease": "x"}),
-        msgpack.packb({**base, "blobs": [{**blob, "meta": {"hashes": [h ^ 1 for h in hashes]}}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "count": len(hashes) - 1}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "j": 1}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "size": 1 << 40, "descs": [[4096, 1 << 40]]}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, 99]]}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, -100]]}]}),
-        msgpack.packb({**base, "blobs": [{**blob, "size": True}]}),
-        msgpack.packb({**base, "agent": "../../etc", "blobs": [blob]}),
-        msgpack.packb({**base, "blobs": [blob] * 2}),
-        msgpack.packb({**base, "blobs": [{**blob, "descs": [[4096, 100]] * 70000}]}),
+        pack([1, 2, 3]),
+        pack({"lease": "x"}),
+        pack({**base, "blobs": [{**blob, "meta": {"hashes": [h ^ 1 for h in hashes]}}]}),
+        pack({**base, "blobs": [{**blob, "count": len(hashes) - 1}]}),
+        pack({**base, "blobs": [{**blob, "j": 1}]}),
+        pack({**base, "blobs": [{**blob, "size": 1 << 40, "descs": [[4096, 1 << 40]]}]}),
+        pack({**base, "blobs": [{**blob, "descs": [[4096, 99]]}]}),
+        pack({**base, "blobs": [{**blob, "descs": [[4096, -100]]}]}),
+        pack({**base, "blobs": [{**blob, "size": True}]}),
+        pack({**base, "agent": "../../etc", "blobs": [blob]}),
+        pack({**base, "blobs": [blob] * 2}),
+        pack({**base, "blobs": [{**blob, "descs": [[4096, 100]] * 70000}]}),
         b"\x00" * (MAX_MESSAGE + 1024),  # bigger than any control message: dropped before it is buffered
     ]
 
@@ -221,7 +219,7 @@ def _fetch_from_liar(ledger: Ledger, kind: str, client: Any, hashes: list[int]) 
             if not poller.poll(50):
                 continue
             fake.recv()
-            reply = queue.pop(0) if queue else msgpack.packb({"ok": True})
+            reply = queue.pop(0) if queue else pack({"ok": True})
             fake.send(reply)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -255,11 +253,11 @@ def _garbage_to_peer(ledger: Ledger, kind: str, peer: PeerProcess, hashes: list[
     raw.connect(f"tcp://127.0.0.1:{peer.port}")
     bad_requests = [
         b"\xc1 garbage",
-        msgpack.packb({"op": "fetch", "hashes": [-1], "agent": "a", "agent_md": b"x"}),
-        msgpack.packb({"op": "fetch", "hashes": list(range(1 << 17)), "agent": "a", "agent_md": b"x"}),
-        msgpack.packb({"op": "fetch", "hashes": [1], "agent": "a\x00b", "agent_md": b"x"}),
-        msgpack.packb({"op": "fetch", "hashes": hashes, "agent": "evil", "agent_md": b"not nixl metadata"}),
-        msgpack.packb({"op": "explode"}),
+        pack({"op": "fetch", "hashes": [-1], "agent": "a", "agent_md": b"x"}),
+        pack({"op": "fetch", "hashes": list(range(1 << 17)), "agent": "a", "agent_md": b"x"}),
+        pack({"op": "fetch", "hashes": [1], "agent": "a\x00b", "agent_md": b"x"}),
+        pack({"op": "fetch", "hashes": hashes, "agent": "evil", "agent_md": b"not nixl metadata"}),
+        pack({"op": "explode"}),
     ]
     try:
         for i, req in enumerate(bad_requests):

@@ -105,7 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("window", "int", 128, "most recent tokens of a saved prompt kept raw", "tier", lo=0),
     _s("sinks", "int", 4, "first tokens of a sequence kept in fp8 (attention sinks)", "tier", lo=0),
     _s("disk_fsync", "bool", False, "fsync each committed disk blob (off: a cache may lose its last writes on power "
-       "loss; torn files are detected by their CRCs and dropped at start-up)", "tier", field="fsync"),
+       "loss; a torn file is never served: dropped at start-up when its header or size is wrong, else at its first "
+       "read by the blob's CRC)", "tier", field="fsync"),
     _s("disk_min_uses", "int", 2, "write a blob to disk on host eviction only once it was used this often (its "
        "offload counts once, every restore once; 1 = every eviction)", "tier", lo=1),
     _s("page_bytes", "int", 16384, "page size of the host-tier arena (a power of two)", "tier", lo=512),

@@ -4,11 +4,16 @@ behaviour beyond (de)serialising a :class:`BlobMeta`."""
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
+
+from ..errors import BadRecordError
+from .keys import is_key
 
 Sink = Callable[[int, int, torch.Tensor, torch.Tensor], None]  # (layer, first token index, k, v)
 
@@ -31,9 +36,38 @@ class BlobMeta:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> BlobMeta:
-        """Raises TypeError (or KeyError) when ``d`` is not a blob's metadata."""
-        return cls(**d)
+    def from_dict(cls, d: Any) -> BlobMeta:
+        """The metadata in ``d`` (a disk record's ``meta``, a peer's), every field checked by type and range;
+        :class:`~dynamo_kvtc.errors.BadRecordError` (a TierError and a ValueError) naming the first bad field."""
+        if not isinstance(d, dict):
+            raise BadRecordError(f"blob metadata is a {type(d).__name__}, not a map")
+        names = {f.name for f in fields(cls)}
+        if set(d) != names:
+            raise BadRecordError(f"blob metadata fields {sorted(map(str, set(d) ^ names))} missing or unknown")
+        for name, ok in _CHECKS.items():
+            if not ok(d[name]):
+                raise BadRecordError(f"blob metadata field {name}={d[name]!r:.80} has the wrong type or range")
+        return cls(**{k: list(v) if k == "hashes" else v for k, v in d.items()})
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+
+MAX_BLOB_BLOCKS = 1 << 16  # blocks one blob may hold (the blob header's key list has the same bound)
+_BLOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # the disk tier's file names (tiers/disk_format.py)
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "id": lambda v: isinstance(v, str) and _BLOB_ID.fullmatch(v) is not None,
+    "hashes": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_BLOB_BLOCKS and all(map(is_key, v)),
+    "block_size": _int(1, 1 << 20),
+    "first_position": _int(0, 1 << 48),
+    "ratio": lambda v: (
+        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+    ),
+    "cal": lambda v: isinstance(v, str) and 0 < len(v) <= 256,
+    "raw_bytes": _int(0, 1 << 48),
+    "stored_bytes": _int(0, 1 << 48),
+}
 
 
 @dataclass(frozen=True)

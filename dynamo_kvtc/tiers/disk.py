@@ -1,6 +1,6 @@
 """Disk tier (G3c): one file per blob under a directory the store owns, written and read through NIXL.
 
-File layout: ``b"KVTCD001"`` | uint32 meta length | uint32 CRC-32 of meta | msgpack meta (blob id, blob length, blob
+File layout: ``b"KVTCD002"`` | uint32 meta length | uint32 CRC-32 of meta | msgpack meta (blob id, blob length, blob
 CRC-32, the blob's tier metadata) | the KVTC blob.
 
 Commit protocol: write ``<id>.tmp`` (created 0600, space reserved first so ENOSPC shows before any byte is written),
@@ -17,7 +17,8 @@ plain ``pread``: if the file itself is damaged it is deleted (TierError, a miss)
 at fault and the file is kept. A failed NIXL transfer or I/O error is a miss that keeps the file
 (:class:`~dynamo_kvtc.errors.TransferError`, a TierError).
 
-The directory: a symlinked, world-writable or foreign-owned directory is refused. Every operation opens it with
+The directory: a symlinked, group- or world-writable or foreign-owned directory is refused (ConfigError at start-up:
+the connector disables itself with one error line). Every operation opens it with
 ``O_NOFOLLOW``, checks it is still the directory checked at start (device and inode) and works relative to that
 descriptor (``openat``-style), so it cannot be swapped for a symlink or another directory afterwards; files are
 opened with ``O_NOFOLLOW``. No descriptor stays open on the cache's file system between operations. One process at a
@@ -47,7 +48,7 @@ from ..transport.channel import pack
 from ..transport.nixl_io import NixlFiles
 from .base import BlobTier
 from .disk_dir import CLOEXEC, NOFOLLOW, NONBLOCK, lock_dir, open_dir, unlock_dir
-from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, parse_record
+from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, check_magic, parse_record
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +175,9 @@ class DiskTier(BlobTier):
             if len(head) < PREFIX.size:
                 raise DamagedFile("truncated prefix")
             magic, mlen, mcrc = PREFIX.unpack(head)
-            if magic != MAGIC or mlen > MAX_META:
-                raise DamagedFile("bad magic or meta length")
+            check_magic(magic)
+            if mlen > MAX_META:
+                raise DamagedFile("bad meta length")
             mbytes = os.pread(fd, mlen, PREFIX.size)
         finally:
             os.close(fd)

@@ -1,7 +1,7 @@
-"""The disk tier's directory: opened without following symlinks and checked (ours, not world-writable), fsynced,
-and taken by one process at a time (an ``flock`` on a lock file in this user's private runtime directory, shared by
-every :class:`~dynamo_kvtc.tiers.disk.DiskTier` of this process over the same directory). See disk.py's docstring
-for the rules; this module holds the file-system mechanics."""
+"""The disk tier's directory: opened without following symlinks and checked (ours, not group- or world-writable),
+fsynced, and taken by one process at a time (an ``flock`` on a lock file in this user's private runtime directory,
+shared by every :class:`~dynamo_kvtc.tiers.disk.DiskTier` of this process over the same directory). See disk.py's
+docstring for the rules; this module holds the file-system mechanics."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def open_dir(path: Path) -> int:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"disk cache dir {path} is not a directory")
-        if st.st_mode & stat.S_IWOTH:
-            raise ConfigError(f"disk cache dir {path} is world-writable; refusing (use a subdirectory)")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # others could plant, swap or delete blob files
+            raise ConfigError(
+                f"disk cache dir {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}); refusing: "
+                "`chmod go-w` it or point DYN_KVTC_DISK_CACHE_DIR at a subdirectory the tier creates (0700)"
+            )
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise ConfigError(f"disk cache dir {path} is owned by uid {st.st_uid}, not this process ({os.getuid()})")
         if created:  # make the new directory's own entry durable too

@@ -1,8 +1,13 @@
 """The disk tier's file format, readable without torch or NIXL (``dynamo-kvtc inspect``, recovery scripts).
 
-``b"KVTCD001"`` | uint32 record length | uint32 CRC-32 of the record | msgpack record ``{id, len, crc, meta}`` (blob
+``b"KVTCD002"`` | uint32 record length | uint32 CRC-32 of the record | msgpack record ``{id, len, crc, meta}`` (blob
 id, blob length, CRC-32 of the blob, the blob's tier metadata) | the KVTC blob (docs/format.md). The record is parsed
-by the control channel's one bounded unpack; every field is checked before it is used.
+by the control channel's one bounded unpack; every field is checked before it is used (the ``meta`` map by
+:meth:`BlobMeta.from_dict <dynamo_kvtc.tiers.blobs.BlobMeta.from_dict>` when the store adopts the file).
+
+Version 2 (``KVTCD002``) files hold blobs that carry their 128-bit block keys and records whose ``meta.hashes`` are
+those keys. A version 1 file (64-bit keys, a blob without keys) can never be served: recovery deletes it, naming the
+reason (:class:`DamagedFile`).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 from ..errors import TierError
 from ..transport.channel import Limits, unpack
 
-MAGIC = b"KVTCD001"
+MAGIC = b"KVTCD002"
+OLD_MAGICS = (b"KVTCD001",)  # earlier versions of this format: never served, deleted at start-up
 PREFIX = struct.Struct("<8sII")
 MAX_META = 1 << 20
 SUFFIX = ".kvtc"
@@ -25,6 +31,14 @@ RECORD_LIMITS = Limits(max_message=MAX_META, max_str=4096, max_bin=0, max_array=
 
 class DamagedFile(TierError):
     """A file whose own bytes are wrong (torn, truncated, flipped, misnamed): safe to delete."""
+
+
+def check_magic(magic: bytes) -> None:
+    """DamagedFile unless ``magic`` is this version's (an older version's is named as such)."""
+    if magic in OLD_MAGICS:
+        raise DamagedFile(f"written by an older version ({magic.decode()}: 64-bit block keys); never served")
+    if magic != MAGIC:
+        raise DamagedFile("bad magic")
 
 
 def parse_record(b: bytes) -> dict[str, Any]:
@@ -46,8 +60,9 @@ def split_file(data: bytes) -> tuple[dict[str, Any], bytes]:
     if len(data) < PREFIX.size:
         raise DamagedFile("truncated prefix")
     magic, mlen, mcrc = PREFIX.unpack_from(data)
-    if magic != MAGIC or mlen > MAX_META or PREFIX.size + mlen > len(data):
-        raise DamagedFile("bad magic or record length")
+    check_magic(magic)
+    if mlen > MAX_META or PREFIX.size + mlen > len(data):
+        raise DamagedFile("bad record length")
     mbytes = data[PREFIX.size : PREFIX.size + mlen]
     if zlib.crc32(mbytes) != mcrc:
         raise DamagedFile("record checksum mismatch")

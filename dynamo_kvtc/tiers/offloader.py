@@ -18,6 +18,7 @@ from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, OffloadRequest, OffloadResult
 from .config import TierConfig
 from .index import BlockIndex
+from .keys import keyed_blob
 from .layout import PagedKV
 from .placement import Placement
 from .stats import StoreStats
@@ -216,6 +217,7 @@ class Offloader:
     def _keep(self, req: OffloadRequest, a: int, b: int, blob: bytes, raw: int, res: OffloadResult) -> None:
         """Put blocks a..b's blob into the tiers, tell the listeners, account it in ``res``."""
         bs, hashes = self.block_size, req.hashes
+        blob = keyed_blob(blob, hashes[a:b])  # the blob carries its block keys; a restore checks them
         meta = BlobMeta(
             f"{hashes[a]:016x}{hashes[b - 1]:016x}",
             list(hashes[a:b]),

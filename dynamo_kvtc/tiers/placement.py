@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..errors import TierError, TierFullError
+from ..errors import BadRecordError, TierError, TierFullError
 from .blobs import BlobMeta
 from .disk import DiskTier
 from .host import HostLease, HostTier
@@ -44,7 +44,11 @@ class Placement:
         for blob_id in self.disk.ids():
             try:
                 meta = BlobMeta.from_dict(self.disk.meta(blob_id))
-            except (TypeError, KeyError):
+                if meta.id != blob_id:
+                    raise BadRecordError(f"metadata names blob {meta.id!r}")
+            except BadRecordError as e:  # a record of the wrong shape or types: dropped, counted, never raised
+                log.warning("kvtc disk tier: dropping blob %s at start-up: %s", blob_id, e)
+                self.stats.disk_bad_records += 1
                 self.disk.delete(blob_id)
                 continue
             if meta.cal != cal_id or meta.block_size != block_size:

@@ -22,6 +22,7 @@ from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
 from .host import HostLease
 from .index import BlockIndex
+from .keys import check_blob_keys
 from .layout import PagedKV
 from .placement import Placement
 from .stats import StoreStats
@@ -183,6 +184,7 @@ class Restorer:
                     held.append(got)
                     got = got.blob()
                 runs.append(replace(r, blob=got, meta=meta))
+                check_blob_keys(got, r.first, hashes[r.at : r.at + r.count])  # a peer gets only what it asked for
         except BaseException:
             for h in held:
                 h.release()
@@ -278,6 +280,11 @@ class Restorer:
                 blob = BlobView.of(got)
             handle.bytes_read += len(blob)
             runs.append(replace(r, blob=blob))
+            try:  # the blob must answer for exactly the keys asked for: else a counted miss, never served
+                check_blob_keys(blob, r.first, hashes[r.at : r.at + r.count])
+            except KvtcError as e:
+                self.placement.drop(r.blob_id, e)
+                raise
         return runs, tiers
 
     def _write_layers(

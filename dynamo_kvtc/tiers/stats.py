@@ -45,6 +45,7 @@ class StoreStats:
     disk_admission_dropped: int = 0  # victims not admitted to disk (used too few times)
     disk_recovered_blobs: int = 0  # blobs of this calibration found on disk at start
     disk_foreign_blobs: int = 0  # blobs of another calibration or block size found on disk at start (left alone)
+    disk_bad_records: int = 0  # disk files whose blob metadata had a missing or wrong-typed field (deleted at start)
     blobs_dropped: int = 0  # unusable blobs removed from every tier
     disk_write_errors: Counter[str] = field(default_factory=Counter)  # error class -> demotions that failed
     # index

@@ -1,8 +1,9 @@
 """The control channel: msgpack messages with hard limits, a REP server thread and a REQ client with deadlines.
 
 Every message this package receives from outside its own process goes through :func:`unpack`: a size check before
-anything is parsed, then msgpack with explicit limits (string, binary, array and map sizes; no extension types; map
-keys must be strings or integers), then "must be a map". Callers name the error class a bad message raises, so the
+anything is parsed, then msgpack with explicit limits (string, binary, array and map sizes; map keys must be strings
+or integers; one extension type only: :data:`EXT_U128`, an unsigned integer of 65 to 128 bits such as a block key, as
+16 big-endian bytes), then "must be a map". Callers name the error class a bad message raises, so the
 disk tier reports damage as its own error and the network channels as :class:`~dynamo_kvtc.errors.TransferError`.
 Never pickle.
 
@@ -62,8 +63,27 @@ class Limits:
     max_map: int = 64
 
 
+EXT_U128 = 1  # msgpack extension code of an unsigned integer too wide for msgpack's own (64 bits): 16 bytes, big-endian
+
+
+def _wide(o: Any) -> msgpack.ExtType:
+    if isinstance(o, int) and (1 << 64) <= o < (1 << 128):
+        return msgpack.ExtType(EXT_U128, o.to_bytes(16, "big"))
+    raise TypeError(f"cannot pack {type(o).__name__} {o!r:.40}")
+
+
+def _ext(code: int, data: bytes) -> int:
+    if code != EXT_U128 or len(data) != 16:
+        raise ValueError(f"unknown extension type {code} of {len(data)} bytes")
+    v = int.from_bytes(data, "big")
+    if v < 1 << 64:
+        raise ValueError("a 128-bit integer extension holding a 64-bit value")  # one encoding per value
+    return v
+
+
 def pack(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
+    """One message; integers of 65 to 128 bits (block keys) travel as :data:`EXT_U128`."""
+    return msgpack.packb(msg, use_bin_type=True, default=_wide)
 
 
 def unpack(
@@ -79,7 +99,8 @@ def unpack(
             strict_map_key=True,
             max_str_len=limits.max_str,
             max_bin_len=limits.max_bin,
-            max_ext_len=0,
+            max_ext_len=16,
+            ext_hook=_ext,
             max_array_len=limits.max_array,
             max_map_len=limits.max_map,
         )

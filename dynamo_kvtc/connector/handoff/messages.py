@@ -53,7 +53,7 @@ PEER_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,256}")
 
 def hashes_ok(hashes: Any) -> bool:
     return isinstance(hashes, list) and all(
-        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 64 for h in hashes
+        isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 128 for h in hashes
     )
 
 
@@ -89,7 +89,7 @@ def check_fetch(msg: dict[str, Any]) -> tuple[list[int], str, bytes]:
     """The (hashes, peer agent name, peer metadata) of a well-formed fetch request; TransferError otherwise."""
     hashes = msg.get("hashes")
     if not hashes_ok(hashes) or not hashes or len(hashes) > MAX_FETCH_BLOCKS:
-        raise TransferError(f"fetch needs a list of 1..{MAX_FETCH_BLOCKS} 64-bit block hashes")
+        raise TransferError(f"fetch needs a list of 1..{MAX_FETCH_BLOCKS} 128-bit block keys")
     peer, md = msg.get("agent"), msg.get("agent_md")
     if not peer_ok(peer, md):
         raise TransferError("fetch needs the peer's NIXL agent name and metadata")
