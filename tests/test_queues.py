@@ -129,19 +129,32 @@ def test_offload_queue_setting_is_checked():
 
 
 def test_worker_save_over_the_queue_budget_is_skipped_and_counted(world):
-    store, caches = _engine_store(world, offload_queue_bytes=1)  # no save fits
+    store, caches = _engine_store(world, offload_queue_bytes=1)  # any save is over: only one alone in the queue
     w = KvtcWorker(ConnectorConfig.from_sources({}, env={}), engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m",
                    hf_config=None, block_size=BS)  # fmt: skip
     w.store = store
+    busy = Gate()
+    store.offloader._pool.submit(busy.wait)  # the encoder is behind
     try:
-        toks = world.tokens("w", 4 * BS)
-        hashes = sequence_hashes(toks, BS)
-        w.save(StepPlan(saves=[SaveOp("r1", hashes, None, 0, toks, [0, 1, 2, 3], tail=True, final=True)]))
+        saves, seqs = [], []
+        for i in range(2):
+            toks = world.tokens(("w", i), 4 * BS)
+            ids = [4 * i + j for j in range(4)]
+            hashes = sequence_hashes(toks, BS)
+            k, v = world.seq_kv(hashes)
+            for layer in range(world.L):
+                store.kv.scatter_layer(layer, ids, k[layer], v[layer])
+            saves.append(SaveOp(f"r{i}", hashes, None, 0, toks, ids, tail=True, final=True))
+            seqs.append(hashes)
+        w.save(StepPlan(saves=saves))
+        assert store.stats.offload_queue_full == 1  # the second: the first alone holds more than the budget
+        assert w.finished()[0] == {"r0", "r1"}  # both requests are released as usual
+        busy.open()
         assert w.wait_idle(30)
-        assert store.match(hashes) == 0 and store.stats.offload_queue_full == 1
+        assert store.match(seqs[0]) == 4 and store.match(seqs[1]) == 0  # the skipped one is a later miss
         assert connector_counters(w).fallbacks["offload_queue_full"] == 1.0
-        assert w.finished()[0] == {"r1"}  # the request is released as usual
     finally:
+        busy.open()
         w.shutdown()
 
 

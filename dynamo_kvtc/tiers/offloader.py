@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 
 class QueueBudget:
     """Bytes of K/V the offload queue holds (the copies waiting for their encode), bounded: :meth:`take` refuses what
-    would go over ``limit``, :meth:`give` returns a finished job's bytes. ``peak`` is the most ever held."""
+    would go over ``limit`` unless the queue is empty (one save larger than the whole budget still goes through, alone:
+    the queue never holds more than ``max(limit, the largest save)``), :meth:`give` returns a finished job's bytes.
+    ``peak`` is the most ever held."""
 
     def __init__(self, limit: int) -> None:
         self.limit = int(limit)
@@ -39,7 +41,7 @@ class QueueBudget:
 
     def take(self, nbytes: int) -> bool:
         with self._lock:
-            if self.held + nbytes > self.limit:
+            if self.held and self.held + nbytes > self.limit:
                 return False
             self.held += nbytes
             self.peak = max(self.peak, self.held)
