@@ -285,3 +285,19 @@ def test_disk_resident_restores_take_the_slow_lane(world, tmp_path):
         assert h.lane == "slow" and h.wait(30)
     finally:
         close_store(store)
+
+
+# ---------------------------------------------------------------------------------------------- bench chaos kinds
+@pytest.mark.parametrize("kind", ["offload_queue", "restore_cancel", "slow_restore"])
+def test_chaos_queue_kinds(world, kind):
+    from dynamo_kvtc.reliability.chaos import Plan, run_chaos
+
+    ledger = run_chaos(world, Plan(kinds=(kind,), host_rounds=4))
+    c = ledger.kinds[kind]
+    assert ledger.problems == []
+    assert c["wrong_kv_served"] == 0 and c["crashes"] == 0 and c["committed_blocks_lost"] == 0
+    assert c["faults_injected"] > 0 and c["faults_detected"] == c["faults_injected"]
+    if kind == "offload_queue":
+        d = ledger.details[kind]
+        assert d["skipped_saves"] == c["faults_injected"] == c["recomputes"]
+        assert d["peak_queue_bytes"] <= d["queue_budget_bytes"]
