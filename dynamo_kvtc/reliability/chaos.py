@@ -100,7 +100,7 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("host_alloc", lambda: scenario_host_alloc(world, ledger, plan.rlimit_ops)),
         ("soak_lossless", lambda: scenario_soak(world, ledger, plan.soak_seconds, plan.clients, True)),
         ("soak_lossy", lambda: scenario_soak(world, ledger, plan.soak_seconds, plan.clients, False)),
-        ("offload_queue", lambda: scenario_offload_queue(world, ledger, max(2, plan.host_rounds // 4))),
+        ("offload_queue", lambda: scenario_offload_queue(world, ledger, max(2, plan.host_rounds // 10))),
         ("restore_cancel", lambda: scenario_restore_cancel(world, ledger, max(4, plan.host_rounds))),
         ("slow_restore", lambda: scenario_slow_restore(world, ledger, max(2, plan.host_rounds // 4))),
     ]

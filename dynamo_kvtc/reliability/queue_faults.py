@@ -93,7 +93,7 @@ def _copier(kv: PagedKV, ring: list[int], copies: list[int]) -> Callable[[], tup
     return copy
 
 
-def scenario_offload_queue(world: World, ledger: Ledger, rounds: int, saves: int = 24, blocks: int = 8) -> None:
+def scenario_offload_queue(world: World, ledger: Ledger, rounds: int, saves: int = 16, blocks: int = 8) -> None:
     kind = "offload_queue"
     one = blocks * BS * world.cal.fingerprint.raw_bytes_per_token(torch.bfloat16)
     budget = 2 * one
@@ -173,19 +173,18 @@ def scenario_restore_cancel(world: World, ledger: Ledger, rounds: int) -> None:
                     raise KvtcError("the restore never asked its peer")
                 cancelled = h.cancel(WAIT_S)
             else:
-                stop = rng.randrange(world.L)
+                stop = rng.randrange(world.L - 1)
                 try:
                     h.wait_layer(stop, timeout=WAIT_S)  # the layer is in place: cancel while later ones are written
                 except KvtcError:
                     pass
                 cancelled = h.cancel(WAIT_S)
-            ledger.add(kind, faults_injected=1)
             before = [c.clone() for c in caches]
             peer.answer()
             h.wait(WAIT_S)
             ended = h.finished
             if not cancelled or not ended:
-                ledger.add(kind, crashes=1)
+                ledger.add(kind, faults_injected=1, crashes=1)
                 ledger.problem(kind, f"round {r} ({mode}): cancel {cancelled}, restore ended {ended}")
                 continue
             late = _changed_blocks(before, caches, dst)
@@ -198,10 +197,10 @@ def scenario_restore_cancel(world: World, ledger: Ledger, rounds: int) -> None:
                 ledger.detail(kind, writes_after_cancel=late + untouched)
                 ledger.problem(kind, f"round {r} ({mode}): {late + untouched} blocks written after the cancel, "
                                      f"{wrong} ready blocks wrong")  # fmt: skip
-            if h.ok:  # finished all layers before the cancel: a served restore, not a fault
+            if h.ok:  # finished all layers before the cancel: a served restore, no fault
                 ledger.detail(kind, finished_before_cancel=1)
-            else:
-                ledger.add(kind, faults_detected=1, recomputes=1)
+            else:  # cut short: the request recomputes
+                ledger.add(kind, faults_injected=1, faults_detected=1, recomputes=1)
         finally:
             close_store(store)
 
