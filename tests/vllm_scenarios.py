@@ -63,11 +63,23 @@ class Originals:
         store.submit_offload = self
 
     def __call__(self, hashes, token_ids, **kw):
-        k, v = kw["keys"], kw["values"]
+        copy = kw.get("copy")
+        if copy is None:
+            self._keep(hashes, kw["keys"], kw["values"])
+        else:  # the worker copies out of the engine's blocks only once the store admits the save
+
+            def capture():
+                k, v, ev = copy()
+                self._keep(hashes, k, v)
+                return k, v, ev
+
+            kw["copy"] = capture
+        return self._real(hashes, token_ids, **kw)
+
+    def _keep(self, hashes, k, v) -> None:
         for i, h in enumerate(hashes):
             sl = slice(i * self.bs, (i + 1) * self.bs)
             self.by_hash.setdefault(h, (k[:, sl].clone(), v[:, sl].clone()))
-        return self._real(hashes, token_ids, **kw)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -4,10 +4,13 @@
   CUDA stream); ``wait_layer(i)`` returns as soon as layer i of every restore of this step is in place, so attention on
   layer 0 runs while later layers are still being decoded. A restore that fails at any point (blob evicted, corrupt,
   wrong calibration, timeout) marks its blocks invalid: vLLM recomputes them; nothing wrong is served because vLLM
-  discards what the step computed from those blocks.
+  discards what the step computed from those blocks. A restore given up on (``load_timeout_s``) is cancelled: no layer
+  is written into its blocks after the cancel returns (a request waiting on it asynchronously is reported done only
+  once its restore let go of the blocks).
 - **Save without stalling.** After the forward pass, the blocks that just became full are copied out of the paged
   cache on the current stream (a small device copy, ordered before any later reuse of the blocks), and the encode runs
-  on the store's offload worker behind an event.
+  on the store's offload worker behind an event; while the queued copies hold ``offload_queue_bytes`` a save is
+  skipped, nothing copied (counted as ``offload_queue_full``: a later miss).
 - **Never crash the engine.** A missing or mismatched calibration, an unknown layout or an unsupported KV cache dtype
   (FP8) disables the connector with one error line and a reason (every lookup then misses; ``kvtc_enabled 0``); every
   other fault is logged once per occurrence, counted, and becomes a recompute.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -337,6 +341,7 @@ class KvtcWorker:
                 handle.wait_layer(i, timeout=self.cfg.load_timeout_s)
                 keep.append((op, handle))
             except TierError as e:
+                self._cancel(handle)
                 self._fail_load(op, str(e), "timeout" if "within" in str(e) else "load_error")
         self._sync = keep
 
@@ -346,6 +351,7 @@ class KvtcWorker:
             if handle.wait(self.cfg.load_timeout_s):
                 self._record_restore(op, handle)
             else:
+                self._cancel(handle)
                 self._fail_load(op, str(handle.error or "restore did not finish"))
         self._sync = []
         if plan is None:
@@ -362,19 +368,22 @@ class KvtcWorker:
             if len(op.token_ids) < self.cfg.tiers.min_tokens and op.first_block == 0 and op.final:
                 self.stats["offload_bypass_short"] += 1
                 return
-            k, v = self.store.kv.gather(op.block_ids)  # a copy on the current stream: blocks may be reused after
-            ev = None
-            if k.is_cuda:
-                ev = torch.cuda.Event()
-                ev.record()
+            kv, ids = self.store.kv, op.block_ids
+
+            def copy() -> tuple[torch.Tensor, torch.Tensor, Any]:  # called only once the save is admitted
+                k, v = kv.gather(ids)  # a copy on the current stream: blocks may be reused after
+                ev = None
+                if k.is_cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                return k, v, ev
+
             self.store.submit_offload(
                 op.hashes,
                 op.token_ids,
                 first_block=op.first_block,
                 parent=op.parent,
-                keys=k,
-                values=v,
-                ready_event=ev,
+                copy=copy,
                 tail=op.tail,
             )
         except Exception as e:  # losing a cache entry is fine; taking the engine down is not
@@ -404,17 +413,25 @@ class KvtcWorker:
         )
         del self.restores[:-256]
 
+    def _cancel(self, handle: OnboardHandle) -> None:
+        """Stop a restore given up on: its blocks get no write after this (waits for a layer being written)."""
+        if not handle.finished and not handle.cancel(self.cfg.load_timeout_s):
+            log.error("kvtc: a cancelled restore still writing after %s s", self.cfg.load_timeout_s)
+
     def finished(self) -> tuple[set[str], set[str], set[str]]:
-        """(done sending, done receiving, failed receiving) since the last call."""
+        """(done sending, done receiving, failed receiving) since the last call. A restore running past
+        ``load_timeout_s`` is cancelled; its request is reported only once the restore let go of its blocks."""
         recv, failed = set(), set()
         for req_id, (op, handle) in list(self._async.items()):
+            if not handle.finished and time.perf_counter() - handle.started > self.cfg.load_timeout_s:
+                handle.cancel(0)  # never blocks the engine: the worker sees the flag before its next layer
             if handle.finished:
                 del self._async[req_id]
                 recv.add(req_id)
                 if handle.ok:
                     self._record_restore(op, handle)
                 else:
-                    self._fail_load(op, str(handle.error))
+                    self._fail_load(op, str(handle.error), "timeout" if handle.cancelled else "load_error")
         with self._lock:
             sending, self._done_sending = self._done_sending, set()
             failed, self._failed = self._failed, set()

@@ -46,6 +46,7 @@ from .ledger import KEYS, KINDS, Ledger
 from .memory_faults import child_rlimit, scenario_host_alloc, scenario_host_flips
 from .nixl_faults import scenario_nixl_disk
 from .process import child_kill9, scenario_kill9
+from .queue_faults import scenario_offload_queue, scenario_restore_cancel, scenario_slow_restore
 from .soak import scenario_soak
 from .tenant_faults import scenario_tenant_keys
 from .testbed import World
@@ -99,6 +100,9 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("host_alloc", lambda: scenario_host_alloc(world, ledger, plan.rlimit_ops)),
         ("soak_lossless", lambda: scenario_soak(world, ledger, plan.soak_seconds, plan.clients, True)),
         ("soak_lossy", lambda: scenario_soak(world, ledger, plan.soak_seconds, plan.clients, False)),
+        ("offload_queue", lambda: scenario_offload_queue(world, ledger, max(2, plan.host_rounds // 10))),
+        ("restore_cancel", lambda: scenario_restore_cancel(world, ledger, max(4, plan.host_rounds))),
+        ("slow_restore", lambda: scenario_slow_restore(world, ledger, max(2, plan.host_rounds // 4))),
     ]
     wanted = set(plan.kinds)
     for name, fn in steps:

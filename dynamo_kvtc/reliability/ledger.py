@@ -30,6 +30,9 @@ KINDS = (
     "host_alloc",
     "soak_lossless",
     "soak_lossy",
+    "offload_queue",
+    "restore_cancel",
+    "slow_restore",
 )
 
 

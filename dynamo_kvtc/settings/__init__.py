@@ -115,6 +115,11 @@ SETTINGS: tuple[Setting, ...] = (
        "`max_ratio`); `raw_first`: store uncompressed while the host tier has room (below 90% full with the new "
        "blob), compress once it has not; `raw`: never compress (a raw tier: the serving benchmark's baseline)",
        "tier", choices=("fixed", "raw_first", "raw")),
+    _s("offload_queue_gb", "gb", 1, "memory the offload queue of each rank may hold: the copies of saved blocks' K/V "
+       "waiting for their encode (device memory on a GPU; one save larger than this still goes through alone). A save "
+       "that would go over is skipped, nothing copied, and counted "
+       "(`kvtc_fallbacks_total{reason=\"offload_queue_full\"}`): a later miss, never a wrong block", "tier",
+       field="offload_queue_bytes", lo=0, lo_open=True, hi=1 << 20),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
        default_doc="found by the model's name under `DYN_KVTC_CALIBRATIONS`, then `<cache>/calibrations`"),

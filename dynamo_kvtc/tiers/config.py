@@ -66,6 +66,7 @@ class TierConfig:
     nixl_timeout_s: float = _d("nixl_timeout_s")
     ratio_policy: str = _d("ratio_policy")  # fixed | raw_first (store raw while the host tier has room) | raw
     codec: CodecOptions = field(default_factory=CodecOptions)  # how the codec runs (process-wide, environment only)
+    offload_queue_bytes: int = _d("offload_queue_gb")  # K/V copies the offload queue may hold (over: save skipped)
     codec_sms: int = _d("codec_sms")  # SMs of the codec streams' green context; 0: all, at the lowest priority
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,16 +28,42 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 
+class QueueBudget:
+    """Bytes of K/V the offload queue holds (the copies waiting for their encode), bounded: :meth:`take` refuses what
+    would go over ``limit`` unless the queue is empty (one save larger than the whole budget still goes through, alone:
+    the queue never holds more than ``max(limit, the largest save)``), :meth:`give` returns a finished job's bytes.
+    ``peak`` is the most ever held."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.held = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.held and self.held + nbytes > self.limit:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+
+
 class Offloader:
     """Turns offload requests into blobs in the host tier.
 
     Owns the offload worker (one thread) and its CUDA stream (ordered after the producer by the request's event), the
-    admission checks (present / filtered) and the cutting of a request into spans of at most ``span_blocks`` blocks,
-    the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's choice (store a request
-    uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding goes through
-    :class:`Codec`; placing the blobs (and demoting the host's victims) through :class:`Placement`. It never raises
-    from the worker (errors end up in the :class:`OffloadResult`), never restores, and reads the engine's cache only
-    through :class:`PagedKV`'s public methods."""
+    queue's byte budget (``offload_queue_bytes``: over it a save is skipped before anything is copied, counted as
+    ``offload_queue_full``), the admission checks (present / filtered) and the cutting of a request into spans of at
+    most ``span_blocks`` blocks, the sequence's last blob holding the whole raw window, and the ``raw_first`` policy's
+    choice (store a request uncompressed while the host tier has room for it; ``raw``: always, the codec off). Encoding
+    goes through :class:`Codec`; placing the blobs (and demoting the host's victims) through :class:`Placement`. It
+    never raises from the worker (errors end up in the :class:`OffloadResult`), never restores, and reads the engine's
+    cache only through :class:`PagedKV`'s public methods."""
 
     def __init__(
         self,
@@ -61,6 +88,7 @@ class Offloader:
         self.stats = stats
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
         self._stream = codec_stream(device, cfg.codec_sms)
+        self.budget = QueueBudget(cfg.offload_queue_bytes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -86,6 +114,7 @@ class Offloader:
         block_ids: Sequence[int] | None = None,
         ready_event: Any = None,
         tail: bool = True,
+        copy: Callable[[], tuple[torch.Tensor, torch.Tensor, Any]] | None = None,
     ) -> Future:
         """See :meth:`KvtcStore.submit_offload <dynamo_kvtc.tiers.store.KvtcStore.submit_offload>`."""
         bs = self.block_size
@@ -96,8 +125,10 @@ class Offloader:
             raise TierError(f"{len(token_ids)} token ids for {n} blocks of {bs}")
         if keys is not None and (values is None or keys.shape[1] != n * bs or values.shape != keys.shape):
             raise TierError(f"keys/values must be [L, {n * bs}, H, D], got {tuple(keys.shape)}")
-        if keys is None and (block_ids is None or self.kv is None or len(block_ids) != n):
+        if keys is None and copy is None and (block_ids is None or self.kv is None or len(block_ids) != n):
             raise TierError("offload needs keys/values, or one engine block id per hash with a registered KV cache")
+        if copy is not None and self.kv is None:
+            raise TierError("offload by copy needs a registered KV cache")
         admitted = self.admit.admit(hashes)
         missing = self.index.missing(hashes)
         if not missing:
@@ -112,33 +143,47 @@ class Offloader:
             self.stats.offload_filtered += 1
             done.set_result(res)
             return done
-        host = self.placement.host
-        raw = self.cfg.ratio_policy == "raw" or (
-            self.cfg.ratio_policy == "raw_first"
-            and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
-        )
-        req = OffloadRequest(
-            hashes,
-            token_ids,
-            start,
-            end,
-            self.policy.choose(host.fill),
-            first_block=first_block,
-            parent=parent,
-            keys=keys,
-            values=values,
-            block_ids=block_ids,
-            ready_event=ready_event,
-            tail=tail,
-        )
-        return self._pool.submit(self._guarded, req, res, raw)
+        held = self._raw_bytes(n, keys)  # what the queued job keeps alive until its encode ends
+        if not self.budget.take(held):
+            res.skipped = "queue_full"
+            self.stats.offload_queue_full += 1
+            done.set_result(res)
+            return done
+        try:
+            if copy is not None:  # the caller's copy out of the engine's blocks, made only once admitted
+                keys, values, ready_event = copy()
+                if keys.shape[1] != n * bs or values.shape != keys.shape:
+                    raise TierError(f"copied keys/values must be [L, {n * bs}, H, D], got {tuple(keys.shape)}")
+            host = self.placement.host
+            raw = self.cfg.ratio_policy == "raw" or (
+                self.cfg.ratio_policy == "raw_first"
+                and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
+            )
+            req = OffloadRequest(
+                hashes,
+                token_ids,
+                start,
+                end,
+                self.policy.choose(host.fill),
+                first_block=first_block,
+                parent=parent,
+                keys=keys,
+                values=values,
+                block_ids=block_ids,
+                ready_event=ready_event,
+                tail=tail,
+            )
+            return self._pool.submit(self._guarded, req, res, raw, held)
+        except BaseException:
+            self.budget.give(held)
+            raise
 
     def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
         """Bytes of ``blocks`` blocks of K and V as the engine holds them (what a raw blob of them holds)."""
         dtype = keys.dtype if keys is not None else self.kv.dtype
         return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
-    def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> OffloadResult:
+    def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False, held: int = 0) -> OffloadResult:
         try:
             self._run(req, res, raw)
         except KvtcError as e:
@@ -149,6 +194,9 @@ class Offloader:
             log.warning("kvtc offload failed unexpectedly: %s: %s", type(e).__name__, e)
             self.stats.offload_errors["unexpected"] += 1
             res.skipped = f"error: {type(e).__name__}: {e}"
+        finally:
+            req.keys = req.values = None  # the copies go now, not when the caller drops its Future
+            self.budget.give(held)
         return res
 
     # ------------------------------------------------------------------ the worker

@@ -1,5 +1,7 @@
-"""Onboard: blobs (from the tiers or a peer) -> verified -> restored layer by layer into engine blocks or a sink, on one
-worker with its own CUDA stream; each layer signalled on its own, so attention on layer 0 can start early."""
+"""Onboard: blobs (from the tiers or a peer) -> verified -> restored layer by layer into engine blocks or a sink, on two
+lanes (a worker thread and CUDA stream each: host hits on one, disk and peer restores on the other, so a slow blob
+never queues a host hit behind it); each layer signalled on its own, so attention on layer 0 can start early, and
+every layer's writes gated by the handle's cancel flag, so a restore its caller gave up on writes nothing more."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -31,15 +33,20 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
+LANES = ("host", "slow")  # host hits | disk and peer restores (and disk prefetches)
 
 
 class OnboardHandle:
     """Per-layer readiness of one restore. ``wait_layer(i)`` returns once layer i is in place (on CUDA the current
     stream is also made to wait on the layer's event), or raises TierError if the restore failed.
 
-    The producer (the onboard worker) calls :meth:`mark_layer_ready` per layer in order, then :meth:`finish`, or
-    :meth:`fail` at any point; consumers read ``ok`` / ``error`` / ``finished`` / ``ready_times`` / ``bytes_read`` /
-    ``raw_bytes`` and wait. A handle never restores anything itself."""
+    The producer (the onboard worker) makes each layer's writes inside :meth:`writing` and calls
+    :meth:`mark_layer_ready` there, per layer in order, then :meth:`finish`, or :meth:`fail` at any point; consumers
+    read ``ok`` / ``error`` / ``finished`` / ``ready_times`` / ``bytes_read`` / ``raw_bytes`` and wait. A consumer
+    that gives up calls :meth:`cancel`: once it returns True no write of this restore is running or will start, and
+    the device has finished those already queued. ``finished`` turns true only after the worker let go of the
+    destination (its last write done on the device), so the blocks may be reused then. A handle never restores
+    anything itself."""
 
     def __init__(self, num_layers: int, hashes: Sequence[int], device: torch.device) -> None:
         self.num_layers = num_layers
@@ -55,6 +62,39 @@ class OnboardHandle:
         self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
         self.raw_bytes = 0  # uncompressed bytes of the KV it restores (the engine's dtype)
         self.leases: list[Any] = []  # host pages read in place by this restore (released by the restorer)
+        self.lane = "host"  # the restorer's lane it runs on
+        self.stream: Any = None  # the lane's CUDA stream its writes are queued on (None on the CPU)
+        self._gate = threading.Lock()  # held by the producer around each layer's writes, by cancel() to stop them
+        self._cancelled = False
+
+    # ------------------------------------------------------------------ cancellation
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @contextmanager
+    def writing(self):
+        """Producer: one layer's writes into the destination. Raises TierError (nothing written) once cancelled."""
+        with self._gate:
+            if self._cancelled:
+                raise TierError("restore cancelled by its caller before this layer was written")
+            yield
+
+    def cancel(self, timeout: float | None = None) -> bool:
+        """Stop the restore's writes: no layer starts after this returns True, and the writes already queued on the
+        device are done. False: a layer's writes were still running after ``timeout`` seconds (they stop after it).
+        ``timeout=0``: only raise the flag, never wait (``finished`` says when the worker let go)."""
+        self._cancelled = True
+        if timeout is not None and timeout <= 0:
+            return self.finished
+        if not self._gate.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            if self.stream is not None:
+                self.stream.synchronize()  # the writes queued before the flag was seen
+        finally:
+            self._gate.release()
+        return True
 
     # ------------------------------------------------------------------ producer side
     def mark_layer_ready(self, i: int) -> None:
@@ -109,11 +149,12 @@ class OnboardHandle:
 class Restorer:
     """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers.
 
-    Owns the onboard worker (one thread) and its CUDA stream. Blobs come from the tiers (through :class:`Placement`,
-    which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration are then kept here
-    too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first layer is written,
-    a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never raised
-    into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
+    Owns the two onboard lanes (:data:`LANES`: a thread and a CUDA stream each; a restore whose blobs are all in host
+    memory runs on ``host``, any other and disk prefetches on ``slow``). Blobs come from the tiers (through
+    :class:`Placement`, which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration
+    are then kept here too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first
+    layer is written, a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle,
+    never raised into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
 
     def __init__(
         self,
@@ -132,16 +173,27 @@ class Restorer:
         self.block_size, self.device = block_size, device
         self.num_layers = cal.fingerprint.num_layers
         self.stats = stats
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-onboard")
-        self._stream = codec_stream(device, codec_sms)  # codec_sms: the green context's SMs (0: all)
+        self._pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvtc-onboard-{lane}") for lane in LANES}
+        self._streams = {lane: codec_stream(device, codec_sms) for lane in LANES}  # codec_sms: green context's SMs
 
     @property
     def stream(self) -> Any:
-        """The onboard worker's CUDA stream (None on the CPU)."""
-        return self._stream
+        """The host lane's CUDA stream (None on the CPU)."""
+        return self._streams["host"]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+
+    def lane_of(self, hashes: Sequence[int], source: Source | None) -> str:
+        """``host`` when every blob covering ``hashes`` is in host memory now, else ``slow`` (disk, peer, unknown)."""
+        if source is not None:
+            return "slow"
+        host = self.placement.host
+        try:
+            return "host" if all(r.blob_id in host for r in self.index.plan(hashes)) else "slow"
+        except KvtcError:
+            return "slow"  # the restore itself reports why
 
     def start(
         self,
@@ -157,13 +209,15 @@ class Restorer:
         if dst_blocks is not None and len(dst_blocks) != len(hashes):
             raise TierError(f"{len(dst_blocks)} destination blocks for {len(hashes)} hashes")
         handle = OnboardHandle(self.num_layers, hashes, self.device)
+        handle.lane = self.lane_of(hashes, source)
+        handle.stream = self._streams[handle.lane]
         dst = None if dst_blocks is None else list(dst_blocks)
-        handle.future = self._pool.submit(self._restore, handle, list(hashes), dst, sink, source)
+        handle.future = self._pools[handle.lane].submit(self._restore, handle, list(hashes), dst, sink, source)
         return handle
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` on the onboard worker (after the restores queued before it)."""
-        return self._pool.submit(fn)
+    def submit(self, fn: Callable[[], Any], lane: str = "slow") -> Future:
+        """Run ``fn`` on an onboard lane (after the restores queued there before it)."""
+        return self._pools[lane].submit(fn)
 
     # ------------------------------------------------------------------ reads for others
     def export(self, hashes: Sequence[int], lease: bool = False) -> tuple[list[BlobRun], list[HostLease]]:
@@ -216,7 +270,7 @@ class Restorer:
             else:
                 runs, tiers = self._from_tiers(handle, hashes)
                 ids = [r.blob_id for r in runs]
-            ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+            ctx = torch.cuda.stream(handle.stream) if handle.stream is not None else nullcontext()
             try:
                 with ctx:
                     self._write_layers(decoder, handle, runs, ids, dst_blocks, sink)
@@ -237,16 +291,21 @@ class Restorer:
             handle.finish()
         except BaseException as e:  # any failure is a miss: the engine recomputes
             self._release(handle)
-            self.stats.onboard_errors[type(e).__name__] += 1
-            log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
+            if handle.cancelled:
+                self.stats.onboard_cancelled += 1
+                log.info("kvtc onboard of %d blocks cancelled by its caller: %s", len(hashes), e)
+            else:
+                self.stats.onboard_errors[type(e).__name__] += 1
+                log.warning("kvtc onboard failed (%d blocks): %s", len(hashes), e)
             handle.fail(e if isinstance(e, KvtcError) else TierError(f"{type(e).__name__}: {e}"))
 
     def _release(self, handle: OnboardHandle) -> None:
-        """Give the leased host pages back, after the device finished reading them."""
+        """Let go of the destination and the sources: wait for the device to finish this restore's writes (so the
+        handle reads finished only once the blocks are free to reuse), then give the leased host pages back."""
+        if handle.stream is not None:
+            handle.stream.synchronize()  # every write and every host->device copy of the leased pages is done
         if not handle.leases:
             return
-        if self._stream is not None:
-            self._stream.synchronize()  # the restore's host->device copies of the leased pages are done
         for lease in handle.leases:
             lease.release()
         handle.leases.clear()
@@ -307,13 +366,21 @@ class Restorer:
             for r in runs
         ]
         restore = decoder.restore(specs, paged=paged, bad=bad)
-        for layer, parts in restore:
-            for r, (k, v) in zip(runs, parts or ()):
-                if sink is not None:
-                    sink(layer, r.at * bs, k, v)
-                else:
-                    self.kv.scatter_layer(layer, dst_blocks[r.at : r.at + r.count], k, v)
-            handle.mark_layer_ready(layer)
+        layers = iter(restore)
+        while True:
+            # the fused path writes into the engine's blocks while it yields: then the gate covers the step too
+            with handle.writing() if paged is not None else nullcontext():
+                step = next(layers, None)
+            if step is None:
+                break
+            layer, parts = step
+            with handle.writing():
+                for r, (k, v) in zip(runs, parts or ()):
+                    if sink is not None:
+                        sink(layer, r.at * bs, k, v)
+                    else:
+                        self.kv.scatter_layer(layer, dst_blocks[r.at : r.at + r.count], k, v)
+                handle.mark_layer_ready(layer)
         if restore.fused:
             self.stats.onboard_fused_batches += 1
 

@@ -24,6 +24,7 @@ class StoreStats:
     offload_stored_bytes: int = 0  # their blobs' bytes
     offload_raw: int = 0  # offloads stored uncompressed (``raw``/``raw_first`` ratio policies)
     offload_filtered: int = 0  # offloads the admission filter refused
+    offload_queue_full: int = 0  # saves skipped, nothing copied: the offload queue held its byte budget already
     offload_fused_batches: int = 0  # encodes that went through the fused CUDA path
     encode_seconds_x1e6: int = 0  # encode time, microseconds
     offload_errors: Counter[str] = field(default_factory=Counter)  # error class (or "unexpected") -> offloads lost
@@ -35,6 +36,7 @@ class StoreStats:
     onboard_peer_blocks: int = 0  # ... from a peer (the compressed hand-off)
     onboard_fused_batches: int = 0  # restores that went through the fused CUDA path
     onboard_errors: Counter[str] = field(default_factory=Counter)  # error class -> restores failed (recomputed)
+    onboard_cancelled: int = 0  # restores stopped by their caller (timed out) before all layers were written
     # placement
     onboard_host_hits: int = 0  # blobs read from the host tier
     onboard_disk_hits: int = 0  # blobs read from disk
@@ -64,8 +66,9 @@ class StoreStats:
 
     def faults(self) -> dict[str, int]:
         """Failures that cost a recompute or a lost cache entry, by reason: ``offload_error_<Error>``,
-        ``onboard_error_<Error>``, ``disk_write_error_<Error>`` (``blobs_dropped`` is a field of its own)."""
-        out: dict[str, int] = {}
+        ``onboard_error_<Error>``, ``disk_write_error_<Error>``, ``offload_queue_full``, ``onboard_cancelled``
+        (``blobs_dropped`` is a field of its own)."""
+        out = {k: getattr(self, k) for k in ("offload_queue_full", "onboard_cancelled") if getattr(self, k)}
         for prefix, errors in (
             ("offload_error_", self.offload_errors),
             ("onboard_error_", self.onboard_errors),

@@ -2,11 +2,15 @@
 
 - **Offload** (GPU -> host): a sequence's full blocks not yet stored are gathered (from the engine's paged cache or
   given tensors), encoded on a dedicated worker with its own CUDA stream (ordered after the producer by an event), and
-  only the compressed bytes land in host memory. Spans are cut into blobs of at most ``span_tokens``; the raw window
-  is kept only on the sequence's last blob. The host tier's LRU victims are demoted to disk (or dropped).
+  only the compressed bytes land in host memory. The queue of copies waiting for their encode is bounded
+  (``offload_queue_bytes``): over it a save is skipped before anything is copied, and counted. Spans are cut into blobs
+  of at most ``span_tokens``; the raw window is kept only on the sequence's last blob. The host tier's LRU victims are
+  demoted to disk (or dropped).
 - **Onboard** (host/disk -> GPU): the blobs covering the requested blocks are read (NIXL for disk) and decoded layer
   by layer *in order*, each layer scattered into the engine's blocks (or handed to a sink) and marked ready with one
-  event per layer, so attention on layer 0 can start while later layers are still being restored.
+  event per layer, so attention on layer 0 can start while later layers are still being restored. Host hits have
+  a lane of their own (thread and stream), apart from disk and peer restores; a restore its caller cancels (timed
+  out) writes no layer after :meth:`OnboardHandle.cancel` returns.
 - Anything that fails (unknown calibration, corrupt blob, NIXL error, ENOSPC) is logged, counted, removed from the
   index, and surfaces as a miss: :meth:`OnboardHandle.wait_layer` raises :class:`~dynamo_kvtc.errors.TierError` and
   the engine recomputes. Nothing wrong is ever scattered: every blob is verified (CRC of every section) before its
@@ -230,13 +234,17 @@ class KvtcStore:
         block_ids: Sequence[int] | None = None,
         ready_event: Any = None,
         tail: bool = True,
+        copy: Any = None,
     ) -> Future:
         """Queue the encode of blocks ``first_block .. first_block + len(hashes)`` of a sequence on the offload worker
         and return a Future of the :class:`OffloadResult` (errors are caught and reported in it, never raised).
 
         ``hashes``/``token_ids`` cover just these blocks; ``parent`` is the sequence hash of the block before them.
         K/V come from ``keys``/``values`` [L, len(hashes)*block_size, H, D] (already copied out of the engine's
-        blocks) or are gathered from the registered paged cache at ``block_ids`` (one per hash) on the worker."""
+        blocks), or from ``copy()`` -> ``(keys, values, ready_event)``, called here, on the caller's thread, only once
+        the offload is admitted (not present, not filtered, within ``offload_queue_bytes``), or are gathered from the
+        registered paged cache at ``block_ids`` (one per hash) on the worker. Over the queue's byte budget nothing is
+        copied or queued: the result says ``skipped="queue_full"`` and ``stats.offload_queue_full`` counts it."""
         return self.offloader.submit(
             hashes,
             token_ids,
@@ -247,6 +255,7 @@ class KvtcStore:
             block_ids=block_ids,
             ready_event=ready_event,
             tail=tail,
+            copy=copy,
         )
 
     # ------------------------------------------------------------------ onboard
@@ -259,11 +268,11 @@ class KvtcStore:
         source: Source | None = None,
     ) -> OnboardHandle:
         """Start restoring ``hashes`` (a matched prefix) into engine blocks ``dst_blocks`` (or a ``sink``): queues the
-        restore on the onboard worker and returns at once with a handle whose ``wait_layer(i)`` returns when layer i
-        is in place.
+        restore on an onboard lane (``host`` when every blob is in host memory, else ``slow``) and returns at once with
+        a handle whose ``wait_layer(i)`` returns when layer i is in place.
 
         ``source`` replaces the tiers as where the blobs come from (a peer, for prefill->decode transfer): called on
-        the onboard worker, it returns the :class:`BlobRun` s covering ``hashes`` in order; blobs that decode and
+        the slow onboard lane, it returns the :class:`BlobRun` s covering ``hashes`` in order; blobs that decode and
         carry a meta of this calibration are kept in the host tier too."""
         return self.restorer.start(hashes, dst_blocks, sink=sink, source=source)
 
@@ -274,7 +283,7 @@ class KvtcStore:
         return self.restorer.export(hashes, lease)
 
     def prefetch(self, hashes: Sequence[int]) -> Future:
-        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard, on the onboard worker;
+        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard, on the slow onboard lane;
         a Future of the number of blobs moved."""
         return self.restorer.submit(lambda: self.restorer.prefetch(hashes))
 
@@ -291,6 +300,8 @@ class KvtcStore:
             out[f"{name}_raw_bytes"] = sum(m.raw_bytes for m in blobs)
             out[f"{name}_stored_bytes"] = sum(m.stored_bytes for m in blobs)
         out["host_capacity_bytes"] = host.capacity
+        budget = self.offloader.budget
+        out["offload_queue_bytes"], out["offload_queue_peak_bytes"] = budget.held, budget.peak
         out["host_fill"] = host.fill
         if disk is not None:
             out["disk_capacity_bytes"] = disk.capacity
