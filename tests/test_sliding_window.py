@@ -113,3 +113,31 @@ def test_full_attention_from_args_is_off_by_default(win_cal):
     got = full_attention_from_args(win_cal, None, "int4", 16, 300)
     assert got.id == mixed_precision(win_cal, full_v="int4", group_size=16, span_tokens=300).id
     assert len(got.ratios) == 3
+
+
+def test_restore_of_a_run_to_the_blob_end_gives_sliding_layers_their_window(win_cal, win_synth):
+    """A serving restore asks for every token of a blob; a sliding layer holds only its last window of it. The run
+    reaches the blob's end, so the tokens that layer lacks lie a window or more before the restored prefix's end,
+    where its attention never reads: they come back as zeros, the window as decoded. A run that ends earlier would
+    need tokens the blob does not hold: refused."""
+    from dynamo_kvtc.codec import RestoreRun
+    from dynamo_kvtc.errors import TierError
+
+    mixed = mixed_precision(win_cal, [16], full_v="int4", group_size=16, span_tokens=300)
+    codec = KvtcCodec(mixed, ratio=mixed.ratios[0], window=16)
+    k, v, pos = win_synth.sample(300, start=3)
+    blob = codec.encode(k, v, pos)
+    ref = codec.decode_ragged(blob)
+    got = dict(codec.restore([RestoreRun(blob, 40, 260)]))
+    assert sorted(got) == [0, 1, 2, 3]
+    for layer, parts in got.items():
+        (kk, vv), a = parts[0], codec.layer_ranges(blob)[layer][0]
+        assert kk.shape == (260, k.shape[2], k.shape[3])
+        held = min(300 - a, 260)  # the layer's own tokens in the run: its last ones, as decoded
+        assert torch.equal(kk[-held:], ref[layer][0][-held:]) and torch.equal(vv[-held:], ref[layer][1][-held:])
+        if layer in (0, 2):  # sliding: the 160 tokens before its window are zeros
+            assert a == 300 - W and not kk[: 260 - held].any() and not vv[: 260 - held].any()
+        else:
+            assert a == 0 and torch.equal(kk, ref[layer][0][40:])
+    with pytest.raises(TierError, match="ends before the blob's end"):
+        list(codec.restore([RestoreRun(blob, 40, 200)]))
