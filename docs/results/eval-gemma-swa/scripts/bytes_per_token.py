@@ -3,6 +3,7 @@
 
     python bytes_per_token.py RESULTS.json
 """
+
 import json
 import sys
 from collections import defaultdict
@@ -27,4 +28,7 @@ print("| method | " + " | ".join(f"{n} tokens" for n in sorted(next(iter(rows.va
 for m, by in rows.items():
     print(f"| {m} | " + " | ".join(f"{sum(v) / len(v):.0f}" for _, v in sorted(by.items())) + " |")
 for n in (2048, 4096, 8000):
-    print(f"raw, every layer every token: {raw_all(n) / n:.0f} B/token; raw, window-only: {raw_window(n) / n:.0f} B/token at {n}")
+    print(
+        f"at {n}: raw, every layer every token: {raw_all(n) / n:.0f} B/token; "
+        f"raw, window-only: {raw_window(n) / n:.0f} B/token"
+    )

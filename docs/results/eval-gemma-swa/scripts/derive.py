@@ -5,6 +5,7 @@ into one calibration with one plan key per variant (the ratio each reaches at 40
 
     python derive.py SRC OUT
 """
+
 import json
 import sys
 
@@ -30,13 +31,18 @@ for name, (r, k) in variants.items():
     for gm, gc in zip(merged.groups, cal.groups):
         assert key not in gm.k_plans, (name, key)
         gm.k_plans[key], gm.v_plans[key] = gc.k_plans[key], gc.v_plans[key]
-merged.provenance["mixed_precision"] = {**merged.provenance["mixed_precision"], "full_k": "per variant",
-                                         "variants": {kk: {"name": n, "sliding": variants[n][0],
-                                                           "full_k": variants[n][1] or variants[n][0]}
-                                                      for kk, n in names.items()}}
+merged.provenance["mixed_precision"] = {
+    **merged.provenance["mixed_precision"],
+    "full_k": "per variant",
+    "variants": {
+        kk: {"name": n, "sliding": variants[n][0], "full_k": variants[n][1] or variants[n][0]}
+        for kk, n in names.items()
+    },
+}
 merged.provenance["mixed_precision"].pop("plans", None)
-merged = Calibration(merged.fingerprint, merged.groups, merged.rope_removed, merged.provenance,
-                     layer_order=merged.layer_order)
+merged = Calibration(
+    merged.fingerprint, merged.groups, merged.rope_removed, merged.provenance, layer_order=merged.layer_order
+)
 merged.save(out)
 rows = {n: {t: round(plan_ratio(merged, float(k), t), 2) for t in (2048, 4096, 8000)} for k, n in names.items()}
 print(merged.id[:12], json.dumps({k: n for k, n in names.items()}), json.dumps(rows))
