@@ -39,6 +39,7 @@ from ..errors import CalibrationError, ConfigError
 from .calibrate import CalibrationConfig, Calibrator, KvSample
 from .models import capture_kv, fingerprint_of, iter_windows, load_model, serving_dtype
 from .shapes import is_shape
+from .sliding import full_attention_from_args
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +184,11 @@ def calibrate_run(args) -> dict:
         prov["model_dtype"] = str(dtype).removeprefix("torch.")
     results = []
     if len(counts) == 1:
-        results.append(_finish(cal, prov, out, t0))
+        results.append(_finish(cal, prov, out, t0, args))
     else:
         prov["shared_capture"] = {"layer_group_counts": counts}
         for g in counts:
-            results.append(_finish(cal.regroup(g), prov, out / f"G{g}", t0))
+            results.append(_finish(cal.regroup(g), prov, out / f"G{g}", t0, args))
     shutil.rmtree(partial, ignore_errors=True)
     for name in ("pca", "dp", "save"):
         seconds[name] = sum(r[name] for r in results)
@@ -270,8 +271,14 @@ def _num(item: tuple[str, int]) -> int:
     return int(item[0])
 
 
-def _finish(cal: Calibrator, prov: dict, out: Path, t0: float) -> dict:
-    result = cal.finish(prov)
+def _finish(cal: Calibrator, prov: dict, out: Path, t0: float, args=None) -> dict:
+    result = full_attention_from_args(  # sliding-window hybrids: mixed precision for the full-attention layers
+        cal.finish(prov),
+        getattr(args, "full_attention_k", None),
+        getattr(args, "full_attention_v", None),
+        getattr(args, "full_attention_group", 64),
+        getattr(args, "budget_tokens", 0),
+    )
     ts = time.time()
     result.save(out)
     t_save = time.time() - ts

@@ -86,6 +86,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-shared-budget", action="store_true", help="one DP per basis group at the ratio (before 2026-12-02)"
     )
+    p.add_argument(
+        "--full-attention-v", default=None, metavar="pca|int4|fp8|int2|R",
+        help="sliding-window hybrids: code the full-attention layers' V directly (int4/fp8/int2 in groups of "
+        "--full-attention-group, one fp16 shift and scale each) or with the PCA plan of ratio R; the plans are then "
+        "keyed by the ratio they reach at --budget-tokens (default 4096) against a raw tier storing only the window",
+    )  # fmt: skip
+    p.add_argument(
+        "--full-attention-k", default=None, metavar="pca|int4|fp8|int2|R",
+        help="the same for the full-attention layers' K (default: the ratio's own PCA plan)",
+    )  # fmt: skip
+    p.add_argument("--full-attention-group", type=types.positive_int, default=64, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--device",

