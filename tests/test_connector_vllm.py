@@ -52,6 +52,8 @@ def test_roundtrip_restores_exact_blocks_and_identical_reply(scenario):
     """Raw blobs (window covers everything): what vLLM reads after the restore is bit-identical to what it computed,
     and the greedy reply equals the one from recomputing the whole prompt."""
     r = scenario("roundtrip-lossless")
+    # no `calibration` set: found by the lookup rule under $DYN_KVTC_CALIBRATIONS/<normalised model name>
+    assert r["calibration_set"] is None and r["calibration_found"].endswith("/cals/smollm2-135m-instruct")
     assert r["restored_tokens"] >= 800  # the first turn's history (prompt + reply) came back from the tier
     assert r["bit_exact"] is True and r["rel_err_k"] == 0.0
     assert r["tokens"] == r["reference_tokens"] and r["reply"]
@@ -104,7 +106,10 @@ def test_corrupt_blob_becomes_a_recompute(scenario):
 
 def test_mismatched_calibration_disables_the_connector_not_the_engine(scenario):
     r = scenario("mismatch")
-    assert "does not fit" in r["disabled"] and "num_layers" in r["disabled"]
+    # a calibration of another fingerprint under SmolLM2's name ($DYN_KVTC_CALIBRATIONS lookup): one line naming both
+    assert "does not fit" in r["disabled"] and "num_layers" in r["disabled"] and "\n" not in r["disabled"]
+    assert "smollm2-135m-instruct" in r["disabled"].split("does not fit")[1]
+    assert r["disabled_reason"] == "calibration"
     assert r["stats"]["fallback_disabled"] == 1 and r["restores"] == []
     assert r["tokens"] == r["reference_tokens"] and r["reply"]
 

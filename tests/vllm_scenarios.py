@@ -9,6 +9,8 @@ multi-turn chat (prefix caching off) and writes what it observed as JSON; the te
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 import time
 import urllib.request
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dynamo_kvtc.calibration.catalog import find_calibration
+from dynamo_kvtc.calibration.catalog import find_calibration, normalise_model_name
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
 from dynamo_kvtc.demo.engine import EngineConfig, build_engine, chat, conversation, run_turn, worker_of
@@ -29,9 +31,15 @@ def _document(words: int = 700) -> str:
     return " ".join("\n\n".join(heldout_texts()).split()[:words])
 
 
-def _engine(extra: dict):
+def _engine(extra: dict, calibrations: Path | None = None):
+    """``calibrations``: no ``calibration`` setting; the connector finds the shipped one by the lookup rule, copied to
+    ``$DYN_KVTC_CALIBRATIONS/<normalised model name>`` (a folder of its own, not the repository's)."""
     cal = find_calibration(MODEL)
-    return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), **extra}))
+    if calibrations is None:
+        return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), **extra}))
+    shutil.copytree(cal, calibrations / normalise_model_name(str(resolve_model(MODEL))))
+    os.environ["DYN_KVTC_CALIBRATIONS"] = str(calibrations)
+    return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra=extra))
 
 
 def _llm(kvc, **llm_kw):
@@ -130,9 +138,13 @@ def _two_turns(llm, w, orig: Originals | None = None, words: int = 700) -> dict:
 
 
 def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
-    llm = _engine(LOSSLESS if lossless else {"metrics_port": 0})
+    # the lossless run finds its calibration through $DYN_KVTC_CALIBRATIONS (the lookup rule), the 16x run is given it
+    llm = _engine(LOSSLESS, calibrations=tmp / "cals") if lossless else _engine({"metrics_port": 0})
     w = worker_of(llm)
-    out = _two_turns(llm, w, Originals(w.store, w.block_size))
+    from dynamo_kvtc.connector.worker import resolve_calibration  # what the worker ran at start-up
+
+    out = {"calibration_found": str(resolve_calibration(w.cfg, w.model, 0, 1)), "calibration_set": w.cfg.calibration}
+    out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
     if w.metrics_port is not None:  # what Prometheus would scrape from this worker
         with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
             out["metrics"] = r.read().decode()
@@ -188,10 +200,13 @@ def scenario_mismatch(tmp: Path) -> dict:
     # a calibration made for another model (4 layers, 2 KV heads): the connector must refuse it and pass through
     from dynamo_kvtc.calibration.synthetic import synthetic_calibration
 
-    synthetic_calibration(4, 2, 64, ratios=(16,), rank=256, dp_rows=512).save(tmp / "wrong-cal")
-    llm = build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(tmp / "wrong-cal")}))
+    # found by the lookup rule: under $DYN_KVTC_CALIBRATIONS/<SmolLM2's normalised name>, no `calibration` set
+    wrong = tmp / "cals" / normalise_model_name(str(resolve_model(MODEL)))
+    synthetic_calibration(4, 2, 64, ratios=(16,), rank=256, dp_rows=512).save(wrong)
+    os.environ["DYN_KVTC_CALIBRATIONS"] = str(tmp / "cals")
+    llm = build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={}))
     w = worker_of(llm)
-    return {**_two_turns(llm, w, words=300), "disabled": w.disabled}
+    return {**_two_turns(llm, w, words=300), "disabled": w.disabled, "disabled_reason": w.disabled_reason}
 
 
 def scenario_events(tmp: Path) -> dict:

@@ -182,7 +182,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
 
         path = self.opts.calibration
         if path is None:
-            found = find_calibration(Path(cfg.model.name).name) or find_calibration(cfg.model.name)
+            found = find_calibration(cfg.model.name)
             if found is None:
                 raise option_error(
                     "calibration",

@@ -34,7 +34,7 @@ import torch
 
 from .. import settings
 from ..calibration.artifact import Calibration
-from ..calibration.catalog import find_calibration
+from ..calibration.catalog import find_calibration, normalise_model_name
 from ..calibration.models import fingerprint_of
 from ..errors import KvtcError, TierError
 from ..tiers.config import TierConfig
@@ -124,16 +124,17 @@ def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
 
 
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
-    """The calibration directory of this rank: ``calibration`` when set, else the one found by the model's name under
-    ``DYN_KVTC_CALIBRATIONS`` (the repository's ``calibrations/``), then ``<DYN_KVTC_CACHE>/calibrations``."""
+    """The calibration directory of this rank: ``calibration`` when set, else :func:`find_calibration`'s (the
+    normalised model name under ``DYN_KVTC_CALIBRATIONS`` or the repository's ``calibrations/``, then
+    ``<DYN_KVTC_CACHE>/calibrations``). The caller matches its fingerprint against the served model."""
     path = cfg.calibration
     if path is None:
         tools = settings.tool_settings()  # the search folders, read once
-        path = find_calibration(Path(model).name, tools) or find_calibration(model, tools)
+        path = find_calibration(model, tools)
         if path is None:
             raise TierError(
-                f"no calibration for model {model!r}: set kv_connector_extra_config.calibration or "
-                "DYN_KVTC_CALIBRATION (make one with `dynamo-kvtc calibrate`)"
+                f"no calibration for model {model!r}: set kv_connector_extra_config.calibration, or put one in "
+                f"$DYN_KVTC_CALIBRATIONS/{normalise_model_name(model)} (make one with `dynamo-kvtc calibrate`)"
             )
     path = Path(path)
     if tp_size > 1 and (path / f"rank{tp_rank}" / "calibration.json").is_file():

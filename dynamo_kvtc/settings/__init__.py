@@ -122,7 +122,8 @@ SETTINGS: tuple[Setting, ...] = (
        field="offload_queue_bytes", lo=0, lo_open=True, hi=1 << 20),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
-       default_doc="found by the model's name under `DYN_KVTC_CALIBRATIONS`, then `<cache>/calibrations`"),
+       default_doc="`<model name, lowercased>/` under `DYN_KVTC_CALIBRATIONS` (docs/byom.md), then "
+                   "`<cache>/calibrations`"),
     _s("flush_tokens", "int", 256, "while decoding, offload once this many new tokens filled blocks", "connector",
        lo=1),
     _s("load_timeout_s", "float", 30, "longest wait for one layer's restore before falling back", "connector", lo=0,
