@@ -174,7 +174,7 @@ class KvtcStore:
         n = -(-(cfg.sinks + cfg.min_tokens + window + 16) // self.block_size) * self.block_size
         gen = torch.Generator().manual_seed(0)
         shape = (fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
-        dtype = self.kv.dtype if self.kv is not None else torch.bfloat16
+        dtype = self.kv.value_dtype if self.kv is not None else torch.bfloat16
         k = torch.randn(shape, generator=gen).to(self.device, dtype)
         v = torch.randn(shape, generator=gen).to(self.device, dtype)
         spans = [EncodeSpan(0, torch.arange(n), window=window)]
