@@ -152,3 +152,26 @@ def test_fp8_cache_without_scales_for_every_layer_is_refused(cal_dir):
         assert w.store is None and "scale" in w.disabled
     finally:
         w.shutdown()
+
+
+def test_blobs_name_their_fp8_source_and_other_caches_miss_them(cal_dir):
+    from dynamo_kvtc.calibration.artifact import Calibration
+    from dynamo_kvtc.codec.container import parse_blob
+    from dynamo_kvtc.codec.factory import make_codec
+    from dynamo_kvtc.errors import WrongCalibrationError
+
+    cal = Calibration.load(cal_dir)
+    k, v, pos = synthetic_kv(cal, 64)
+    plain = make_codec(cal, ratio=16, sinks=4, window=16)
+    e4m3 = make_codec(cal, ratio=16, sinks=4, window=16)
+    fp8.mark_kv_source(e4m3, "fp8_e4m3")
+    e5m2 = make_codec(cal, ratio=16, sinks=4, window=16)
+    fp8.mark_kv_source(e5m2, "fp8_e5m2")
+    from_fp8 = e4m3.encode(k, v, pos)
+    from_bf16 = plain.encode(k, v, pos)
+    assert parse_blob(from_fp8)[0]["kv"] == "fp8_e4m3" and "kv" not in parse_blob(from_bf16)[0]
+    e4m3.check_blob(from_fp8)
+    plain.check_blob(from_bf16)  # a 16-bit cache's blobs keep their bytes (no key written)
+    for codec, blob in ((plain, from_fp8), (e5m2, from_fp8), (e4m3, from_bf16)):
+        with pytest.raises(WrongCalibrationError, match="KV cache"):
+            codec.check_blob(blob)  # a restore's miss, never values of the wrong format

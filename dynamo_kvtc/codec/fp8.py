@@ -54,3 +54,21 @@ def quantize(x: torch.Tensor, fmt: torch.dtype, scale: float, storage: torch.dty
 def round_fp8(x: torch.Tensor, fmt: torch.dtype, scale: float) -> torch.Tensor:
     """``x`` as an FP8 cache with ``scale`` holds it, in ``x``'s dtype (calibrating on what the engine stores)."""
     return dequantize(quantize(x, fmt, scale, fmt), fmt, scale, x.dtype)
+
+
+def source_name(fmt: torch.dtype | None) -> str | None:
+    """The blob header's ``kv`` for an FP8 cache of ``fmt`` (None: a 16/32-bit cache)."""
+    return {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}.get(fmt)
+
+
+def mark_kv_source(codec: object, name: str | None) -> None:
+    """Make ``codec`` (and the codecs it delegates to) write ``kv=name`` into its blobs and read only such blobs."""
+    seen: set[int] = set()
+    todo = [codec]
+    while todo:
+        c = todo.pop()
+        if c is None or id(c) in seen:
+            continue
+        seen.add(id(c))
+        c.kv_source = name
+        todo += [getattr(c, a, None) for a in ("base", "reference", "codec", "fc", "fused")]

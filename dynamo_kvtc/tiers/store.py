@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
 from ..codec.factory import entropy_tag, make_codec
 from .admission import OffloadFilter, RatioPolicy
@@ -137,6 +138,8 @@ class KvtcStore:
                     tag=self._tag(),
                     options=self.cfg.codec,
                 )
+                if self.kv is not None:
+                    fp8.mark_kv_source(self._codecs[ratio], fp8.source_name(self.kv.dtype))
             return self._codecs[ratio]
 
     def default_codec(self) -> Codec:
