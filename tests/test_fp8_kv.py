@@ -175,3 +175,40 @@ def test_blobs_name_their_fp8_source_and_other_caches_miss_them(cal_dir):
     for codec, blob in ((plain, from_fp8), (e5m2, from_fp8), (e4m3, from_bf16)):
         with pytest.raises(WrongCalibrationError, match="KV cache"):
             codec.check_blob(blob)  # a restore's miss, never values of the wrong format
+
+
+def test_eval_fp8_input_rounds_in_and_out_and_states_ratios_against_fp8(synth, synth_cal):
+    from dynamo_kvtc.evaluation.methods import Kvtc, Vanilla
+    from dynamo_kvtc.evaluation.methods.fp8_input import Fp8Input
+
+    k, v, pos = synth.sample(256, dtype=torch.float32)
+    fmt = torch.float8_e4m3fn
+    van = Fp8Input(Vanilla(window=32)).reconstruct(k, v, pos)
+    assert torch.equal(van.keys, fp8.round_fp8(k, fmt, 1.0)) and not torch.equal(van.keys, k)  # the FP8-KV baseline
+    plain, wrapped = Kvtc(synth_cal, 8, window=32), Fp8Input(Kvtc(synth_cal, 8, window=32))
+    rec = wrapped.reconstruct(k, v, pos)
+    assert torch.equal(fp8.round_fp8(rec.keys, fmt, 1.0), rec.keys)  # written back as FP8
+    assert rec.ratio == pytest.approx(plain.reconstruct(k, v, pos).ratio / 2, rel=0.05)  # 8x of 16-bit = 4x of FP8
+
+
+def test_calibration_sees_fp8_rounded_kv():
+    from argparse import Namespace
+
+    from dynamo_kvtc.calibration.build import _as_cached
+
+    k, v, pos = torch.randn(2, 8, 1, 4) * 3, torch.randn(2, 8, 1, 4), torch.arange(8)
+    assert _as_cached(Namespace(kv_dtype="auto"), k, v, pos)[0] is k
+    k8, v8, _ = _as_cached(Namespace(kv_dtype="fp8_e5m2", kv_scale=0.5), k, v, pos)
+    assert torch.equal(k8, fp8.round_fp8(k, torch.float8_e5m2, 0.5)) and not torch.equal(k8, k)
+
+
+def test_cli_takes_the_fp8_options():
+    from dynamo_kvtc.cli.main import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["bench", "gpu", "--kv-dtype", "fp8"]).kv_dtype == "fp8"
+    assert p.parse_args(["eval", "--kv-dtype", "fp8", "--out", "x"]).kv_dtype == "fp8"
+    a = p.parse_args(["calibrate", "--kv-dtype", "fp8_e4m3", "--kv-scale", "0.25", "--out", "x"])
+    assert (a.kv_dtype, a.kv_scale) == ("fp8_e4m3", 0.25)
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench", "gpu", "--kv-dtype", "int8"])
