@@ -212,3 +212,28 @@ def test_cli_takes_the_fp8_options():
     assert (a.kv_dtype, a.kv_scale) == ("fp8_e4m3", 0.25)
     with pytest.raises(SystemExit):
         p.parse_args(["bench", "gpu", "--kv-dtype", "int8"])
+
+
+def test_bench_gpu_fp8_restore_runs_at_tiny_size(monkeypatch, synth_cal):
+    """``bench gpu --kv-dtype fp8``'s part on the CPU stand-in (the numbers mean nothing here; the H200 measures)."""
+    from dynamo_kvtc.bench import gpu_timing as gt
+    from dynamo_kvtc.bench.gpu_fp8 import fp8_restore
+    from dynamo_kvtc.bench.gpu_model import PagedCache, fill_synthetic_kv
+
+    monkeypatch.setattr(gt, "cuda", gt.CpuCuda())
+    fp = synth_cal.fingerprint
+    B, T, bs = 2, 256, 16
+    nb = B * T // bs
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(0))
+    block_ids = [perm[b * (T // bs) : (b + 1) * (T // bs)] for b in range(B)]
+    src = PagedCache(fp.num_layers, nb, bs, fp.num_kv_heads, fp.head_dim, torch.device("cpu"))
+    fill_synthetic_kv(src, synth_cal, block_ids, T, seed=1)
+    run = SimpleNamespace(
+        L=fp.num_layers, H=fp.num_kv_heads, D=fp.head_dim, bs=bs, nblocks=nb, B=B, T=T, dev=torch.device("cpu"),
+        args=SimpleNamespace(ratio=8.0, tag="deflate", repeat=1), flat_ids=torch.cat(block_ids), block_ids=block_ids,
+        src=src, cal=synth_cal,
+    )  # fmt: skip
+    out = fp8_restore(run, "fp8")
+    assert out["finite"] and out["rel_err_k"] < 0.3 and out["rel_err_v"] < 0.3, out
+    assert out["raw_fp8_bytes"] == 2 * fp.num_layers * B * T * fp.num_kv_heads * fp.head_dim
+    assert out["raw_restore_all_layers_ms"] > 0 and out["kvtc_restore_all_layers_ms"] > 0
