@@ -62,7 +62,7 @@ def test_host_memory_limit_prefers_the_pod_limit(tmp_path):
     assert host_memory_warning(8 * GiB, None) is None  # nothing known: no warning
 
 
-# ---------------------------------------------------------------------------------------------- FP8 refused
+# ---------------------------------------------------------------------------------------------- 8-bit caches refused
 def _fp8_cpu_caches(dtype: torch.dtype, layers: int = 2, blocks: int = 8, heads: int = 3, bs: int = 32, hd: int = 64):
     """What vLLM's CPU backend allocates with --kv-cache-dtype fp8 (uint8 storage; GPU backends use float8 dtypes):
     per layer [blocks, heads, bs, 2*head_dim]."""
@@ -79,9 +79,9 @@ def _scrape(port: int) -> dict[str, float]:
 
 @pytest.mark.parametrize(
     "cache_dtype, storage",
-    [("fp8", torch.uint8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2), ("auto", torch.uint8)],
+    [("fp8_per_token_head", torch.uint8), ("fp8_inc", torch.float8_e4m3fn), ("auto", torch.uint8)],
 )
-def test_fp8_kv_cache_is_refused_at_start_up_and_metrics_still_served(cache_dtype, storage, caplog):
+def test_unreadable_8bit_kv_cache_is_refused_at_start_up_and_metrics_still_served(cache_dtype, storage, caplog):
     cfg = ConnectorConfig.from_sources({"metrics_port": 0}, env={})
     w = KvtcWorker(
         cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=32, kv_cache_dtype=cache_dtype
@@ -108,8 +108,12 @@ def test_16bit_caches_pass_the_dtype_check():
 
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         check_kv_dtype(torch.zeros(2, 2, dtype=dt), "auto")
-    with pytest.raises(TierError, match="fp8"):
-        check_kv_dtype(torch.zeros(2, 2, dtype=torch.bfloat16), "fp8_e5m2")  # the engine's flag alone is enough
+    for name, dt in (("fp8", torch.uint8), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        check_kv_dtype(torch.zeros(2, 2, dtype=dt), name)  # FP8 caches are read through their scales
+    with pytest.raises(TierError, match="not supported"):
+        check_kv_dtype(torch.zeros(2, 2, dtype=torch.bfloat16), "fp8_e5m2")  # flag and tensors disagree
+    with pytest.raises(TierError, match="not supported"):
+        check_kv_dtype(torch.zeros(2, 2, dtype=torch.uint8), "int8_per_token_head")
     with pytest.raises(TierError, match="not supported"):
         check_kv_dtype(torch.zeros(2, 2, dtype=torch.uint8), "auto")
 

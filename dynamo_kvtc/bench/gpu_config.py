@@ -253,6 +253,13 @@ def run_config(
     run.kvtc_restore()
     run.accuracy(budget)
     res = run.res
+    if getattr(args, "kv_dtype", "auto") != "auto":  # restore into an FP8 cache vs a raw copy of it
+        from .gpu_fp8 import fp8_restore
+
+        out = guarded(res, "fp8", fp8_restore, run, args.kv_dtype)
+        if out is not None:
+            res["fp8"] = out
+            print(f"  {args.kv_dtype} cache: {out}")
     res["ttft_speedup_vs_recompute"] = res["recompute"]["ttft_ms"] / res["kvtc_restore"]["ttft_ms"]
     res["raw_ttft_speedup_vs_recompute"] = res["recompute"]["ttft_ms"] / res["raw_restore"]["ttft_ms"]
     res["kvtc_vs_raw_restore"] = res["kvtc_restore"]["all_layers_ms"] / res["raw_restore"]["all_layers_ms"]

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..codec import fp8
 from ..errors import CalibrationError, ConfigError
 from .calibrate import CalibrationConfig, Calibrator, KvSample
 from .models import capture_kv, fingerprint_of, iter_windows, load_model, serving_dtype
@@ -162,7 +163,7 @@ def calibrate_run(args) -> dict:
         if cfg.max_tokens is not None:  # the tail past the budget would be captured and dropped
             window = window[: cfg.max_tokens - cal.tokens + cfg.sinks]
         lengths[str(len(window))] = lengths.get(str(len(window)), 0) + 1
-        cal.add(KvSample(*capture_kv(model, window, device=cfg.device)))
+        cal.add(KvSample(*_as_cached(args, *capture_kv(model, window, device=cfg.device))))
         if cal.tokens - last_ckpt >= every and not cal.full:
             tc = time.time()
             _checkpoint(partial, cal, key, i + 1)
@@ -182,6 +183,8 @@ def calibrate_run(args) -> dict:
         prov.pop("window_lengths")
     if dtype != torch.float32:
         prov["model_dtype"] = str(dtype).removeprefix("torch.")
+    if getattr(args, "kv_dtype", "auto") != "auto":
+        prov["kv_cache"] = {"dtype": args.kv_dtype, "scale": args.kv_scale}
     results = []
     if len(counts) == 1:
         results.append(_finish(cal, prov, out, t0, args))
@@ -248,10 +251,19 @@ def _run_key(args, cfg, fp, win_prov: dict, counts: list[int], texts, desc, dtyp
                 "layer_group_counts": counts,
                 "data": hashlib.sha256("\x00".join(texts).encode()).hexdigest() if texts else desc,
                 **({"dtype": str(dtype)} if dtype != torch.float32 else {}),
+                **({"kv": [args.kv_dtype, args.kv_scale]} if getattr(args, "kv_dtype", "auto") != "auto" else {}),
             },
             sort_keys=True,
         ).encode()
     ).hexdigest()
+
+
+def _as_cached(args, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+    """K, V as the engine's cache holds them: rounded through FP8 with ``--kv-scale`` for ``--kv-dtype fp8*``."""
+    fmt = fp8.kv_format(getattr(args, "kv_dtype", "auto"))
+    if fmt is None:
+        return k, v, pos
+    return fp8.round_fp8(k, fmt, args.kv_scale), fp8.round_fp8(v, fmt, args.kv_scale), pos
 
 
 def _sync(device: str) -> None:

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="optional parts not to run, comma-separated: 'nvCOMP sync check', 'overlap check', 'codec choice', "
         "'layer-group variant', 'cpu path'",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        default="auto",
+        help="also restore each configuration into an FP8 paged cache and compare with a raw copy of that FP8 cache",
+    )
     p.add_argument("--plot", dest="plot_path", help="write a PNG of TTFT and compress/decompress vs the paper")
     p.add_argument("--json", dest="json_path")
 

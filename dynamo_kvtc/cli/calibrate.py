@@ -114,6 +114,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=types.positive_int, default=1)
     p.add_argument("--keep-rope", action="store_true", help="ablation: do not remove RoPE from keys")
     p.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        default="auto",
+        help="the serving engine's --kv-cache-dtype: fp8* calibrates on K/V rounded through that FP8 format",
+    )
+    p.add_argument(
+        "--kv-scale",
+        type=float,
+        default=1.0,
+        help="the FP8 cache's k/v scale (vLLM's default without checkpoint scales: 1.0)",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=types.positive_int,
         default=None,

@@ -67,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="sinks-compressed and window-16 rows (default: on for the full preset)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        default="auto",
+        help="the engine's KV cache dtype: fp8 rounds every method's input and output through FP8 (scale 1.0, vLLM's "
+        "default); vanilla is then the FP8-KV baseline and ratios are stated against the FP8 cache",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output folder")
 

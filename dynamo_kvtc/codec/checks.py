@@ -76,6 +76,11 @@ def _check_header(codec: Any, h: dict[str, Any]) -> None:
             f"blob was encoded with calibration {h['cal'][:12]}, this codec holds {codec.cal.id[:12]} "
             f"({fp.model_name or fp.architecture})"
         )
+    if h.get("kv") != getattr(codec, "kv_source", None):
+        raise WrongCalibrationError(
+            f"blob holds values of a {h.get('kv') or h['dtype']} KV cache, "
+            f"this engine's cache is {getattr(codec, 'kv_source', None) or 'a 16/32-bit one'}"
+        )
     if (h["layers"], h["heads"], h["head_dim"]) != (fp.num_layers, fp.num_kv_heads, fp.head_dim):
         raise CorruptBlobError("blob shape fields disagree with its calibration")
     if h["groups"] != [list(t.layers) for t in codec.tables]:

@@ -19,6 +19,8 @@ Optional keys (per-layer token sets; written only by calibrations that have them
 ``order`` (a permutation of the layers: the layer groups are ranges over this order, so one group can hold layers that
 are not neighbours, e.g. all sliding-window layers) and ``token_sets`` (one ``[start, stop]`` token-index range per
 group: the tokens of the span that group encodes; the blob's ``sinks`` and ``window`` apply inside each range).
+``kv`` (``"fp8_e4m3"``/``"fp8_e5m2"``): the values came from an FP8 KV cache of that format, through its scales; a
+reader whose engine cache differs treats the blob as a miss.
 
 Optional ``keys`` (bin): the 128-bit keys of the blocks the blob holds, 16 big-endian bytes each, in order; written
 by the tiers (:func:`with_keys`) so a restore can check that a blob is the one it asked for. The codec never reads it.
@@ -77,7 +79,8 @@ HEADER_KEYS = (
     "groups",
     "sections",
 )
-OPTIONAL_KEYS = ("order", "token_sets")  # per-layer token sets (absent from every blob without them)
+OPTIONAL_KEYS = ("order", "token_sets", "kv")  # per-layer token sets; the FP8 cache format the values came from
+KV_SOURCES = ("fp8_e4m3", "fp8_e5m2")  # ``kv``: absent for a 16/32-bit cache (``dtype`` says which)
 KEY_BYTES = 16  # one block key in the ``keys`` field (128 bits, big-endian)
 MAX_KEYS = 1 << 16  # block keys one blob may carry
 
@@ -104,6 +107,7 @@ class BlobHeader:
     groups: list[list[int]] = field(default_factory=list)  # [layer_start, layer_stop] per layer group
     order: list[int] | None = None  # layer permutation the groups are ranges over (None: 0..layers-1)
     token_sets: list[list[int]] | None = None  # [start, stop] token-index range per group (None: every token)
+    kv: str | None = None  # the FP8 cache format the values were dequantized from (None: a 16/32-bit cache)
 
     def to_dict(self) -> dict[str, Any]:
         """The msgpack map's keys in order; the optional keys only where set (older blobs keep their bytes)."""
@@ -302,6 +306,7 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
                 isinstance(ts, list) and len(ts) == 2 and all(_is_int(x) for x in ts) and 0 <= ts[0] <= ts[1] <= tokens,
                 "token set ranges must lie within the span's tokens",
             )
+    _need(h.get("kv") is None or h.get("kv") in KV_SOURCES, f"kv {h.get('kv')!r}")
     table = h.get("sections")
     _need(isinstance(table, list) and len(table) <= 8 * len(groups), "sections")
     recs: list[SectionRecord] = []

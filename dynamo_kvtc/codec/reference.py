@@ -178,6 +178,7 @@ class ReferenceCodec(Codec):
             groups=[list(t.layers) for t in self.tables],
             order=None if self.order is None else list(self.order),
             token_sets=self.token_ranges(positions.numel()) if self.token_sets else None,
+            kv=getattr(self, "kv_source", None),
         )
 
     def token_ranges(self, tokens: int) -> list[list[int]]:

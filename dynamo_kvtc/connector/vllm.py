@@ -254,7 +254,18 @@ class KvtcConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches, offsets=self._cpu_offsets(kv_caches))
+        self._worker.register_kv_caches(kv_caches, offsets=self._cpu_offsets(kv_caches), scales=self._scales(kv_caches))
+
+    def _scales(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]] | None:
+        """An FP8 cache's per-layer (k_scale, v_scale), from the attention layers vLLM registered (None otherwise)."""
+        if not str(self._vllm_config.cache_config.cache_dtype).startswith("fp8"):
+            return None
+        try:
+            layers = self._vllm_config.compilation_config.static_forward_context
+            return {n: (float(layers[n]._k_scale_float), float(layers[n]._v_scale_float)) for n in kv_caches}
+        except (AttributeError, KeyError, TypeError) as e:
+            log.warning("kvtc: cannot read the FP8 KV scales (%s); the connector disables itself", e)
+            return {}  # the worker refuses: encoding with guessed scales would restore wrong values
 
     def _cpu_offsets(self, kv_caches: dict[str, torch.Tensor]):
         first = next(iter(kv_caches.values()))

@@ -36,6 +36,7 @@ from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
 from ..calibration.models import fingerprint_of
+from ..codec.fp8 import kv_format
 from ..errors import KvtcError, TierError
 from ..tiers.config import TierConfig
 from ..tiers.layout import PagedKV
@@ -46,7 +47,7 @@ from .step_plan import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
 
-# KV cache dtypes the codec encodes from and restores into (vLLM's FP8 caches hold scaled 8-bit values it cannot read)
+# KV cache dtypes the codec encodes from and restores into as they are (FP8 caches go through their scales)
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
@@ -94,11 +95,17 @@ def host_memory_warning(asked: int, limit: tuple[int, str] | None) -> str | None
 
 
 def check_kv_dtype(t: torch.Tensor, cache_dtype: str = "auto") -> None:
-    """Refuse KV caches the codec cannot read: FP8 (``--kv-cache-dtype fp8*``) and anything not 16/32-bit float."""
-    if str(cache_dtype).startswith("fp8") or t.dtype not in SUPPORTED_KV_DTYPES:
+    """Refuse KV caches the codec cannot read: anything but 16/32-bit float, or an FP8 cache (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``; uint8 or float8 tensors, encoded through its per-layer scales). Other quantized caches are refused."""
+    fmt = kv_format(cache_dtype)
+    if fmt is not None and t.dtype in (torch.uint8, fmt):
+        return
+    if str(cache_dtype) not in ("auto", "bfloat16", "float16", "float32", "half", "float") or (
+        t.dtype not in SUPPORTED_KV_DTYPES
+    ):
         raise TierError(
-            f"KV cache dtype {cache_dtype} ({t.dtype}) is not supported: kvtc encodes bfloat16/float16/float32 caches "
-            "only; run without --kv-cache-dtype fp8 to use the compressed tiers"
+            f"KV cache dtype {cache_dtype} ({t.dtype}) is not supported: kvtc encodes bfloat16/float16/float32 and "
+            "fp8/fp8_e4m3/fp8_e5m2 caches only"
         )
 
 
@@ -218,8 +225,9 @@ class KvtcWorker:
         if self.tp_rank == 0:  # lookups still answered (always a miss); kvtc_enabled 0 and the reason scrapeable
             self.services.start(self, None)
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
-        """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None, scales: Any = None) -> None:
+        """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`); ``scales``: an FP8
+        cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default)."""
         stage = "layout"
         try:
             names = sorted(kv_caches, key=layer_index)
@@ -229,7 +237,24 @@ class KvtcWorker:
             stage = "layout"
             layout = detect_layout(tensors[0], self.num_blocks)
             ko, vo = offsets if offsets is not None else (None, None)
-            kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo)
+            ks = vs = None
+            if kv_format(self.kv_cache_dtype) is not None:
+                if layout == "cpu" and offsets is None:
+                    raise TierError("the element order of this CPU FP8 KV cache is unknown (no layout probe for fp8)")
+                if scales is not None:
+                    if set(names) - set(scales):
+                        raise TierError(f"no k/v scale for FP8 KV cache {sorted(set(names) - set(scales))[0]!r}")
+                    ks, vs = [scales[n][0] for n in names], [scales[n][1] for n in names]
+            kv = PagedKV(
+                tensors,
+                layout,
+                self.block_size,
+                k_offsets=ko,
+                v_offsets=vo,
+                cache_dtype=self.kv_cache_dtype,
+                k_scales=ks,
+                v_scales=vs,
+            )
             stage = "calibration"
             cal = self._calibration(kv)
             stage = "store"

@@ -95,6 +95,11 @@ def run_eval(args) -> int:
         ablation_ratios=args.ablation_ratios,
         baselines=args.baselines,
     )
+    kv_dtype = getattr(args, "kv_dtype", "auto")
+    if kv_dtype != "auto":
+        from .methods.fp8_input import Fp8Input
+
+        ms = [Fp8Input(m, kv_dtype) for m in ms]
     lengths = tuple(args.lengths) if getattr(args, "lengths", None) else None
     samples = list(tasks.build(tok, args.preset, tuple(args.tasks) if args.tasks else None, args.seed, lengths))
     if not samples:
@@ -113,6 +118,7 @@ def run_eval(args) -> int:
         "ablation_layer_groups": {k: v.layer_groups for k, v in extra.items()},
         "layer_groups": cal.layer_groups,
         "projections": list(projections),
+        "kv_dtype": kv_dtype,
     }
     files = report.write(Path(args.out), result, meta)
     print(report.markdown(result["summary"], meta))

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..codec import fp8
 from ..errors import ConfigError
 
 LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm")
@@ -37,6 +38,9 @@ class PagedKV:
         *,
         k_offsets: torch.Tensor | None = None,
         v_offsets: torch.Tensor | None = None,
+        cache_dtype: str = "auto",
+        k_scales: Sequence[float] | None = None,
+        v_scales: Sequence[float] | None = None,
     ):
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
@@ -74,8 +78,10 @@ class PagedKV:
         if block_size is not None and block_size != bs:
             raise ConfigError(f"engine block size {bs} differs from the configured {block_size}")
         self.num_layers, self.num_blocks, self.block_size, self.num_heads, self.head_dim = L, nb, bs, H, D
-        self.dtype = self.caches[0].dtype
+        self.dtype = self.caches[0].dtype  # the stored element (float8 for an FP8 cache): what raw bytes count
+        self.value_dtype = self.dtype  # what gather returns and scatter takes: what the codec encodes
         self.device = self.caches[0].device
+        self._fp8 = _fp8_setup(self, cache_dtype, k_scales, v_scales)
         self._offsets = None
         if layout == "cpu":
             half = bs * D
@@ -89,8 +95,9 @@ class PagedKV:
 
     @property
     def addressable(self) -> bool:
-        """Whether :meth:`layer_views` can address this cache in place (every layout but ``cpu``)."""
-        return self.layout != "cpu"
+        """Whether :meth:`layer_views` can address this cache in place (every layout but ``cpu``; not an FP8 cache,
+        whose values need their scales)."""
+        return self.layout != "cpu" and self._fp8 is None
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous; not for ``cpu``)."""
@@ -124,6 +131,8 @@ class PagedKV:
             else:
                 k, v = self.layer_views(layer)
                 k, v = k.index_select(0, ids), v.index_select(0, ids)
+            if self._fp8 is not None:
+                k, v = _fp8_values(self, layer, k, v)
             ks.append(k.reshape(-1, H, D))
             vs.append(v.reshape(-1, H, D))
         return torch.stack(ks), torch.stack(vs)
@@ -132,8 +141,10 @@ class PagedKV:
         """Write K, V [n*block_size, H, D] of one layer into these blocks."""
         ids = self.check_blocks(block_ids).to(self.device)
         n, bs, H, D = len(ids), self.block_size, self.num_heads, self.head_dim
-        k = k.to(self.device, self.dtype).reshape(n, bs, H, D)
-        v = v.to(self.device, self.dtype).reshape(n, bs, H, D)
+        if self._fp8 is not None:
+            k, v = _fp8_stored(self, layer, k.to(self.device), v.to(self.device))
+        k = k.to(self.device, self.caches[0].dtype).reshape(n, bs, H, D)
+        v = v.to(self.device, self.caches[0].dtype).reshape(n, bs, H, D)
         if self._offsets is not None:
             slabs = self._slabs(layer)
             rows = slabs.index_select(0, ids)
@@ -144,6 +155,38 @@ class PagedKV:
         dk, dv = self.layer_views(layer)
         dk.index_copy_(0, ids, k)
         dv.index_copy_(0, ids, v)
+
+
+def _fp8_setup(kv: PagedKV, cache_dtype: str, k_scales, v_scales):
+    """An FP8 cache (vLLM ``--kv-cache-dtype fp8*``; tensors uint8 or float8): its format and per-layer scales, and
+    ``kv.dtype``/``kv.value_dtype`` set to the float8 element and bfloat16. None for any other cache."""
+    fmt = fp8.kv_format(cache_dtype)
+    stored = kv.caches[0].dtype
+    if fmt is None:
+        if stored in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ConfigError(f"KV cache of {stored} needs an fp8 cache dtype, got {cache_dtype!r}")
+        return None
+    if stored not in (torch.uint8, fmt):
+        raise ConfigError(f"cache dtype {cache_dtype} needs uint8 or {fmt} tensors, got {stored}")
+    scales = []
+    for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+        s = [1.0] * kv.num_layers if s is None else [float(x) for x in s]
+        if len(s) != kv.num_layers or not all(x > 0 and x < float("inf") for x in s):
+            raise ConfigError(f"{name} needs one finite positive scale per layer ({kv.num_layers}), got {s[:4]}")
+        scales.append(s)
+    kv.dtype, kv.value_dtype = fmt, torch.bfloat16
+    kv.caches = [c.view(torch.uint8) for c in kv.caches]  # the same memory; CPU index_copy_ has no float8 kernel
+    return fmt, scales[0], scales[1]
+
+
+def _fp8_values(kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt, ks, vs = kv._fp8
+    return fp8.dequantize(k, fmt, ks[layer], kv.value_dtype), fp8.dequantize(v, fmt, vs[layer], kv.value_dtype)
+
+
+def _fp8_stored(kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt, ks, vs = kv._fp8
+    return fp8.quantize(k, fmt, ks[layer], torch.uint8), fp8.quantize(v, fmt, vs[layer], torch.uint8)
 
 
 def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):

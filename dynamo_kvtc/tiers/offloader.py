@@ -180,7 +180,8 @@ class Offloader:
 
     def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
         """Bytes of ``blocks`` blocks of K and V as the engine holds them (what a raw blob of them holds)."""
-        dtype = keys.dtype if keys is not None else self.kv.dtype
+        fp8_cache = self.kv is not None and self.kv.dtype.itemsize == 1  # keys gathered from it are dequantized
+        dtype = keys.dtype if keys is not None and not fp8_cache else self.kv.dtype
         return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
     def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False, held: int = 0) -> OffloadResult:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
 from ..codec.factory import entropy_tag, make_codec
 from .admission import OffloadFilter, RatioPolicy
@@ -141,6 +142,8 @@ class KvtcStore:
                     tag=self._tag(),
                     options=self.cfg.codec,
                 )
+                if self.kv is not None:
+                    fp8.mark_kv_source(self._codecs[ratio], fp8.source_name(self.kv.dtype))
             return self._codecs[ratio]
 
     def default_codec(self) -> Codec:
@@ -178,7 +181,7 @@ class KvtcStore:
         n = -(-(cfg.sinks + cfg.min_tokens + window + 16) // self.block_size) * self.block_size
         gen = torch.Generator().manual_seed(0)
         shape = (fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
-        dtype = self.kv.dtype if self.kv is not None else torch.bfloat16
+        dtype = self.kv.value_dtype if self.kv is not None else torch.bfloat16
         k = torch.randn(shape, generator=gen).to(self.device, dtype)
         v = torch.randn(shape, generator=gen).to(self.device, dtype)
         spans = [EncodeSpan(0, torch.arange(n), window=window)]
