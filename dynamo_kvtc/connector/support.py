@@ -121,9 +121,11 @@ def _refuse(key: str, detail: str) -> Unsupported:
     return Unsupported(f"{detail}: {f.family} is {f.status} ({f.note}); see docs/models.md")
 
 
-def decide(config: Any, layout: str, cache_dtype: str = "auto", tp_size: int = 1) -> Family:
-    """The support table's row for this engine, or :class:`Unsupported` with one line. ``config``: the model's
-    Hugging Face config (None: judged by the layout alone, as a dense model)."""
+def decide(config: Any, tp_size: int = 1, cache_dtype: str | None = None) -> Family:
+    """The support table's row for this model, or :class:`Unsupported` with one line. ``config``: the model's
+    Hugging Face config (None: a dense model, left to the calibration check). Judged from the config alone, before
+    any cache tensor is touched (a hybrid model's state layers are not tensors). ``cache_dtype`` (vLLM's
+    ``--kv-cache-dtype``): the FP8 row's verdict; None leaves the dtype to the worker's dtype check."""
     c = text_config(config) if config is not None else None
     model_type = str(getattr(c, "model_type", "") or "")
     types = set(getattr(c, "layer_types", None) or ())
@@ -133,13 +135,9 @@ def decide(config: Any, layout: str, cache_dtype: str = "auto", tp_size: int = 1
         raise _refuse("hybrid_state", f"model type {model_type} (layer types {sorted(types) or 'mixed'})")
     family = BY_KEY["dense"]
     if c is not None and is_mla(c):
-        if layout != "mla":
-            raise Unsupported(f"MLA model {model_type} with a {layout} KV layout: expected vLLM's MLA latent cache")
         if tp_size != 1:
             raise Unsupported(f"MLA under tensor parallelism ({tp_size} ranks) is not served yet; see docs/models.md")
         family = BY_KEY["mla"]
-    elif layout == "mla":
-        raise Unsupported(f"an MLA-shaped KV cache for a non-MLA model ({model_type or 'no config'})")
     elif c is not None and layer_windows(c):
         family = BY_KEY["sliding"]
     if c is not None and family.key != "mla":
@@ -148,7 +146,7 @@ def decide(config: Any, layout: str, cache_dtype: str = "auto", tp_size: int = 1
                 RotaryConfig.from_hf_config(c, layer=i)
         except (KvtcError, AttributeError, KeyError, TypeError, ValueError) as e:
             raise _refuse("rope", str(e).split(";")[0]) from e
-    if str(cache_dtype).startswith("fp8") and not BY_KEY["fp8"].served:
+    if cache_dtype is not None and str(cache_dtype).startswith("fp8") and not BY_KEY["fp8"].served:
         raise _refuse("fp8", f"--kv-cache-dtype {cache_dtype}")
     if not family.served:
         raise _refuse(family.key, model_type or family.key)

@@ -222,18 +222,16 @@ class KvtcWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`)."""
-        stage = "layout"
+        stage = "model"
         try:
+            decide(self.hf_config, self.tp_size)  # docs/models.md's table, from the config, before touching tensors
+            stage = "layout"
             names = sorted(kv_caches, key=layer_index)
             tensors = [kv_caches[n] for n in names]
             stage = "kv_cache_dtype"
             check_kv_dtype(tensors[0], self.kv_cache_dtype)
             stage = "layout"
-            layout = detect_layout(
-                tensors[0], self.num_blocks, mla=self.hf_config is not None and is_mla(self.hf_config)
-            )
-            stage = "model"
-            decide(self.hf_config, layout, self.kv_cache_dtype, self.tp_size)  # docs/models.md's table, one line
+            layout = detect_layout(tensors[0], self.num_blocks, mla=is_mla(self.hf_config))
             ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
             kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo)
             stage = "calibration"

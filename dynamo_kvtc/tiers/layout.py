@@ -46,8 +46,9 @@ class PagedKV:
             raise ConfigError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
         self.layout = layout
         if layout == "mla":
-            self.caches = list(caches)
-            nb, bs, D = mla_shape(self.caches)
+            self.caches = mla_caches(caches)
+            nb, bs, D = self.caches[0].shape
+            D //= 2
             L, H = len(self.caches), 1
         elif layout == "trtllm":
             if not isinstance(caches, torch.Tensor) or caches.dim() != 6 or caches.shape[2] != 2:
@@ -156,8 +157,10 @@ class PagedKV:
         dv.index_copy_(0, ids, v)
 
 
-def mla_shape(caches: Sequence[torch.Tensor]) -> tuple[int, int, int]:
-    """(num_blocks, block_size, half) of MLA caches ``[num_blocks, block_size, C + R]`` (every layer alike)."""
+def mla_caches(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """MLA caches as ``[num_blocks, block_size, C + R]`` views (vLLM's CPU backend adds a head axis of 1:
+    ``[num_blocks, 1, block_size, C + R]``), every layer alike, ``C + R`` even."""
+    caches = [c[:, 0] if c.dim() == 4 and c.shape[1] == 1 else c for c in caches]
     if not caches:
         raise ConfigError("no KV cache tensors given")
     shapes = {tuple(c.shape) for c in caches}
@@ -168,8 +171,7 @@ def mla_shape(caches: Sequence[torch.Tensor]) -> tuple[int, int, int]:
             f"mla layout needs [num_blocks, block_size, latent + rope] with an even last dim, got "
             f"{tuple(caches[0].shape)}"
         )
-    nb, bs, width = caches[0].shape
-    return nb, bs, width // 2
+    return caches
 
 
 def mla_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
