@@ -97,7 +97,10 @@ def test_capture_gives_vllms_cache_rows_with_exact_rope_removal(small_mla):
 def test_interleave_matches_vllms_rotary_embedding():
     """transformers' de-interleaved k_pe put back in order equals vLLM's own GPT-J-style RoPE of the same key."""
     rot = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")
-    emb = rot.RotaryEmbedding(64, 64, 4096, 10000.0, is_neox_style=False, dtype=torch.float32)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        emb = rot.RotaryEmbedding(64, 64, 4096, 10000.0, is_neox_style=False, dtype=torch.float32)
     k_pe = torch.randn(20, 64)
     pos = torch.arange(100, 120)
     q = torch.randn(20, 64)
@@ -134,8 +137,8 @@ def test_paged_mla_layout_gathers_and_scatters_exactly(cpu_form):
 
 
 def test_codec_round_trip_on_a_calibrated_random_mla_model(small_mla):
-    """A tiny calibration of the random model: the lossless plan restores exactly what was cached and the 4x plan
-    restores it approximately (a random model's latents have little structure: no accuracy claim)."""
+    """A tiny calibration of the random model: its 4x plan stores the latents in under 40% of their bytes and restores
+    them approximately (a random model's latents have little structure: no accuracy claim)."""
     from dynamo_kvtc.calibration import calibrate
     from dynamo_kvtc.codec.factory import make_codec
 
@@ -144,8 +147,8 @@ def test_codec_round_trip_on_a_calibrated_random_mla_model(small_mla):
     cal = calibrate(samples, fingerprint_of(small_mla), ratios=(4,), dp_tokens=1024)
     k, v, pos = capture_kv(small_mla, torch.randint(0, 49152, (128,), generator=g))
     codec = make_codec(cal, ratio=4)
-    blob = codec.encode(k, v, pos)
-    dk, dv = codec.decode(blob, pos)
+    blob = codec.encode(k, v, pos, window=0)
+    dk, dv = codec.decode(blob)
     ek = float((dk.float() - k.float()).norm() / k.float().norm())
     ev = float((dv.float() - v.float()).norm() / v.float().norm())
     assert len(blob) < k.numel() * 2 * 2 / 2.5  # stored bytes well under the raw cache's
@@ -276,7 +279,7 @@ def test_worker_serves_an_mla_model_on_its_latent_cache(small_mla, tmp_path):
     fp = fingerprint_of(small_mla)
     assert fp == mla_fingerprint(small_mla.config)
     calibrate(samples, fp, ratios=(4,), dp_tokens=512).save(tmp_path / "cal")
-    cfg = ConnectorConfig.from_sources({"calibration": str(tmp_path / "cal"), "cpu_cache_gb": 0.01}, env={})
+    cfg = ConnectorConfig.from_sources({"calibration": str(tmp_path / "cal"), "ratio": 4, "cpu_cache_gb": 0.01}, env={})
     w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=small_mla.config, block_size=16)
     try:
         w.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.zeros(8, 16, 128) for i in range(2)})
