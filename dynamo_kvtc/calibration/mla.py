@@ -9,7 +9,7 @@ RoPE of ``k_pe`` in interleaved pairs (GPT-J style). The codec sees that row cut
 cache's (``2 * L * D`` elements). The PCA runs across layers over these features as for any model.
 
 Transformers' DeepSeek attention caches ``c`` as the layer's keys and ``k_pe`` as its values, ``k_pe`` rotated in
-the de-interleaved order when ``rope_interleave`` is set; :func:`capture_mla_kv` puts it back in vLLM's order.
+the de-interleaved order when ``rope_interleave`` is set; :func:`mla_kv` puts it back in vLLM's order.
 """
 
 from __future__ import annotations
@@ -92,28 +92,19 @@ def interleave_pe(k_rot: torch.Tensor) -> torch.Tensor:
     return torch.stack((k_rot[..., :h], k_rot[..., h:]), dim=-1).flatten(-2)
 
 
-@torch.no_grad()
-def capture_mla_kv(
-    model: Any, ids: torch.Tensor, kv_dtype: torch.dtype = torch.bfloat16, device: Any = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prefill ``ids`` [1, T] (on the model's input device) and return K, V ``[L, T, 1, D]`` as vLLM's MLA cache
-    holds them (``[c | k_pe]`` halved) in ``kv_dtype``, and positions [T]."""
-    from transformers import DynamicCache
-
-    from .models import cache_tensors
-
-    c = text_config(model)
+def mla_kv(
+    config: Any, layers: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V ``[L, T, 1, D]`` as vLLM's MLA cache holds them (``[c | k_pe]`` halved), in ``kv_dtype`` on ``device``,
+    from transformers' per-layer cache of a DeepSeek model: (latent ``[1, 1, T, C]``, rotated k_pe ``[1, 1, T, R]``)."""
+    c = text_config(config)
     C, R, _ = mla_dims(c)
-    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
     rows = []
-    T = ids.shape[1]
-    for latent, k_rot in cache_tensors(out.past_key_values):  # [1, 1, T, C], [1, 1, T, R]
-        if latent.shape[-1] != C or k_rot.shape[-1] != R or latent.shape[2] != T:
+    for latent, k_rot in layers:
+        if latent.shape[-1] != C or k_rot.shape[-1] != R:
             raise ModelError(f"the model's cache is not MLA's latent {C} + rope {R}: {tuple(latent.shape)}")
         if getattr(c, "rope_interleave", True):
             k_rot = interleave_pe(k_rot)
-        rows.append(torch.cat((latent[0, 0], k_rot[0, 0]), dim=-1))
-    x = torch.stack(rows)  # [L, T, C + R]
-    dev = torch.device(device) if device is not None else x.device
-    k, v = split_rows(x.to(dev, kv_dtype))
-    return k.contiguous(), v.contiguous(), torch.arange(T)
+        rows.append(torch.cat((latent[0, 0], k_rot[0, 0]), dim=-1).to(device, kv_dtype))
+    k, v = split_rows(torch.stack(rows))  # rows [L, T, C + R]
+    return k.contiguous(), v.contiguous()

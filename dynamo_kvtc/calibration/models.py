@@ -28,7 +28,7 @@ from .. import settings
 from ..codec.model import ModelFingerprint, dtype_name
 from ..codec.rope import RotaryConfig
 from ..errors import ModelError
-from .mla import capture_mla_kv, is_mla, mla_dims, mla_fingerprint
+from .mla import is_mla, mla_dims, mla_fingerprint, mla_kv
 from .shapes import PREFIX, is_shape, parse_shape
 
 log = logging.getLogger(__name__)
@@ -335,14 +335,14 @@ def capture_kv(
     from transformers import DynamicCache
 
     ids = input_ids.reshape(1, -1).to(input_device(model))
-    if is_mla(model):
-        return capture_mla_kv(model, ids, kv_dtype, device)
     out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)  # KV only
     kv = cache_tensors(out.past_key_values)
     T = ids.shape[1]
     if any(k.shape[2] != T for k, _ in kv):
         raise ModelError("the model's cache dropped tokens on some layers; capture_kv needs full-length caches")
     dev = torch.device(device) if device is not None else kv[0][0].device
+    if is_mla(model):  # one latent row per token and layer, halved into K/V (calibration/mla.py)
+        return (*mla_kv(model, kv, kv_dtype, dev), torch.arange(T))
     keys = torch.stack([k[0].transpose(0, 1).to(dev, kv_dtype) for k, _ in kv])
     values = torch.stack([v[0].transpose(0, 1).to(dev, kv_dtype) for _, v in kv])
     return keys, values, torch.arange(T)
