@@ -286,3 +286,30 @@ def test_worker_serves_an_mla_model_on_its_latent_cache(small_mla, tmp_path):
         assert w.disabled is None and w.store is not None and w.store.kv.layout == "mla"
     finally:
         w.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------- bench shapes
+def test_deepseek_v3_shape_is_deepseek_v3s_cache():
+    from dynamo_kvtc.bench.shapes import SHAPES as BENCH
+    from dynamo_kvtc.calibration.shapes import SHAPES
+
+    s = SHAPES["deepseek-v3"]
+    assert abs(s.params() / 671e9 - 1) < 0.01  # DeepSeek-V3's published 671B parameters
+    fp = fingerprint_of(s.hf_config())
+    assert (fp.num_layers, fp.num_kv_heads, fp.head_dim) == (61, 1, 288)
+    assert fp.raw_bytes_per_token() == 61 * 576 * 2  # one bf16 576-wide row per layer, as vLLM caches it
+    b = BENCH["deepseek-v3"]
+    assert (b.layers, b.kv_heads, b.head_dim) == (61, 1, 288)
+    r = b.rotary()
+    assert (r.dims, r.rotary_offset, r.style) == (64, 224, "interleaved") == (fp.rotary[0].dims, 224, "interleaved")
+
+
+def test_bench_codec_runs_the_mla_shape(tmp_path):
+    """``dynamo-kvtc bench codec --synthetic deepseek-v3-l4`` (the H200 command's shape, 4 layers) on the CPU."""
+    from dynamo_kvtc.cli.main import main
+
+    out = tmp_path / "bench.json"
+    args = ["bench", "codec", "--synthetic", "deepseek-v3-l4", "--tokens", "256", "--ratios", "16", "--repeat", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert 12 < r["ratio"] < 20 and r["encode_GBps"] > 0 and 0 < r["rel_error_k"] < 0.5
