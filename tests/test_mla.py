@@ -286,6 +286,11 @@ def test_worker_serves_an_mla_model_on_its_latent_cache(small_mla, tmp_path):
         assert w.disabled is None and w.store is not None and w.store.kv.layout == "mla"
     finally:
         w.shutdown()
+    # the other ways in read K/V pages, not latent rows: they refuse an MLA calibration with a clear error
+    from dynamo_kvtc.connector.lmcache_serde import KvtcChunkCoder, SerdeOptions
+
+    with pytest.raises(ConfigError, match="MLA is served through KvtcConnector"):
+        KvtcChunkCoder(SerdeOptions(str(tmp_path / "cal"), ratio=4))
 
 
 # ---------------------------------------------------------------------------------------------- bench shapes

@@ -75,6 +75,11 @@ def mla_fingerprint(config: Any, *, tokenizer: str = "", model_name: str = "", k
     )
 
 
+def is_mla_fingerprint(fp: ModelFingerprint) -> bool:
+    """Whether a calibration was made for an MLA model (only the MLA halving puts RoPE at an offset)."""
+    return any(r.rotary_offset for r in fp.rotary)
+
+
 def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V ``[..., 1, D]`` of cache rows ``[..., C + R]`` (as :func:`~dynamo_kvtc.tiers.layout.mla_views`)."""
     D = rows.shape[-1] // 2
