@@ -94,6 +94,26 @@ def test_capture_gives_vllms_cache_rows_with_exact_rope_removal(small_mla):
         assert not torch.allclose(k[layer, :, 0, 32:], pre_pe[layer], atol=1e-2)  # it was rotated
 
 
+def test_deepseek_v2_capture_keeps_its_in_place_rope():
+    """DeepSeek-V2 (transformers rotates k_pe as complex pairs, in place): no reordering, exact RoPE removal."""
+    from transformers import AutoModelForCausalLM, DeepseekV2Config
+
+    cfg = DeepseekV2Config(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=96, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=16,
+        v_head_dim=16, first_k_dense_replace=2, n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    pre_pe = []
+    for layer in model.model.layers:
+        layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, i, o: pre_pe.append(o[0, :, 96:].detach()))
+    k, _, pos = capture_kv(model, torch.arange(10, 50), kv_dtype=torch.float32)
+    fp = fingerprint_of(model)
+    for layer in range(2):
+        assert torch.allclose(remove_rope(k[layer], pos, fp.rotary[layer])[:, 0, 32:], pre_pe[layer], atol=1e-5)
+
+
 def test_interleave_matches_vllms_rotary_embedding():
     """transformers' de-interleaved k_pe put back in order equals vLLM's own GPT-J-style RoPE of the same key."""
     rot = pytest.importorskip("vllm.model_executor.layers.rotary_embedding")

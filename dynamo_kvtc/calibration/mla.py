@@ -8,8 +8,9 @@ RoPE of ``k_pe`` in interleaved pairs (GPT-J style). The codec sees that row cut
 ``k_pe``), one KV head each; K's RoPE sits at ``rotary_offset = D - R``. Raw bytes per token are then exactly the
 cache's (``2 * L * D`` elements). The PCA runs across layers over these features as for any model.
 
-Transformers' DeepSeek attention caches ``c`` as the layer's keys and ``k_pe`` as its values, ``k_pe`` rotated in
-the de-interleaved order when ``rope_interleave`` is set; :func:`mla_kv` puts it back in vLLM's order.
+Transformers' DeepSeek attention caches ``c`` as the layer's keys and ``k_pe`` as its values. DeepSeek-V2 rotates
+``k_pe`` in place (complex pairs: vLLM's order already); DeepSeek-V3 (``rope_interleave``) returns it de-interleaved
+(even dims, then odd dims), which :func:`mla_kv` puts back in vLLM's order.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ def mla_dims(config: Any) -> tuple[int, int, int]:
     return C, R, (C + R) // 2
 
 
+def deinterleaved_pe(config: Any) -> bool:
+    """Whether transformers caches this model's rotated ``k_pe`` de-interleaved (DeepSeek-V3 style)."""
+    c = text_config(config)
+    return getattr(c, "model_type", "") != "deepseek_v2" and getattr(c, "rope_interleave", True) is not False
+
+
 def mla_rotary(config: Any) -> RotaryConfig:
     """The RoPE of K's half: ``R`` interleaved dims at ``D - R``, with the model's theta and scaling (yarn)."""
     c = text_config(config)
-    if getattr(c, "rope_interleave", True) is False:
+    if getattr(c, "model_type", "") != "deepseek_v2" and getattr(c, "rope_interleave", True) is False:
         raise ModelError("MLA model with rope_interleave=False: vLLM rotates DeepSeek keys in interleaved pairs only")
     _, R, D = mla_dims(c)
     base = RotaryConfig.from_hf_config(c)
@@ -108,7 +115,7 @@ def mla_kv(
     for latent, k_rot in layers:
         if latent.shape[-1] != C or k_rot.shape[-1] != R:
             raise ModelError(f"the model's cache is not MLA's latent {C} + rope {R}: {tuple(latent.shape)}")
-        if getattr(c, "rope_interleave", True):
+        if deinterleaved_pe(c):
             k_rot = interleave_pe(k_rot)
         rows.append(torch.cat((latent[0, 0], k_rot[0, 0]), dim=-1).to(device, kv_dtype))
     k, v = split_rows(torch.stack(rows))  # rows [L, T, C + R]

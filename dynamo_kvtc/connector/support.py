@@ -113,7 +113,7 @@ FAMILIES: tuple[Family, ...] = (
 BY_KEY = {f.key: f for f in FAMILIES}
 
 STATE_TYPES = {"mamba", "mamba2", "jamba", "qwen3_next", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba",
-               "zamba2", "bamba", "plamo2", "lfm2", "minimax", "minimax_m1"}  # fmt: skip
+               "zamba2", "bamba", "plamo2", "lfm2", "minimax", "minimax_m1", "kimi_linear"}  # fmt: skip
 ATTENTION_TYPES = {"full_attention", "sliding_attention"}
 
 
