@@ -242,9 +242,10 @@ def test_decide_maps_each_family_to_its_row():
 
 
 def test_decide_refuses_with_one_line_naming_the_row():
-    from transformers import LlamaConfig
+    from transformers import FalconConfig, GPT2Config, LlamaConfig
 
     cases = {
+        "no_rope": GPT2Config(),
         "sparse_mla": deepseek_config(index_topk=2048),
         "hybrid_state": LlamaConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]),
         "rope": LlamaConfig(num_hidden_layers=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
@@ -254,6 +255,8 @@ def test_decide_refuses_with_one_line_naming_the_row():
             decide(cfg)
         msg = str(e.value)
         assert "\n" not in msg and BY_KEY[key].family in msg and "docs/models.md" in msg, msg
+    with pytest.raises(Unsupported, match="ALiBi"):
+        decide(FalconConfig(alibi=True))
     with pytest.raises(Unsupported, match="tensor parallelism"):
         decide(deepseek_config(), tp_size=2)
     if not BY_KEY["fp8"].served:

@@ -101,6 +101,15 @@ FAMILIES: tuple[Family, ...] = (
         "-",
     ),
     Family(
+        "no_rope",
+        "GPT-2, OPT, Bloom, MPT, ALiBi Falcon (learned or ALiBi positions)",
+        "any",
+        "full attention without RoPE",
+        REFUSED,
+        "kvtc is calibrated on pre-RoPE keys; a model without RoPE is not supported yet",
+        "-",
+    ),
+    Family(
         "rope",
         "models with dynamic-NTK or longrope RoPE (Phi-3 long, ...)",
         "any",
@@ -122,6 +131,12 @@ def _refuse(key: str, detail: str) -> Unsupported:
     return Unsupported(f"{detail}: {f.family} is {f.status} ({f.note}); see docs/models.md")
 
 
+def _has_rope(c: Any) -> bool:
+    if getattr(c, "alibi", False) or getattr(c, "position_embedding_type", "rotary") not in ("rotary", "rope"):
+        return False
+    return any(getattr(c, a, None) is not None for a in ("rope_parameters", "rope_scaling", "rope_theta"))
+
+
 def decide(config: Any, tp_size: int = 1, cache_dtype: str | None = None) -> Family:
     """The support table's row for this model, or :class:`Unsupported` with one line. ``config``: the model's
     Hugging Face config (None: a dense model, left to the calibration check). Judged from the config alone, before
@@ -134,6 +149,8 @@ def decide(config: Any, tp_size: int = 1, cache_dtype: str | None = None) -> Fam
         raise _refuse("sparse_mla", f"model type {model_type or 'with index_topk'}")
     if model_type in STATE_TYPES or types - ATTENTION_TYPES or getattr(c, "layers_block_type", None):
         raise _refuse("hybrid_state", f"model type {model_type} (layer types {sorted(types) or 'mixed'})")
+    if c is not None and not _has_rope(c):
+        raise _refuse("no_rope", f"model type {model_type or 'without a RoPE configuration'}")
     family = BY_KEY["dense"]
     if c is not None and is_mla(c):
         if tp_size != 1:
