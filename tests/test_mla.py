@@ -132,6 +132,20 @@ def test_interleave_matches_vllms_rotary_embedding():
     assert torch.allclose(apply_rope(k_pe[:, None], pos, RotaryConfig(64, style="interleaved"))[:, 0], want, atol=1e-5)
 
 
+def test_eval_harness_feeds_captured_latents_back_unchanged(small_mla):
+    """``dynamo-kvtc eval`` on an MLA model: the captured rows, handed back as transformers' cache, give the logits
+    the model computes with its own cache (so a trained MLA checkpoint can be scored)."""
+    from dynamo_kvtc.evaluation.harness import score
+
+    ids = torch.arange(500, 560)
+    k, v, _ = capture_kv(small_mla, ids[:-8], kv_dtype=torch.float32)
+    lp = score(small_mla, ids[-8:], k, v, 52)
+    want = torch.log_softmax(small_mla(input_ids=ids[None]).logits[0, -8:].float(), dim=-1)
+    assert torch.allclose(lp, want, atol=1e-4)
+    zero = score(small_mla, ids[-8:], k, torch.zeros_like(v), 52)  # the cache is really read
+    assert not torch.allclose(zero, want, atol=1e-2)
+
+
 # ---------------------------------------------------------------------------------------------- paged layout
 @pytest.mark.parametrize("cpu_form", [False, True])
 def test_paged_mla_layout_gathers_and_scatters_exactly(cpu_form):

@@ -104,6 +104,21 @@ def interleave_pe(k_rot: torch.Tensor) -> torch.Tensor:
     return torch.stack((k_rot[..., :h], k_rot[..., h:]), dim=-1).flatten(-2)
 
 
+def hf_cache_layers(config: Any, k: torch.Tensor, v: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The inverse of :func:`mla_kv`: per layer (latent ``[1, 1, T, C]``, k_pe ``[1, 1, T, R]``) as transformers'
+    DeepSeek attention caches them, from K, V ``[L, T, 1, D]`` (what the evaluation harness feeds the model)."""
+    c = text_config(config)
+    C, _, _ = mla_dims(c)
+    out = []
+    for layer in range(k.shape[0]):
+        row = join_rows(k[layer], v[layer])  # [T, C + R]
+        pe = row[:, C:]
+        if deinterleaved_pe(c):
+            pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
+        out.append((row[None, None, :, :C], pe[None, None]))
+    return out
+
+
 def mla_kv(
     config: Any, layers: list[tuple[torch.Tensor, torch.Tensor]], kv_dtype: torch.dtype, device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
