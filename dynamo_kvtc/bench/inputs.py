@@ -55,6 +55,7 @@ def synthetic_inputs(args):
         device=args.device,
         name=args.synthetic,
         ratios=args.ratios or (8, 16, 32, 64),
+        rotary=s.rotary(),
     )
     spans = [synthetic_kv(cal, args.tokens, start=0, device=args.device, seed=1 + b) for b in range(args.batch)]
     return (

@@ -28,6 +28,7 @@ from .. import settings
 from ..codec.model import ModelFingerprint, dtype_name
 from ..codec.rope import RotaryConfig
 from ..errors import ModelError
+from .mla import is_mla, mla_dims, mla_fingerprint, mla_kv
 from .shapes import PREFIX, is_shape, parse_shape
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ def calibration_bytes(config: Any, dp_tokens: int = 16384) -> int:
     c = getattr(config, "text_config", None) or config
     heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    if is_mla(c):
+        heads, head_dim = 1, mla_dims(c)[2]
     p = int(c.num_hidden_layers) * heads * head_dim
     return 2 * (8 * p * p + 2 * dp_tokens * 4 * p) + 4 * p * p
 
@@ -273,15 +276,15 @@ def fingerprint_of(model: Any, tokenizer: Any = None, kv_dtype: torch.dtype = to
     """Fingerprint of a transformers causal LM's KV layout (all KV heads; shards are cut by calibrate)."""
     c = getattr(model, "config", model)
     c = getattr(c, "text_config", None) or c
+    tok_name = f"{type(tokenizer).__name__}:{len(tokenizer)}" if tokenizer is not None else ""
+    name = Path(str(getattr(model, "name_or_path", "") or getattr(c, "_name_or_path", ""))).name
+    if is_mla(c):  # one latent "head" per token and layer, halved into K/V (calibration/mla.py)
+        return mla_fingerprint(c, tokenizer=tok_name, model_name=name, kv_dtype=kv_dtype)
     layers = int(c.num_hidden_layers)
     heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     rotary = tuple(RotaryConfig.from_hf_config(c, layer=i) for i in range(layers))
     arch = (getattr(c, "architectures", None) or [type(model).__name__])[0]
-    tok_name = ""
-    if tokenizer is not None:
-        tok_name = f"{type(tokenizer).__name__}:{len(tokenizer)}"
-    name = Path(str(getattr(model, "name_or_path", "") or getattr(c, "_name_or_path", ""))).name
     return ModelFingerprint(
         windows=layer_windows(c),
         architecture=arch,
@@ -338,6 +341,8 @@ def capture_kv(
     if any(k.shape[2] != T for k, _ in kv):
         raise ModelError("the model's cache dropped tokens on some layers; capture_kv needs full-length caches")
     dev = torch.device(device) if device is not None else kv[0][0].device
+    if is_mla(model):  # one latent row per token and layer, halved into K/V (calibration/mla.py)
+        return (*mla_kv(model, kv, kv_dtype, dev), torch.arange(T))
     keys = torch.stack([k[0].transpose(0, 1).to(dev, kv_dtype) for k, _ in kv])
     values = torch.stack([v[0].transpose(0, 1).to(dev, kv_dtype) for _, v in kv])
     return keys, values, torch.arange(T)

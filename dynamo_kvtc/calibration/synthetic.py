@@ -32,6 +32,7 @@ def synthetic_calibration(
     device: str = "cpu",
     seed: int = 0,
     name: str = "synthetic",
+    rotary: RotaryConfig | None = None,
 ) -> Calibration:
     p = layers * kv_heads * head_dim
     rank = min(rank or min(p, 10240), p)
@@ -42,7 +43,7 @@ def synthetic_calibration(
         kv_heads,
         head_dim,
         "bfloat16",
-        tuple(RotaryConfig(head_dim, theta=theta) for _ in range(layers)),
+        (rotary or RotaryConfig(head_dim, theta=theta),) * layers,
         model_name=name,
         total_kv_heads=kv_heads,
     )

@@ -30,6 +30,7 @@ class RotaryConfig:
     head_dim: int
     theta: float = 10000.0
     rotary_dim: int | None = None  # dims rotated from the start of each head; None = head_dim
+    rotary_offset: int = 0  # first rotated dim (an MLA "head" keeps its RoPE part after the latent: not 0)
     style: str = "half"
     scaling: str = "default"  # "none" = the layer applies no RoPE at all
     factor: float = 1.0
@@ -50,6 +51,10 @@ class RotaryConfig:
         rd = self.dims
         if rd <= 0 or rd % 2 or rd > self.head_dim:
             raise ConfigError(f"rotary_dim must be even and in (0, head_dim={self.head_dim}], got {rd}")
+        if self.rotary_offset < 0 or self.rotary_offset + rd > self.head_dim:
+            raise ConfigError(
+                f"rotary dims [{self.rotary_offset}, {self.rotary_offset + rd}) run outside head_dim {self.head_dim}"
+            )
         if self.style not in STYLES:
             raise ConfigError(f"rotary style must be one of {STYLES}, got {self.style!r}")
         if self.scaling not in SCALINGS:
@@ -137,6 +142,8 @@ class RotaryConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("extra")
+        if not d["rotary_offset"]:  # absent when 0: every calibration made before MLA keeps its id
+            d.pop("rotary_offset")
         return d
 
     @classmethod
@@ -223,13 +230,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: RotaryCon
         return x
     cos = cos[:, None, :]
     sin = sin[:, None, :]
-    rd = cfg.dims
-    rot, rest = x[..., :rd], x[..., rd:]
+    a, b = cfg.rotary_offset, cfg.rotary_offset + cfg.dims
+    head, rot, rest = x[..., :a], x[..., a:b], x[..., b:]
     if inverse:
         out = (rot * cos - _rotate(rot, cfg.style) * sin) / (cfg.attention_scaling() ** 2)
     else:
         out = rot * cos + _rotate(rot, cfg.style) * sin
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    parts = [t for t in (head, out, rest) if t.shape[-1]]
+    return torch.cat(parts, dim=-1) if len(parts) > 1 else out
 
 
 def remove_rope(keys: torch.Tensor, positions: torch.Tensor, cfg: RotaryConfig) -> torch.Tensor:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..calibration.mla import is_mla_fingerprint
 from ..errors import ConfigError, DecodeError, KvtcError
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class KvtcChunkCoder:
         if opts.ratio_policy == "fixed" and opts.ratio not in [float(r) for r in self.cal.ratios]:
             raise _err("ratio", f"{opts.ratio:g} has no plan in calibration {opts.calibration} ({self.cal.ratios})")
         fp = self.cal.fingerprint
+        if is_mla_fingerprint(fp):
+            raise _err("calibration", "is an MLA model's: MLA is served through KvtcConnector (docs/models.md)")
         self.L, self.H, self.D = fp.num_layers, fp.num_kv_heads, fp.head_dim
         self._codecs: dict[tuple[str, str], Any] = {}
         self._bounds: dict[tuple, int] = {}

@@ -48,6 +48,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from ..calibration.mla import is_mla_fingerprint
 from ..errors import ConfigError, KvtcError
 from .offload_layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
 from .offload_options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
@@ -106,6 +107,10 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self.device = self.opts.torch_device
         self.cal = self._calibration(cfg)
         fp = self.cal.fingerprint
+        if is_mla_fingerprint(fp):
+            raise ConfigError(
+                "the kvtc tier reads K/V pages; MLA models are served through KvtcConnector (docs/models.md)"
+            )
         dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else torch_dtype(fp.dtype)
         if dtype.is_floating_point is False or dtype.itemsize == 1:
             raise ConfigError(f"the kvtc tier encodes 16/32-bit float KV caches, not {dtype}")

@@ -35,6 +35,7 @@ import torch
 from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
+from ..calibration.mla import is_mla
 from ..calibration.models import fingerprint_of
 from ..codec.fp8 import kv_format
 from ..errors import KvtcError, TierError
@@ -44,6 +45,7 @@ from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
 from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
+from .support import decide
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +118,13 @@ def layer_index(name: str) -> int:
     return int(m.group(1))
 
 
-def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
-    """vLLM's per-layer KV tensor layouts: CPU [nb, H, bs, 2D], FlashAttention [2, nb, ...], FlashInfer [nb, 2, ...]."""
+def detect_layout(t: torch.Tensor, num_blocks: int | None, mla: bool = False) -> str:
+    """vLLM's per-layer KV tensor layouts: CPU [nb, H, bs, 2D], FlashAttention [2, nb, ...], FlashInfer [nb, 2, ...];
+    for an MLA model (``mla``) its latent cache [nb, bs, C + R] (the CPU backend's [nb, 1, bs, C + R])."""
+    if mla:
+        if t.dim() == 3 or t.dim() == 4 and t.shape[1] == 1:
+            return "mla"
+        raise TierError(f"unsupported KV cache layout for an MLA model: shape {tuple(t.shape)}")
     if t.dim() == 4:
         return "cpu"
     if t.dim() == 5:
@@ -127,7 +134,7 @@ def detect_layout(t: torch.Tensor, num_blocks: int | None) -> str:
             return "flashinfer"
         if t.shape[0] == 2:
             return "flash"
-    raise TierError(f"unsupported KV cache layout: shape {tuple(t.shape)} (MLA and hybrid models are not supported)")
+    raise TierError(f"unsupported KV cache layout: shape {tuple(t.shape)} (see docs/models.md)")
 
 
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
@@ -228,15 +235,17 @@ class KvtcWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None, scales: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`); ``scales``: an FP8
         cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default)."""
-        stage = "layout"
+        stage = "model"
         try:
+            decide(self.hf_config, self.tp_size)  # docs/models.md's table, from the config, before touching tensors
+            stage = "layout"
             names = sorted(kv_caches, key=layer_index)
             tensors = [kv_caches[n] for n in names]
             stage = "kv_cache_dtype"
             check_kv_dtype(tensors[0], self.kv_cache_dtype)
             stage = "layout"
-            layout = detect_layout(tensors[0], self.num_blocks)
-            ko, vo = offsets if offsets is not None else (None, None)
+            layout = detect_layout(tensors[0], self.num_blocks, mla=is_mla(self.hf_config))
+            ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
             ks = vs = None
             if kv_format(self.kv_cache_dtype) is not None:
                 if layout == "cpu" and offsets is None:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..calibration.mla import hf_cache_layers, is_mla
 from ..calibration.models import capture_kv
 from .methods import Method
 from .tasks import Sample, answer_score
@@ -34,6 +35,10 @@ def build_cache(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, config: An
     from transformers import DynamicCache
 
     c = DynamicCache(config=config)
+    if config is not None and is_mla(config):  # latent rows: back to transformers' (latent, k_pe) per layer
+        for layer, (a, b) in enumerate(hf_cache_layers(config, k, v)):
+            c.update(a.to(dtype), b.to(dtype), layer)
+        return c
     for layer in range(k.shape[0]):
         c.update(k[layer].transpose(0, 1)[None].to(dtype), v[layer].transpose(0, 1)[None].to(dtype), layer)
     return c

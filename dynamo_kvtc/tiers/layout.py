@@ -12,6 +12,10 @@ Layouts (per layer unless noted):
                  kernel.
                  Without them both halves are ``[block_size, D]``.
 - ``trtllm``     TensorRT-LLM: one tensor for all layers, ``[num_blocks, L, 2, H, block_size, D]``
+- ``mla``        vLLM MLA (DeepSeek-V2/V3, Kimi-K2): ``[num_blocks, block_size, kv_lora_rank + rope_dim]``, one latent
+                 "head" per token and no separate V. :func:`mla_views` cuts it in two halves of ``(C + R) / 2``:
+                 V is the first half (latent only), K the second (the latent's tail, then the RoPE part, whose RoPE
+                 the codec removes at ``rotary_offset = D - R``). Both are strided views of the cache, ``H = 1``.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from ..codec import fp8
 from ..errors import ConfigError
 
-LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm")
+LAYOUTS = ("flash", "flashinfer", "cpu", "trtllm", "mla")
 
 
 class PagedKV:
@@ -45,7 +49,12 @@ class PagedKV:
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown KV layout {layout!r}; supported: {LAYOUTS}")
         self.layout = layout
-        if layout == "trtllm":
+        if layout == "mla":
+            self.caches = mla_caches(caches)
+            nb, bs, D = self.caches[0].shape
+            D //= 2
+            L, H = len(self.caches), 1
+        elif layout == "trtllm":
             if not isinstance(caches, torch.Tensor) or caches.dim() != 6 or caches.shape[2] != 2:
                 raise ConfigError("trtllm layout needs one tensor [num_blocks, L, 2, H, block_size, D]")
             nb, L, _, H, bs, D = caches.shape
@@ -102,6 +111,8 @@ class PagedKV:
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views K, V of one layer as [num_blocks, block_size, H, D] (may be non-contiguous; not for ``cpu``)."""
         c = self.caches[0] if self.layout == "trtllm" else self.caches[layer]
+        if self.layout == "mla":
+            return mla_views(c)
         if self.layout == "flash":
             return c[0], c[1]
         if self.layout == "flashinfer":
@@ -187,6 +198,31 @@ def _fp8_values(kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor) -> tu
 def _fp8_stored(kv: PagedKV, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fmt, ks, vs = kv._fp8
     return fp8.quantize(k, fmt, ks[layer], torch.uint8), fp8.quantize(v, fmt, vs[layer], torch.uint8)
+
+
+def mla_caches(caches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """MLA caches as ``[num_blocks, block_size, C + R]`` views (vLLM's CPU backend adds a head axis of 1:
+    ``[num_blocks, 1, block_size, C + R]``), every layer alike, ``C + R`` even."""
+    caches = [c[:, 0] if c.dim() == 4 and c.shape[1] == 1 else c for c in caches]
+    if not caches:
+        raise ConfigError("no KV cache tensors given")
+    shapes = {tuple(c.shape) for c in caches}
+    if len(shapes) != 1:
+        raise ConfigError(f"layers have different KV shapes: {sorted(shapes)[:3]}")
+    if caches[0].dim() != 3 or caches[0].shape[-1] % 2:
+        raise ConfigError(
+            f"mla layout needs [num_blocks, block_size, latent + rope] with an even last dim, got "
+            f"{tuple(caches[0].shape)}"
+        )
+    return caches
+
+
+def mla_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V views ``[num_blocks, block_size, 1, (C + R) / 2]`` of one MLA layer: V the first half of each token's
+    latent, K the rest (the latent's tail and the RoPE part). Same shape and strides, so the fused kernels address
+    them as any K/V pair."""
+    half = cache.shape[-1] // 2
+    return cache[:, :, None, half:], cache[:, :, None, :half]
 
 
 def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):

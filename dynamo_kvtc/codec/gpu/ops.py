@@ -93,18 +93,19 @@ def rope_tables(
     A = torch.ones(R, D, dtype=torch.float32, device=dev)
     B = torch.zeros(R, D, dtype=torch.float32, device=dev)
     partner = torch.arange(D, dtype=torch.int32, device=dev)
-    A[:, :rd] = cos / s2
+    o = cfg.rotary_offset  # the rotated dims are [o, o + rd) (an MLA head's RoPE part sits after its latent)
+    A[:, o : o + rd] = cos / s2
     if cfg.style == "half":
         h = rd // 2
-        partner[:h] = torch.arange(h, rd, dtype=torch.int32, device=dev)
-        partner[h:rd] = torch.arange(0, h, dtype=torch.int32, device=dev)
-        B[:, :h] = sign * sin[:, :h] / s2
-        B[:, h:rd] = -sign * sin[:, h:rd] / s2
+        partner[o : o + h] = torch.arange(o + h, o + rd, dtype=torch.int32, device=dev)
+        partner[o + h : o + rd] = torch.arange(o, o + h, dtype=torch.int32, device=dev)
+        B[:, o : o + h] = sign * sin[:, :h] / s2
+        B[:, o + h : o + rd] = -sign * sin[:, h:rd] / s2
     else:
-        partner[0:rd:2] = torch.arange(1, rd, 2, dtype=torch.int32, device=dev)
-        partner[1:rd:2] = torch.arange(0, rd, 2, dtype=torch.int32, device=dev)
-        B[:, 0:rd:2] = sign * sin[:, 0:rd:2] / s2
-        B[:, 1:rd:2] = -sign * sin[:, 1:rd:2] / s2
+        partner[o : o + rd : 2] = torch.arange(o + 1, o + rd, 2, dtype=torch.int32, device=dev)
+        partner[o + 1 : o + rd : 2] = torch.arange(o, o + rd, 2, dtype=torch.int32, device=dev)
+        B[:, o : o + rd : 2] = sign * sin[:, 0:rd:2] / s2
+        B[:, o + 1 : o + rd : 2] = -sign * sin[:, 1:rd:2] / s2
     return A.contiguous(), B.contiguous(), partner
 
 
