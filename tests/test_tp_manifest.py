@@ -34,9 +34,9 @@ def test_manifest_records_vllms_split_and_refuses_other_tp(synth_cal, tmp_path):
 def test_calibrate_tp_size_writes_joint_calibration_and_manifest(tmp_path):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024)  # fmt: skip
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      max_position_embeddings=1024)  # fmt: skip
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(cfg.to_json_string())
     out = tmp_path / "cal"
