@@ -110,8 +110,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="the model's dtype (auto: float32 on the CPU, bfloat16 on a GPU, the serving dtype)",
     )
-    p.add_argument("--tp-rank", type=types.nonneg_int, default=0)
-    p.add_argument("--tp-size", type=types.positive_int, default=1)
+    p.add_argument(
+        "--tp-size", type=types.positive_int, default=1,
+        help="serve under tensor parallelism of N ranks: writes the JOINT calibration (all KV heads) plus tp.json "
+        "(N and every rank's heads), which each rank shards for itself; the engine checks its TP size against it",
+    )  # fmt: skip
+    p.add_argument(
+        "--tp-rank", type=types.nonneg_int, default=None,
+        help="with --tp-size: the older per-rank design instead, one calibration of this rank's heads only (for a "
+        "rank<r>/ folder; less accurate)",
+    )  # fmt: skip
     p.add_argument("--keep-rope", action="store_true", help="ablation: do not remove RoPE from keys")
     p.add_argument(
         "--kv-dtype",
@@ -138,4 +146,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..calibration.build import run_calibrate
 
-    return run_calibrate(args)
+    joint_tp = args.tp_size if args.tp_rank is None else 1
+    if args.tp_rank is None:  # the joint calibration: every head, sharded by each rank at start-up
+        args.tp_rank, args.tp_size = 0, 1
+    rc = run_calibrate(args)
+    if rc == 0 and joint_tp > 1:
+        from ..calibration.tensor_parallel import write_tp_manifest
+
+        print(f"wrote {write_tp_manifest(args.out, joint_tp)}")
+    return rc
