@@ -29,9 +29,10 @@ L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synt
 
 def cpu_avx512() -> bool:
     """Whether this CPU has AVX-512 (or AMX). vLLM's CPU kernels and torch's CPU matmuls round differently with and
-    without it: on AVX2-only CPUs a token's K/V computed in a decode step differ in the last bits from the same token's
-    K/V recomputed in a prefill, so a reply built on restored history may drift from the recompute's after a few tokens
-    even when the restore is bit-exact; calibration ids recorded on one ISA differ on the other."""
+    without it. On AVX2-only CPUs (seen: AMD EPYC, CI's machine in one round) a forward's results depend on its shape in
+    the last bits: a prompt's suffix computed beside restored history, or history computed in a decode step, differs
+    slightly from the same tokens in one full recompute, so a 135M model's greedy reply on bit-exact restored KV can
+    leave the recompute's after its first token. Calibration ids recorded on one ISA differ on the other."""
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
