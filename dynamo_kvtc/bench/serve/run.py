@@ -98,6 +98,7 @@ class ServeBench:
         store = KvtcStore(
             self.cal, cfg, device=self.device, block_size=self.cfg.block_size, span_tokens=self.cfg.span_tokens, kv=kv
         )
+        store.warm_up()  # as the connector does at start-up: first-use costs are not part of any timed request
         if not primary:
             return store
         s = self.shape
