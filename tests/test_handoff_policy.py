@@ -1,6 +1,6 @@
 """The link-aware raw-vs-compressed choice of the hand-off (connector/handoff/link_choice.py), with the sizes and rates
-measured on H200s (docs/performance.md): NeMo-12B 8K = 1280 MiB of raw KV, 90.6 MiB of KVTC blobs; Llama-3.1-8B 32K =
-4096 MiB raw, 236 MiB of blobs; raw GPU->GPU over NVLink at 270-360 GB/s."""
+measured on H200s (docs/performance.md, docs/results/history-performance.md): NeMo-12B 8K = 1280 MiB of raw KV,
+90.6 MiB of KVTC blobs; Llama-3.1-8B 32K = 4096 MiB raw, 236 MiB of blobs; raw GPU->GPU over NVLink at 270-360 GB/s."""
 
 from __future__ import annotations
 
