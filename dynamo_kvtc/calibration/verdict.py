@@ -76,15 +76,17 @@ def write_verdict(path: str | os.PathLike, verdict: dict[str, Any]) -> Path:
     return path / CHECK_FILE
 
 
-def safe_ratio(path: str | os.PathLike, calibration_id: str, ratios: list[float] | None = None) -> float:
+def safe_ratio(
+    path: str | os.PathLike, calibration_id: str, ratios: list[float] | None = None, model: str | None = None
+) -> float:
     """The ratio ``ratio: auto`` serves at: the verdict's safe ratio. Raises CalibrationError with one line naming
     the command to run when the calibration has no verdict, and naming the fix when no ratio passed its budget or the
     safe ratio has no plan in ``ratios``."""
     v = read_verdict(path, calibration_id)
-    if v is None:
+    if v is None:  # one line, naming the command that makes the verdict (``model``: the served model's name)
         raise CalibrationError(
             f"ratio auto needs an accuracy verdict and calibration {path} has none: run "
-            f"`{check_command(path)}` (or set a ratio)"
+            f"`{check_command(path, model)}` (or set a ratio)"
         )
     r = v["safe_ratio"]
     if r is None:
