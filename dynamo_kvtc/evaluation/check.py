@@ -49,18 +49,19 @@ class Budget:
 
 @dataclass(frozen=True)
 class CheckSamples:
-    """The held-out pass: ``ppl_windows`` perplexity windows of ``ppl_length`` tokens, and passkey haystacks at each
-    of ``passkey_lengths`` with the needle at each of ``depths``."""
+    """The held-out pass: ``ppl_windows`` perplexity windows of ``ppl_length`` tokens (the next ``ppl_scored`` scored),
+    and passkey haystacks at each of ``passkey_lengths`` with the needle at each of ``depths``."""
 
     ppl_length: int = 1024
     ppl_windows: int = 2
+    ppl_scored: int = 128  # tokens after each window scored with teacher forcing
     passkey_lengths: tuple[int, ...] = (1024, 2048)
     depths: tuple[float, ...] = (0.2, 0.5, 0.8)
     seed: int = 0
 
     def build(self, tokenizer: Any) -> list[tasks.Sample]:
         b = tasks.Builder(tokenizer, self.seed)
-        out = [b.ppl(self.ppl_length, i) for i in range(self.ppl_windows)]
+        out = [b.ppl(self.ppl_length, i, self.ppl_scored) for i in range(self.ppl_windows)]
         haystacks = [(n, d) for n in self.passkey_lengths for d in self.depths]
         out += [b.passkey(n, d, i) for i, (n, d) in enumerate(haystacks)]
         return out
@@ -261,7 +262,11 @@ def run_check_command(args: Any) -> int:
         ratios=list(args.ratios) if args.ratios else None,
         budget=Budget(args.budget_dnll, args.budget_kl, args.passkey_slack),
         samples=CheckSamples(
-            args.ppl_length, args.ppl_windows, tuple(args.passkey_lengths), tuple(args.depths), args.seed
+            ppl_length=args.ppl_length,
+            ppl_windows=args.ppl_windows,
+            passkey_lengths=tuple(args.passkey_lengths),
+            depths=tuple(args.depths),
+            seed=args.seed,
         ),
         progress=not args.no_progress,
     )
