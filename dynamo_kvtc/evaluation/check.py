@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -273,7 +274,10 @@ def run_check_command(args: Any) -> int:
     print(table(result))
     if args.json_path:
         out = {k: v for k, v in result.to_dict().items() if k != "records"}
-        write_json(args.json_path, {**out, "calibration": str(args.calibration), "machine": machine()})
+        command = "dynamo-kvtc " + " ".join(sys.argv[1:])
+        write_json(
+            args.json_path, {**out, "calibration": str(args.calibration), "command": command, "machine": machine()}
+        )
     if "wrote" in result.extra:
         print(
             f"wrote {result.extra['wrote']} (ratio: auto now serves at "
