@@ -34,23 +34,44 @@ def cal_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def checked(smollm2, cal_dir):
-    """One tiny pass (a 256-token perplexity window, 32 tokens scored; one 256-token passkey haystack) at 16x and
-    64x."""
-    from dynamo_kvtc.calibration.artifact import Calibration
-    from dynamo_kvtc.evaluation.check import CheckSamples, run_check
+def command_run(smollm2, cal_dir, tmp_path_factory):
+    """``dynamo-kvtc check`` end to end, one tiny pass (a 256-token perplexity window, 32 tokens scored; one 256-token
+    passkey haystack) at 16x and 64x on the session's SmolLM2 (loaded once, not again by the command), with --write
+    and --json: (stdout, the JSON)."""
+    import contextlib
+    import io
 
-    model, tok = smollm2
-    samples = CheckSamples(ppl_length=256, ppl_windows=1, ppl_scored=32, passkey_lengths=(256,), depths=(0.5,))
-    return run_check(
-        model,
-        tok,
-        Calibration.load(cal_dir),
-        model_name="smollm2-135m-instruct",
-        ratios=[16, 64],
-        samples=samples,
-        progress=False,
-    )
+    from dynamo_kvtc.cli.main import main
+    from dynamo_kvtc.evaluation import check
+
+    out = tmp_path_factory.mktemp("check-out") / "check.json"
+    args = ["check", str(cal_dir), "--model", "smollm2-135m-instruct", "--ratios", "16,64", "--ppl-length", "256"]
+    args += ["--ppl-windows", "1", "--ppl-scored", "32", "--passkey-lengths", "256", "--depths", "0.5"]
+    args += ["--write", "--json", str(out), "--no-progress"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(check, "load_model", lambda name, device=None: smollm2)  # the fixture's model, not a reload
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            assert main(args) == 0
+    return text.getvalue(), json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def checked(command_run):
+    from dynamo_kvtc.evaluation.check import CheckResult
+
+    return CheckResult.from_dict(command_run[1])
+
+
+def test_check_command_prints_the_table_writes_json_and_the_verdict(command_run, cal_dir):
+    out, data = command_run
+    assert "| 16× |" in out and "| 64× |" in out
+    assert "largest ratio within budget (budget ΔNLL ≤ 1%, passkeys ≥ vanilla's)" in out
+    assert data["samples"]["ppl_scored"] == 32 and data["budget"]["dnll_pct"] == 1.0 and data["records"]
+    assert data["machine"]["cpus"] >= 1 and data["command"].startswith("dynamo-kvtc ")
+    verdict = read_verdict(cal_dir, data["calibration_id"])
+    assert verdict["safe_ratio"] == data["safe_ratio"] and verdict["rows"] == data["rows"]
+    assert f"wrote {cal_dir / CHECK_FILE}" in out
 
 
 def test_check_table_and_budgets(checked):

@@ -59,7 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ppl-length",
         type=types.positive_int,
         default=1024,
-        help="tokens of each held-out perplexity window (default 1024; 128 more are scored)",
+        help="tokens of each held-out perplexity window (default 1024)",
+    )
+    p.add_argument(
+        "--ppl-scored", type=types.positive_int, default=128, help="tokens scored after each window (default 128)"
     )
     p.add_argument("--ppl-windows", type=types.positive_int, default=2, help="perplexity windows (default 2)")
     p.add_argument("--device", default="cpu", help="where the model and codec run: cpu (default) or cuda")

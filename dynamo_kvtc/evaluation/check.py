@@ -99,7 +99,26 @@ class CheckResult:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The verdict, the seconds of the pass and the harness's per-sample ``records`` (what ``--json`` writes)."""
         return {**self.verdict(), "seconds": self.seconds, **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckResult:
+        """A result back from :meth:`to_dict` (a ``--json`` file): :func:`rejudge` it against another budget."""
+        s = d["samples"]
+        samples = CheckSamples(**{**s, "passkey_lengths": tuple(s["passkey_lengths"]), "depths": tuple(s["depths"])})
+        extra = {"records": d["records"]} if "records" in d else {}
+        return cls(
+            d["calibration_id"],
+            d["model"],
+            Budget(**d["budget"]),
+            samples,
+            d["vanilla"],
+            d["rows"],
+            d["safe_ratio"],
+            d.get("seconds", 0.0),
+            extra,
+        )
 
 
 def _rows(records: list[dict[str, Any]], ratios: list[float], budget: Budget) -> tuple[dict[str, Any], list]:
@@ -265,6 +284,7 @@ def run_check_command(args: Any) -> int:
         samples=CheckSamples(
             ppl_length=args.ppl_length,
             ppl_windows=args.ppl_windows,
+            ppl_scored=args.ppl_scored,
             passkey_lengths=tuple(args.passkey_lengths),
             depths=tuple(args.depths),
             seed=args.seed,
@@ -273,7 +293,7 @@ def run_check_command(args: Any) -> int:
     )
     print(table(result))
     if args.json_path:
-        out = {k: v for k, v in result.to_dict().items() if k != "records"}
+        out = {k: v for k, v in result.to_dict().items() if k != "wrote"}
         command = "dynamo-kvtc " + " ".join(sys.argv[1:])
         write_json(
             args.json_path, {**out, "calibration": str(args.calibration), "command": command, "machine": machine()}
