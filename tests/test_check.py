@@ -199,3 +199,22 @@ def test_check_arguments():
     assert a.passkey_lengths == [1024, 2048] and a.depths == (0.2, 0.5, 0.8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["check", str(SHIPPED), "--model", "m", "--depths", "1.5"])
+
+
+def test_decode_side_link_estimate_takes_ratio_auto():
+    """The decode side's raw-or-compressed estimate runs in the scheduler, which holds no calibration: with ``auto``
+    it estimates at the default ratio instead of failing."""
+    from types import SimpleNamespace
+
+    from dynamo_kvtc.connector.handoff.link_choice import COMPRESSED, LinkPolicy
+    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
+    from dynamo_kvtc.tiers.config import TierConfig
+
+    cfg = ConnectorConfig(
+        tiers=TierConfig(ratio="auto"), transfer="decode", transfer_port=5555, handoff_choice="policy"
+    )
+    rp = RemotePrefill(cfg, "engine-a", 16, lambda: 5555, link=LinkPolicy(100, 50), kv_bytes_per_token=160 * 1024)
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p", "remote_host": "h",
+              "remote_port": 7000, "kvtc_host": "10.0.0.2", "kvtc_port": 5555, "kvtc_blocks": 512}  # fmt: skip
+    req = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=list(range(8193)))
+    assert rp.applies(req) is True and params["kvtc_choice"] == COMPRESSED  # a slow link: compressed at 16x
