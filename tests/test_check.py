@@ -114,6 +114,14 @@ def test_verdict_written_beside_the_calibration_keeps_its_id(checked, cal_dir):
     assert safe_ratio(cal_dir, cal.id, cal.ratios) == verdict["safe_ratio"]
     with pytest.raises(CalibrationError, match="measured with calibration a5e2511dd202"):
         read_verdict(cal_dir, "0" * 32)  # a verdict of other tensors is refused
+    write_verdict(cal_dir, {**verdict, "calibration_id": "0" * 32})  # the directory's tensors replaced since
+    assert "stale" in card(cal_dir)["check"]
+    with pytest.raises(CalibrationError, match="measured with calibration 000000000000"):
+        safe_ratio(cal_dir, cal.id, cal.ratios)
+    (cal_dir / CHECK_FILE).write_text("{}")
+    with pytest.raises(CalibrationError, match="is not a dynamo-kvtc-check version 1 file"):
+        card(cal_dir)
+    write_verdict(cal_dir, verdict)
 
 
 def _smol_worker(smollm2, cal_dir, ratio) -> KvtcWorker:
