@@ -159,9 +159,13 @@ def test_every_command_dispatches_to_its_module():
 
 def test_inspect_in_process_matches_the_loaded_calibration(capsys):
     from dynamo_kvtc.calibration.artifact import Calibration
+    from dynamo_kvtc.calibration.verdict import summary as verdict_summary
 
     assert main(["inspect", str(CALIBRATION)]) == 0
     info = json.loads(capsys.readouterr().out)
     cal = Calibration.load(CALIBRATION)
     expected = {**cal.summary(), "provenance": {k: v for k, v in cal.provenance.items() if k != "stats"}}
+    if (CALIBRATION / "check.json").is_file():  # the shipped accuracy verdict (`dynamo-kvtc check --write`)
+        expected["check"] = verdict_summary(CALIBRATION, cal.id)
+        assert "stale" not in expected["check"]
     assert info == json.loads(json.dumps(expected, default=str))

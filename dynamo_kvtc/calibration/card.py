@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CalibrationError
+from .verdict import summary as verdict_summary
 
 # the artifact's names (this torch-free module owns them; calibration/artifact.py imports them)
 FORMAT_NAME = "dynamo-kvtc-calibration"
@@ -69,7 +70,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def card(path: str | os.PathLike) -> dict[str, Any]:
     """Summary (id, model, features, layer groups, ratios, per-ratio rank and bits, per-layer token sets where the
-    calibration has them) and provenance without stats."""
+    calibration has them), provenance without stats, and the accuracy verdict (``check``) where check.json holds
+    one."""
     meta = read_meta(path)
     try:
         fp, groups = meta["fingerprint"], meta["groups"]
@@ -100,4 +102,8 @@ def card(path: str | os.PathLike) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, StopIteration) as e:
         raise CalibrationError(f"{path}: malformed calibration metadata: {e!r}") from e
     provenance = meta.get("provenance") or {}
-    return {**out, "provenance": {k: v for k, v in provenance.items() if k != "stats"}}
+    out["provenance"] = {k: v for k, v in provenance.items() if k != "stats"}
+    verdict = verdict_summary(path, out["id"])  # check.json: the verdict of `dynamo-kvtc check --write`, if any
+    if verdict is not None:
+        out["check"] = verdict
+    return out

@@ -22,6 +22,7 @@ COMMANDS = {
     "calibrate": "calibrate",
     "bench": "bench",
     "eval": "eval",
+    "check": "check",
     "inspect": "inspect",
 }
 

@@ -59,6 +59,14 @@ def ratios(s: str) -> tuple[float, ...]:
     return positive_floats(s, "ratios")
 
 
+def depths(s: str) -> tuple[float, ...]:
+    """Comma-separated needle depths in (0, 1]: ``0.2,0.5,0.8``."""
+    out = positive_floats(s, "depths")
+    if any(d > 1 for d in out):
+        raise argparse.ArgumentTypeError(f"depths must be in (0, 1], got {s!r}")
+    return out
+
+
 def positive_ints(s: str) -> list[int]:
     """Comma-separated positive integers: ``1024,2048``."""
     try:

@@ -4,7 +4,8 @@ Tier options (each validated here; an error names the key):
 
 =================  =======================================================================================
 ``calibration``    calibration directory (default: the shipped/cached one named after the model folder)
-``ratio``          compression ratio, one of the calibration's plans (default 16)
+``ratio``          compression ratio, one of the calibration's plans (default 16); ``auto``: the calibration's
+                   checked safe ratio (``dynamo-kvtc check CAL --model M --write``; refused without one)
 ``ratio_policy``   ``fixed`` (every chunk at ``ratio``) or ``raw`` (every chunk stored uncompressed: lossless)
 ``window``         trailing tokens of every chunk kept raw (default 0)
 ``cpu_cache_gb``   host-tier budget of compressed bytes (default 4)
@@ -45,7 +46,7 @@ class KvtcTierOptions:
     """The tier's options, from its entry in ``secondary_tiers`` (see the module docstring for the table)."""
 
     calibration: str | None = None
-    ratio: float = 16.0
+    ratio: float | str = 16.0  # or "auto" (resolved by the tier from the calibration's check.json)
     ratio_policy: str = "fixed"
     window: int = 0
     cpu_cache_gb: float = 4.0
@@ -63,8 +64,10 @@ class KvtcTierOptions:
             if key not in known:
                 raise option_error(key, f"unknown option; known: {', '.join(sorted(known))}")
         out: dict[str, Any] = {}
+        if isinstance(cfg.get("ratio"), str) and cfg["ratio"].strip().lower() == "auto":
+            out["ratio"] = "auto"
         for key, conv in (("ratio", float), ("cpu_cache_gb", float), ("disk_cache_gb", float)):
-            if key in cfg:
+            if key in cfg and key not in out:
                 try:
                     out[key] = conv(cfg[key])
                 except (TypeError, ValueError):
@@ -85,7 +88,7 @@ class KvtcTierOptions:
         return opts
 
     def _validate(self) -> None:
-        if self.ratio <= 1:
+        if self.ratio != "auto" and self.ratio <= 1:
             raise option_error("ratio", f"must be > 1, got {self.ratio:g}")
         if self.ratio_policy not in RATIO_POLICIES:
             raise option_error("ratio_policy", f"must be one of {', '.join(RATIO_POLICIES)}, got {self.ratio_policy!r}")

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -198,6 +198,13 @@ class KvtcSecondaryTier(SecondaryTierManager):
         if not (Path(path) / "calibration.json").is_file():
             raise option_error("calibration", f"{path} has no calibration.json")
         cal = Calibration.load(path)
+        if self.opts.ratio == "auto":  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
+            from ..calibration.verdict import safe_ratio
+
+            try:
+                self.opts = replace(self.opts, ratio=safe_ratio(path, cal.id, cal.ratios, cfg.model.name))
+            except KvtcError as e:
+                raise option_error("ratio", str(e)) from None
         if self.opts.ratio_policy == "fixed" and float(self.opts.ratio) not in [float(r) for r in cal.ratios]:
             raise option_error("ratio", f"{self.opts.ratio:g} has no plan in calibration {path} ({cal.ratios})")
         return cal

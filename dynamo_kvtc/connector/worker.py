@@ -37,9 +37,10 @@ from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
 from ..calibration.mla import is_mla
 from ..calibration.models import fingerprint_of
+from ..calibration.verdict import safe_ratio
 from ..codec.fp8 import kv_format
 from ..errors import KvtcError, TierError
-from ..tiers.config import TierConfig
+from ..tiers.config import AUTO, TierConfig
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
@@ -306,6 +307,9 @@ class KvtcWorker:
                 f"the model config {fp.num_layers} x {fp.head_dim}"
             )
         cal.check_model(fp)
+        if self.cfg.tiers.ratio == AUTO:  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
+            auto = safe_ratio(path, cal.id, cal.ratios, self.model)
+            self.cfg = replace(self.cfg, tiers=self.cfg.tiers.with_(ratio=auto))
         return cal
 
     def _warn_host_memory(self) -> None:

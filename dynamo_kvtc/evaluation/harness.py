@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..calibration.mla import hf_cache_layers, is_mla
-from ..calibration.models import capture_kv
+from ..calibration.models import capture_kv, input_device
 from .methods import Method
 from .tasks import Sample, answer_score
 
@@ -48,7 +48,7 @@ def build_cache(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, config: An
 def score(model: Any, inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
     """Log-probs [len(inputs), vocab] of the next token after each input, reading KV (k, v) for the context."""
     dtype = next(model.parameters()).dtype
-    pos = torch.arange(start, start + inputs.numel())[None]
+    pos = torch.arange(start, start + inputs.numel(), device=inputs.device)[None]
     cache = build_cache(k, v, dtype, model.config)
     out = model(input_ids=inputs[None], past_key_values=cache, position_ids=pos, use_cache=True)
     return torch.log_softmax(out.logits[0].float(), dim=-1)
@@ -63,12 +63,13 @@ def generate(
     cache = build_cache(k, v, dtype, model.config)
     ids, out, pos = last.reshape(1, 1), [], start
     for _ in range(max_new):
-        o = model(input_ids=ids, past_key_values=cache, position_ids=torch.tensor([[pos]]), use_cache=True)
+        at = torch.tensor([[pos]], device=ids.device)
+        o = model(input_ids=ids, past_key_values=cache, position_ids=at, use_cache=True)
         nxt = int(o.logits[0, -1].argmax())
         if eos is not None and nxt == eos:
             break
         out.append(nxt)
-        ids = torch.tensor([[nxt]])
+        ids = torch.tensor([[nxt]], device=last.device)
         pos += 1
     return out
 
@@ -102,9 +103,11 @@ def run(
     eos = tokenizer.eos_token_id
     samples = list(samples)
     t0 = time.time()
+    dev = input_device(model)  # samples are built on the host; the model may sit on a GPU
     bar = tqdm(total=len(samples) * len(methods), desc="eval", disable=not progress, dynamic_ncols=True)
     for si, s in enumerate(samples):
-        pre, last = s.prompt[:-1], s.prompt[-1:]
+        prompt = s.prompt.to(dev)
+        pre, last = prompt[:-1], prompt[-1:]
         k, v, pos = capture_kv(model, pre)
         T = pre.numel()
         ref_lp = None
@@ -128,9 +131,9 @@ def run(
                 keys = ("nll", "accuracy", "kl", "top1_agreement", "output", "output_ids", "agree_len", "exact")
                 r.update({key: ref[key] for key in keys if key in ref})
             elif s.target is not None:
-                inputs = torch.cat((last, s.target[:-1]))
+                tgt = s.target.to(dev)
+                inputs = torch.cat((last, tgt[:-1]))
                 lp = score(model, inputs, rec.keys, rec.values, T)
-                tgt = s.target
                 nll = float(-lp.gather(1, tgt[:, None]).mean())
                 r["nll"] = nll
                 r["accuracy"] = float((lp.argmax(-1) == tgt).float().mean())

@@ -67,6 +67,7 @@ class Setting:
     default_doc: str = ""  # how to show the default where the value alone says too little
     env: str = ""  # the environment variable (default: DYN_KVTC_<KEY>)
     read_by: str = ""  # process scope: what parses it at start-up and carries it (the reference table says so)
+    words: tuple[str, ...] = ()  # words a number setting takes besides numbers (``ratio: auto``), kept as the word
 
     def __post_init__(self) -> None:
         if self.type not in TYPES or self.scope not in SCOPES:
@@ -96,7 +97,10 @@ SETTINGS: tuple[Setting, ...] = (
        field="disk_bytes", lo=0, hi=1 << 20),
     _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700)", "tier", field="disk_dir",
        default_doc="none"),
-    _s("ratio", "float", 16, "default compression ratio (a plan of the calibration)", "tier", lo=0, lo_open=True),
+    _s("ratio", "float", 16, "default compression ratio (a plan of the calibration); `auto`: the largest ratio within "
+       "the accuracy budget of the calibration's check verdict (`dynamo-kvtc check CAL --model M --write`; without "
+       "one the connector refuses to start and the engine serves without it)", "tier", lo=0, lo_open=True,
+       words=("auto",)),
     _s("max_ratio", "float", None, "accuracy floor: never compress harder, even under pressure", "tier", lo=0,
        lo_open=True, default_doc="`ratio`"),
     _s("min_tokens", "int", 64, "sequences shorter than this bypass the tiers", "tier", lo=0),
@@ -289,6 +293,8 @@ def parse(key: str, raw: Any, from_extra: bool = False) -> Any:
     kv_connector_extra_config); sizes in GB come back in bytes. Raises ConfigError naming the key, where the value
     came from and what is wrong."""
     s = BY_KEY[key]
+    if s.words and isinstance(raw, str) and raw.strip().lower() in s.words:
+        return raw.strip().lower()
     try:
         if s.type in ("gb", "float"):
             v: Any = _number(s, raw)
@@ -302,6 +308,8 @@ def parse(key: str, raw: Any, from_extra: bool = False) -> Any:
     except ValueError as e:
         where = origin_of(s, from_extra)
         hint = "" if from_extra else f" (setting {s.key})"
+        if s.words and str(e) == "expected a number":
+            e = ValueError(f"{e} or {' or '.join(repr(w) for w in s.words)}")
         shown = repr(raw) if len(repr(raw)) <= 64 else repr(raw)[:60] + "..."
         raise ConfigError(f"{where}={shown} is invalid: {e}{hint}") from None
     return int(v * GB) if s.type == "gb" else v
@@ -320,6 +328,8 @@ def check(key: str, value: Any) -> Any:
     s = BY_KEY[key]
     if value is None and s.default is None:
         return None
+    if s.words and isinstance(value, str) and value in s.words:
+        return value
     try:
         if s.type in ("gb", "int"):
             if isinstance(value, bool) or not isinstance(value, int):

@@ -20,7 +20,8 @@ def _say_type(s: Setting) -> str:
         return s.rule
     name = {"gb": "GB", "float": "number", "int": "integer", "bool": "true/false", "path": "path", "str": "string"}
     bounds = say_bounds(s)
-    return f"{name[s.type]}, {bounds}" if bounds else name[s.type]
+    said = f"{name[s.type]}, {bounds}" if bounds else name[s.type]
+    return said + "".join(f", or `{w}`" for w in s.words)
 
 
 def _say_default(s: Setting) -> str:

@@ -38,6 +38,8 @@ class RatioPolicy:
         self, available: Sequence[float], default: float, max_ratio: float | None = None, pressure_high: float = 0.9
     ) -> None:
         self.available = sorted(float(r) for r in available)
+        if isinstance(default, str):  # "auto" reaches the tiers only resolved (the connector's start-up does it)
+            raise ConfigError(f"ratio {default!r} is not resolved: pass the calibration's checked ratio")
         if float(default) not in self.available:
             raise ConfigError(f"default ratio {default:g} has no plan in the calibration; available: {self.available}")
         self.default = float(default)

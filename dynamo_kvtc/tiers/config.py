@@ -25,11 +25,12 @@ from ..settings import GB
 
 _d = settings.default  # field defaults are the table's
 RATIO_POLICIES = settings.BY_KEY["ratio_policy"].choices  # fixed | raw_first | raw
+AUTO = "auto"  # ratio: the calibration's checked safe ratio (calibration/verdict.py), resolved at start-up
 CODEC_KEYS = tuple(f.name for f in fields(CodecOptions))  # the table's process keys of the same names
 PROCESS_KEYS = ("codec_sms", *CODEC_KEYS)  # the process-wide knobs a TierConfig carries down
 _TABLE = {s.field: s.key for s in settings.select("tier")} | {"codec_sms": "codec_sms"}  # field -> key
 
-__all__ = ["GB", "TierConfig", "codec_options"]
+__all__ = ["AUTO", "GB", "TierConfig", "codec_options"]
 
 
 def codec_options(values: Mapping[str, Any]) -> CodecOptions:
@@ -53,7 +54,7 @@ class TierConfig:
     host_bytes: int = _d("cpu_cache_gb")
     disk_bytes: int = _d("disk_cache_gb")
     disk_dir: Path | None = _d("disk_cache_dir")
-    ratio: float = _d("ratio")
+    ratio: float | str = _d("ratio")  # or "auto": the connector resolves it from the calibration's check verdict
     max_ratio: float | None = _d("max_ratio")  # the accuracy floor: the policy never picks a higher ratio
     pressure_high: float = 0.9  # host-tier fill above which the policy moves to a higher ratio
     min_frequency: int = _d("offload_min_frequency")
@@ -79,7 +80,7 @@ class TierConfig:
             raise ConfigError(f"codec must be a CodecOptions, got {self.codec!r}")
         if self.disk_bytes and self.disk_dir is None:
             raise ConfigError("DYN_KVTC_DISK_CACHE_GB is set but DYN_KVTC_DISK_CACHE_DIR is not")
-        if self.max_ratio is not None and self.max_ratio < self.ratio:
+        if self.max_ratio is not None and self.ratio != AUTO and self.max_ratio < self.ratio:
             raise ConfigError(f"ratio {self.ratio} must be positive and <= max_ratio {self.max_ratio}")
         if self.page_bytes & (self.page_bytes - 1):
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")

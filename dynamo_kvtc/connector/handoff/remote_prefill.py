@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ... import settings
 from ..config import ConnectorConfig
 from ..step_plan import LoadOp
 from .link_choice import COMPRESSED, RAW, LinkPolicy
@@ -97,7 +98,10 @@ class RemotePrefill:
         tokens = hp.blocks * self.block_size
         raw = tokens * self.kv_bytes_per_token
         window = min(tokens, self.cfg.tiers.window) * self.kv_bytes_per_token
-        compressed = int((raw - window) / self.cfg.tiers.ratio) + window
+        ratio = self.cfg.tiers.ratio
+        if isinstance(ratio, str):  # "auto": resolved by the workers from their calibration; estimate at the default
+            ratio = settings.default("ratio")
+        compressed = int((raw - window) / ratio) + window
         return self.link.choose(f"{hp.host}:{hp.port}", raw, compressed).choice
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

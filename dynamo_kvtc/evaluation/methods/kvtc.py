@@ -28,9 +28,12 @@ class Kvtc(Method):
         sinks: int = 4,
         label: str | None = None,
         projection: str = "fp16",
+        device: str = "cpu",
     ):
         super().__init__(window)
-        self.codec = KvtcCodec(calibration, ratio=ratio, window=window, sinks=sinks, projection=projection)
+        self.codec = KvtcCodec(
+            calibration, ratio=ratio, device=device, window=window, sinks=sinks, projection=projection
+        )
         self.ratio_target = float(ratio)
         self.projection = projection
         self.name = label or f"kvtc-{ratio:g}x" + ("" if projection == "fp16" else f"-{projection}")
