@@ -64,7 +64,7 @@ def test_roundtrip_restores_exact_blocks_and_identical_reply(scenario):
 def test_roundtrip_16x_within_codec_error_and_layerwise(scenario):
     r = scenario("roundtrip-16x")
     assert r["restored_tokens"] >= 800
-    # the same bounds the codec meets on held-out text (docs/accuracy.md: K 0.089, V 0.231 at 16x)
+    # the same bounds the codec meets on held-out text (docs/benchmarks.md, the codec demo: K 0.089, V 0.231 at 16x)
     assert r["rel_err_k"] < 0.15 and r["rel_err_v"] < 0.30
     assert r["zero_rel_err_k"] == pytest.approx(1.0)
     # lossy, so only the start of the greedy reply is required to agree; garbage KV diverges at the first token
