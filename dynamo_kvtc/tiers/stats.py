@@ -24,6 +24,7 @@ class StoreStats:
     offload_stored_bytes: int = 0  # their blobs' bytes
     offload_raw: int = 0  # offloads stored uncompressed (``raw``/``raw_first`` ratio policies)
     offload_filtered: int = 0  # offloads the admission filter refused
+    offload_tp_disagreed: int = 0  # saves skipped on every TP rank: the ranks' votes differed (joint codec)
     offload_queue_full: int = 0  # saves skipped, nothing copied: the offload queue held its byte budget already
     offload_fused_batches: int = 0  # encodes that went through the fused CUDA path
     encode_seconds_x1e6: int = 0  # encode time, microseconds
