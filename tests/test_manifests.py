@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFEST_DIR = ROOT / "manifests"
 CRD = MANIFEST_DIR / "crds" / "nvidia.com_dynamographdeployments.yaml"
 MANIFESTS = sorted(MANIFEST_DIR.glob("*.yaml"))
-EXPECTED = {"agg-kvtc.yaml", "disagg-kvtc-prefill.yaml", "disagg-kvtc-transfer.yaml"}
+EXPECTED = {"agg-kvtc.yaml", "agg-kvtc-tp2.yaml", "disagg-kvtc-prefill.yaml", "disagg-kvtc-transfer.yaml"}
 
 KVTC = "KvtcConnector"
 KVTC_MODULE = "dynamo_kvtc.connector.vllm"
@@ -410,6 +410,11 @@ def test_topologies():
     ]
     assert kv_config(d) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     assert kvtc_entries(kv_config(p))[0]["kv_connector_extra_config"].get("transfer") is None
+
+    tp2 = by["agg-kvtc-tp2.yaml"]  # one worker on two GPUs, the joint calibration (calibrate --tp-size 2)
+    (_, w), (_, w1) = workers(tp2)[0], workers(agg)[0]
+    assert arg_value(w, "--tensor-parallel-size") == "2" and w["resources"]["limits"]["gpu"] == "2"
+    assert kv_config(w) == kv_config(w1)  # the same connector settings: TP needs none of its own
 
     p, d = by_role(xfer)["prefill"], by_role(xfer)["decode"]
     assert kv_config(p)["kv_connector_extra_config"]["transfer"] == "prefill"
