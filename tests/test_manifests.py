@@ -516,7 +516,7 @@ def test_settings_are_accepted_by_the_connector():
                     if c.transfer == "prefill":
                         assert c.transfer_host == "10.1.2.3"  # from the downward API, not the 127.0.0.1 default
                     seen += 1
-    assert seen == 4
+    assert seen == 5  # agg, agg TP=2, the two disaggregated prefill workers and the decode worker with hand-off
 
 
 # ---------------------------------------------------------------------------------------------------------- negative
