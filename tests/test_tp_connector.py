@@ -91,6 +91,7 @@ def test_two_ranks_save_together_and_skip_together(synth, synth_cal):
     assert kd.shape[2] == H  # a plain single-process codec reads it, both heads
     assert r1["b"].skipped == "queue_full" and r0["b"].skipped == "tp_disagreed"
     assert r0["stats"].offload_tp_disagreed == 1 and r1["stats"].offload_tp_disagreed == 0
+    assert r0["stats"].faults()["offload_tp_disagreed"] == 1  # kvtc_fallbacks_total{reason="offload_tp_disagreed"}
     assert r0["c"].stored_blocks == r1["c"].stored_blocks == 2
     for r in (r0, r1):
         assert r["held"] == ["host", "host", None, None, "host", "host"]

@@ -67,9 +67,10 @@ class StoreStats:
 
     def faults(self) -> dict[str, int]:
         """Failures that cost a recompute or a lost cache entry, by reason: ``offload_error_<Error>``,
-        ``onboard_error_<Error>``, ``disk_write_error_<Error>``, ``offload_queue_full``, ``onboard_cancelled``
-        (``blobs_dropped`` is a field of its own)."""
-        out = {k: getattr(self, k) for k in ("offload_queue_full", "onboard_cancelled") if getattr(self, k)}
+        ``onboard_error_<Error>``, ``disk_write_error_<Error>``, ``offload_queue_full``, ``offload_tp_disagreed``,
+        ``onboard_cancelled`` (``blobs_dropped`` is a field of its own)."""
+        named = ("offload_queue_full", "offload_tp_disagreed", "onboard_cancelled")
+        out = {k: getattr(self, k) for k in named if getattr(self, k)}
         for prefix, errors in (
             ("offload_error_", self.offload_errors),
             ("onboard_error_", self.onboard_errors),
