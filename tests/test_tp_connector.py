@@ -140,11 +140,13 @@ def test_a_rank_that_failed_to_start_stops_the_joint_codec_on_every_rank(synth_c
 # ---------------------------------------------------------------- the real engine, TP=2
 @pytest.fixture(scope="module")
 def tp_engine(tmp_path_factory):
+    pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("vllm-tp")
     out = tmp / "out.json"
-    env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_tp.py"), str(out), str(tmp)], env=env, check=True,
-                   timeout=1200, cwd=ROOT)  # fmt: skip
+    env = {**ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank (one NUMA node here)
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_tp.py"), str(out), str(tmp)], env=env,
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 0 and out.exists(), p.stderr[-4000:]
     return json.loads(out.read_text())
 
 
