@@ -15,12 +15,12 @@ import pytest
 import torch.distributed as dist
 
 from dynamo_kvtc import KvtcCodec
-from dynamo_kvtc.calibration.tensor_parallel import TP_MANIFEST, head_layout, write_tp_manifest
+from dynamo_kvtc.calibration.tensor_parallel import TP_MANIFEST, head_layout, sharded_codec, write_tp_manifest
 from dynamo_kvtc.codec.factory import Shard
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.tensor_parallel import GlooCollective, TpGroup, agree_start, joint_shard
+from dynamo_kvtc.connector.tensor_parallel import Agreement, GlooCollective, TpGroup, agree_start, joint_shard
 from dynamo_kvtc.connector.worker import resolve_calibration
-from dynamo_kvtc.errors import ConfigError, TierError
+from dynamo_kvtc.errors import ConfigError, InputError, TierError
 from dynamo_kvtc.tiers import KvtcStore, TierConfig
 from dynamo_kvtc.tiers.keys import sequence_hashes
 
@@ -95,6 +95,43 @@ def test_two_ranks_save_together_and_skip_together(synth, synth_cal):
     assert r0["c"].stored_blocks == r1["c"].stored_blocks == 2
     for r in (r0, r1):
         assert r["held"] == ["host", "host", None, None, "host", "host"]
+
+
+def test_a_rank_failing_inside_an_encode_makes_every_rank_drop_it_and_stay_in_step(synth, synth_cal):
+    k, v, pos = synth.sample(80, start=3)
+
+    def rank(tp: TpGroup) -> dict:
+        codec = sharded_codec(synth_cal, tp.rank, tp.size, tp.collective, ratio=16, window=16)
+        mine = slice(tp.rank, tp.rank + 1)
+        kr, vr = k[:, :, mine].contiguous(), v[:, :, mine].contiguous()
+        real = codec.partial_coefficients
+        if tp.rank == 1:  # fault injection: this rank's projection fails once (as an out-of-memory would)
+            codec.partial_coefficients = lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+        try:
+            codec.encode(kr, vr, pos)
+            first = "kept"
+        except InputError as e:
+            first = str(e)
+        codec.partial_coefficients = real
+        return {"first": first, "second": codec.encode(kr, vr, pos)}  # the next encode pairs up as before
+
+    r0, r1 = on_ranks(rank)
+    assert "another rank" in r0["first"] and "injected" in r1["first"]
+    assert r0["second"] == r1["second"]
+    ref = KvtcCodec(synth_cal, 16, fused=False, projection="fp16", window=16)
+    assert ref.decode(r0["second"])[0].shape == k.shape
+
+
+def test_votes_out_of_step_stop_the_joint_saves_on_every_rank():
+    def rank(tp: TpGroup) -> tuple:
+        agree = Agreement(tp.collective, tp.rank)
+        same = agree((1, 2, 77, 1, 0, 2, 16000, 0))
+        skip = agree((2, 2, 78, tp.rank, 0, 2, 16000, 0))  # rank 0 does not want it
+        apart = agree((3 + tp.rank, 2, 79, 1, 0, 2, 16000, 0))  # the ranks name different jobs
+        return same, skip, apart, agree.broken is not None, agree((9, 2, 80, 1, 0, 2, 16000, 0))
+
+    for same, skip, apart, broken, after in on_ranks(rank):
+        assert same == (16.0, False) and skip is None and apart is None and broken and after is None
 
 
 def test_joint_calibration_is_chosen_and_checked(synth_cal, tmp_path):
