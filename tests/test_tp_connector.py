@@ -24,7 +24,7 @@ from dynamo_kvtc.errors import ConfigError, InputError, TierError
 from dynamo_kvtc.tiers import KvtcStore, TierConfig
 from dynamo_kvtc.tiers.keys import sequence_hashes
 
-from .conftest import ENGINE_ENV, H, cpu_avx512
+from .conftest import ENGINE_ENV, H
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -198,11 +198,13 @@ def test_vllm_cpu_tp2_restores_through_the_joint_sharded_codec(tp_engine):
     for r in (r0, r1):
         assert r["restores"] and r["restores"][-1]["tokens"] == res["restored_tokens"]
         assert r["offload_tp_disagreed"] == 0
-        # what the engine computed, through the 4x joint codec (random model: ~0.11 K / ~0.13 V measured)
-        assert 0 < r["rel_err_k"] < 0.3 * r["zero_rel_err_k"] and 0 < r["rel_err_v"] < 0.3
+        # what the engine computed, through the 2x joint codec (measured: 0.024 K / 0.024 V on each rank)
+        assert 0 < r["rel_err_k"] < 0.1 * r["zero_rel_err_k"] and 0 < r["rel_err_v"] < 0.1
         # exactly this rank's heads of what a plain single-process codec decodes from the stored blob (all heads)
         assert r["plain_heads"] == 2 and r["rel_vs_plain_k"] == 0.0 and r["rel_vs_plain_v"] == 0.0
     assert r0["blob_sha"] == r1["blob_sha"]  # both ranks hold the same joint blob
     assert all(s["store"]["warm_up_errors"] == 0 and s["store"]["offload_blocks"] > 0 for s in res["stats"])
-    n = None if cpu_avx512() else 1  # AVX2-only CPUs: a forward of another shape rounds differently after token 1
-    assert res["tokens"][:n] == res["reference_tokens"][:n]
+    # the first token of a greedy reply on restored (lossy, 2x) KV is the recompute's (later ones may part: the restore
+    # is not bit-exact, and on AVX2-only CPUs a forward of another shape rounds differently)
+    assert len(set(res["reference_tokens"])) > 1  # a reply that says something, not one token repeated
+    assert res["tokens"][:1] == res["reference_tokens"][:1]

@@ -17,6 +17,8 @@
 - **Sizes are totals across the TP group** (what vLLM's ``--kv-offloading-size`` means): each rank allocates
   ``cpu_cache_gb / tp_size`` of host memory and ``disk_cache_gb / tp_size`` of disk (:func:`rank_tiers`); rank 0
   warns at start-up when the host memory asked for exceeds the pod's or machine's (:func:`host_memory_warning`).
+  With a joint calibration (``tp.json``) each rank codes its own heads, the ranks' encodes collective
+  (:mod:`.tensor_parallel`: its group, start-up vote and per-save agreement).
 """
 
 from __future__ import annotations
