@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.worker import KvtcWorker, host_memory_limit, host_memory_warning, rank_tiers
+from dynamo_kvtc.connector.host_memory import host_memory_limit, host_memory_warning
+from dynamo_kvtc.connector.worker import KvtcWorker, rank_tiers
 from dynamo_kvtc.tiers.config import TierConfig
 
 GiB = 1 << 30

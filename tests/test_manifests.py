@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFEST_DIR = ROOT / "manifests"
 CRD = MANIFEST_DIR / "crds" / "nvidia.com_dynamographdeployments.yaml"
 MANIFESTS = sorted(MANIFEST_DIR.glob("*.yaml"))
-EXPECTED = {"agg-kvtc.yaml", "disagg-kvtc-prefill.yaml", "disagg-kvtc-transfer.yaml"}
+EXPECTED = {"agg-kvtc.yaml", "agg-kvtc-tp2.yaml", "disagg-kvtc-prefill.yaml", "disagg-kvtc-transfer.yaml"}
 
 KVTC = "KvtcConnector"
 KVTC_MODULE = "dynamo_kvtc.connector.vllm"
@@ -411,6 +411,11 @@ def test_topologies():
     assert kv_config(d) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
     assert kvtc_entries(kv_config(p))[0]["kv_connector_extra_config"].get("transfer") is None
 
+    tp2 = by["agg-kvtc-tp2.yaml"]  # one worker on two GPUs, the joint calibration (calibrate --tp-size 2)
+    (_, w), (_, w1) = workers(tp2)[0], workers(agg)[0]
+    assert arg_value(w, "--tensor-parallel-size") == "2" and w["resources"]["limits"]["gpu"] == "2"
+    assert kv_config(w) == kv_config(w1)  # the same connector settings: TP needs none of its own
+
     p, d = by_role(xfer)["prefill"], by_role(xfer)["decode"]
     assert kv_config(p)["kv_connector_extra_config"]["transfer"] == "prefill"
     assert kv_config(d)["kv_connector_extra_config"]["transfer"] == "decode"
@@ -511,7 +516,7 @@ def test_settings_are_accepted_by_the_connector():
                     if c.transfer == "prefill":
                         assert c.transfer_host == "10.1.2.3"  # from the downward API, not the 127.0.0.1 default
                     seen += 1
-    assert seen == 4
+    assert seen == 5  # agg, agg TP=2, the two disaggregated prefill workers and the decode worker with hand-off
 
 
 # ---------------------------------------------------------------------------------------------------------- negative

@@ -17,7 +17,8 @@ Sinks (fp8 per vector) and the raw window are per head: each rank all-gathers th
 on a sequence's last span) so the blob holds every head, as the single-process blob does.
 
 The collective is injected: any object with ``all_reduce_sum`` and ``all_gather`` (:class:`Collective`), e.g.
-:class:`TorchCollective` over a ``torch.distributed`` process group (vLLM's TP group on a worker). Nothing here
+:class:`TorchCollective` over a ``torch.distributed`` process group (the connector's own group of the TP ranks:
+:mod:`dynamo_kvtc.connector.tensor_parallel`). Nothing here
 imports CUDA, NIXL or Dynamo; the math is the reference path's float32 (on any device).
 """
 
@@ -208,6 +209,11 @@ class ShardedKvtcCodec(Codec):
     def ratio(self) -> float:
         return self.base.ratio
 
+    @property
+    def config(self) -> Any:
+        """The codec settings (sinks, window, min tokens, ratio, entropy tag): the reference codec's."""
+        return self.base.config
+
     def check_blob(self, blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list]:
         """The joint calibration's blob checks (the blob is the single-process codec's)."""
         return self.base.check_blob(blob)
@@ -269,42 +275,64 @@ class ShardedKvtcCodec(Codec):
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, positions: Any, *, window: int | None = None) -> bytes:
         """Encode this rank's ``keys``/``values`` ``[L, T, h, D]`` (keys post-RoPE) at ``positions`` ``[T]`` into the
-        single-process blob of all heads. Collective: every rank calls it with the same positions and window."""
+        single-process blob of all heads. Collective: every rank calls it with the same positions and window.
+
+        Every rank runs the same collectives whatever happens locally: a rank whose own work fails (a copy, the
+        projection, the entropy coder) contributes zeros of the agreed shape, and a last all-reduce of the failure
+        flags makes EVERY rank raise :class:`~dynamo_kvtc.errors.InputError`, so no rank keeps a blob missing a rank's
+        heads and no later collective pairs with the wrong one."""
         pos = self._check(keys, values, positions)
-        T = pos.numel()
-        cfg = self.base.config
-        mode, ns, nw, nc = cfg.segments(pos, window)
-        ratio = cfg.ratio
+        mode, ns, nw, nc = self.base.config.segments(pos, window)
         pos_c = pos[ns : ns + nc].to(self.device)
+        local = _Local(self.device)
         sections: list[tuple[str, str, int, list[bytes]]] = []
         for gi, tab in enumerate(self._tables):
-            l0, l1 = tab.layers
-            data: dict[str, tuple[str, torch.Tensor]] = {}
-            if ns:
-                sk = self._gather_heads(keys[l0:l1, :ns].to(self.device))
-                sv = self._gather_heads(values[l0:l1, :ns].to(self.device))
-                data["sinks"] = ("store", encode_sinks(sk, sv).cpu())
-            else:
-                data["sinks"] = ("store", torch.empty(0, dtype=torch.uint8))
-            if nc:
-                part = self.partial_coefficients(tab, keys, values, pos_c, ns, nc, ratio)
-                coeffs = self.collective.all_reduce_sum(part.to(self.reduce_dtype)).float()
-                rk = tab.k_plans[ratio].rank
-                data["k"] = (cfg.tag, encode_coefficients(coeffs[:, :rk], tab.k_plans[ratio]))
-                data["v"] = (cfg.tag, encode_coefficients(coeffs[:, rk:], tab.v_plans[ratio]))
-            else:
-                data["k"] = data["v"] = (cfg.tag, torch.empty(0, dtype=torch.uint8))
-            if nw:
-                wk = self._gather_heads(keys[l0:l1, T - nw :].to(self.device))
-                wv = self._gather_heads(values[l0:l1, T - nw :].to(self.device))
-                win = torch.cat((_bytes_of(wk), _bytes_of(wv))).cpu()
-            else:
-                win = torch.empty(0, dtype=torch.uint8)
-            data["window"] = ("store", win)
-            for part_name in ("sinks", "k", "v", "window"):
-                tag, raw = data[part_name]
-                sections.append((f"{gi}.{part_name}", tag, raw.numel(), self._coder(tag).compress(raw)))
+            sections += self._encode_group(gi, tab, keys, values, pos_c, (ns, nw, nc), local)
+        failed = local.failed
+        flags = self.collective.all_reduce_sum(torch.tensor([1.0 if failed else 0.0], device=self.device))
+        if failed or float(flags.sum()) > 0:
+            why = f"{type(failed[0]).__name__}: {failed[0]}" if failed else "on another rank"
+            raise InputError(f"TP rank {self.rank}: the sharded encode failed {why}; no rank keeps this blob")
         return write_blob(self.base.blob_header(keys.dtype, pos, mode, ns, nw), sections)
+
+    def _encode_group(self, gi: int, tab: _ShardTables, keys, values, pos_c, segs, local: _Local) -> list:
+        """One basis group's sections (collective; see :meth:`encode` for what a local failure does)."""
+        ns, nw, nc = segs
+        cfg, ratio = self.base.config, self.base.config.ratio
+        l0, l1 = tab.layers
+        T = keys.shape[1]
+        shape = (l1 - l0, 0, self.heads.stop - self.heads.start, self.fp.head_dim)
+        dev = self.device
+        empty = torch.empty(0, dtype=torch.uint8)
+        data: dict[str, tuple[str, torch.Tensor]] = {"sinks": ("store", empty), "window": ("store", empty)}
+        data["k"] = data["v"] = (cfg.tag, empty)
+        if ns:
+            sink = (shape[0], ns, *shape[2:])
+            sk = self._gather_heads(local(lambda: keys[l0:l1, :ns].to(dev), sink, keys.dtype))
+            sv = self._gather_heads(local(lambda: values[l0:l1, :ns].to(dev), sink, keys.dtype))
+            data["sinks"] = ("store", local(lambda: encode_sinks(sk, sv).cpu()))
+        if nc:
+            rk, rv = tab.k_plans[ratio].rank, tab.v_plans[ratio].rank
+            part = local(
+                lambda: self.partial_coefficients(tab, keys, values, pos_c, ns, nc, ratio).to(self.reduce_dtype),
+                (nc, rk + rv),
+                self.reduce_dtype,
+            )
+            coeffs = self.collective.all_reduce_sum(part).float()
+            data["k"] = (cfg.tag, local(lambda: encode_coefficients(coeffs[:, :rk], tab.k_plans[ratio])))
+            data["v"] = (cfg.tag, local(lambda: encode_coefficients(coeffs[:, rk:], tab.v_plans[ratio])))
+        if nw:
+            win = (shape[0], nw, *shape[2:])
+            wk = self._gather_heads(local(lambda: keys[l0:l1, T - nw :].to(dev), win, keys.dtype))
+            wv = self._gather_heads(local(lambda: values[l0:l1, T - nw :].to(dev), win, keys.dtype))
+            data["window"] = ("store", local(lambda: torch.cat((_bytes_of(wk), _bytes_of(wv))).cpu()))
+        out = []
+        for name in ("sinks", "k", "v", "window"):
+            tag, raw = data[name]
+            got = local(lambda tag=tag, raw=raw: self._coder(tag).compress(raw))
+            if got is not None:
+                out.append((f"{gi}.{name}", tag, raw.numel(), got))
+        return out
 
     # ================================================================== decode (local)
     def decode_layers(self, blob: bytes | bytearray | memoryview) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -372,6 +400,23 @@ class ShardedKvtcCodec(Codec):
             ks.append(k)
             vs.append(v)
         return torch.stack(ks), torch.stack(vs)
+
+
+class _Local:
+    """Runs one rank's local steps of a collective encode: after the first failure (kept in ``failed``) every step
+    returns zeros of its agreed shape (or None), so the rank still takes part in every collective."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.failed: list[BaseException] = []
+
+    def __call__(self, fn, shape=None, dtype=None):
+        if not self.failed:
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - reported to every rank by the encode's last all-reduce
+                self.failed.append(e)
+        return None if shape is None else torch.zeros(shape, dtype=dtype, device=self.device)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@
 - **Sizes are totals across the TP group** (what vLLM's ``--kv-offloading-size`` means): each rank allocates
   ``cpu_cache_gb / tp_size`` of host memory and ``disk_cache_gb / tp_size`` of disk (:func:`rank_tiers`); rank 0
   warns at start-up when the host memory asked for exceeds the pod's or machine's (:func:`host_memory_warning`).
+  With a joint calibration (``tp.json``) each rank codes its own heads, the ranks' encodes collective
+  (:mod:`.tensor_parallel`: its group, start-up vote and per-save agreement).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import threading
 import time
 from collections import Counter
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,66 +40,24 @@ from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
 from ..calibration.mla import is_mla
 from ..calibration.models import fingerprint_of
+from ..calibration.tensor_parallel import TP_MANIFEST
 from ..calibration.verdict import safe_ratio
 from ..codec.fp8 import kv_format
 from ..errors import KvtcError, TierError
-from ..tiers.config import AUTO, TierConfig
+from ..tiers.config import AUTO
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore, OnboardHandle
 from .config import ConnectorConfig
+from .host_memory import host_memory_limit, host_memory_warning
 from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
 from .support import decide
+from .tensor_parallel import agree_start, joint_shard, open_group, rank_tiers
 
 log = logging.getLogger(__name__)
 
 # KV cache dtypes the codec encodes from and restores into as they are (FP8 caches go through their scales)
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
-
-
-def rank_tiers(tiers: TierConfig, tp_rank: int, tp_size: int) -> TierConfig:
-    """This rank's tiers: ``cpu_cache_gb`` and ``disk_cache_gb`` are totals across the TP group, split evenly (each
-    rank holds its own heads' share of every block), and each rank gets its own disk directory."""
-    if tp_size <= 1:
-        return tiers
-    kw: dict[str, Any] = {"host_bytes": tiers.host_bytes // tp_size, "disk_bytes": tiers.disk_bytes // tp_size}
-    if tiers.disk_bytes and tiers.disk_dir is not None:
-        kw["disk_dir"] = tiers.disk_dir / f"rank{tp_rank}"  # each rank its own head shard
-    return tiers.with_(**kw)
-
-
-def host_memory_limit(root: Path = Path("/")) -> tuple[int, str] | None:
-    """(bytes, where it came from): the pod's cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``),
-    else the machine's ``MemTotal``; None when none can be read."""
-    for rel in ("sys/fs/cgroup/memory.max", "sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = (root / rel).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < _UNLIMITED:
-            return int(text), "/" + rel
-    try:
-        for line in (root / "proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024, "/proc/meminfo MemTotal"
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_memory_warning(asked: int, limit: tuple[int, str] | None) -> str | None:
-    """The start-up warning when the host memory asked for on this machine (``cpu_cache_gb``, the total of its TP
-    ranks) exceeds what the pod/machine has; None when it fits or nothing is known."""
-    if limit is None or asked <= limit[0]:
-        return None
-    return (
-        f"kvtc host tier asks for {asked / (1 << 30):.2f} GiB on this machine (cpu_cache_gb, the total across the TP "
-        f"group) but {limit[1]} allows {limit[0] / (1 << 30):.2f} GiB (engine and model memory not counted): "
-        "the pod may be OOM-killed; lower cpu_cache_gb or raise the memory limit"
-    )
-
-
 def check_kv_dtype(t: torch.Tensor, cache_dtype: str = "auto") -> None:
     """Refuse KV caches the codec cannot read: anything but 16/32-bit float, or an FP8 cache (``fp8``, ``fp8_e4m3``,
     ``fp8_e5m2``; uint8 or float8 tensors, encoded through its per-layer scales). Other quantized caches are refused."""
@@ -141,7 +102,9 @@ def detect_layout(t: torch.Tensor, num_blocks: int | None, mla: bool = False) ->
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
     """The calibration directory of this rank: ``calibration`` when set, else :func:`find_calibration`'s (the
     normalised model name under ``DYN_KVTC_CALIBRATIONS`` or the repository's ``calibrations/``, then
-    ``<DYN_KVTC_CACHE>/calibrations``). The caller matches its fingerprint against the served model."""
+    ``<DYN_KVTC_CACHE>/calibrations``); under TP its ``rank<r>/`` when there is one and no ``tp.json`` (a joint
+    calibration, served by row-sharded codecs: :mod:`.tensor_parallel`). The caller matches its fingerprint against
+    the served model."""
     path = cfg.calibration
     if path is None:
         tools = settings.tool_settings()  # the search folders, read once
@@ -152,7 +115,8 @@ def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size:
                 f"$DYN_KVTC_CALIBRATIONS/{normalise_model_name(model)} (make one with `dynamo-kvtc calibrate`)"
             )
     path = Path(path)
-    if tp_size > 1 and (path / f"rank{tp_rank}" / "calibration.json").is_file():
+    per_rank = path / f"rank{tp_rank}" / "calibration.json"
+    if tp_size > 1 and not (path / TP_MANIFEST).is_file() and per_rank.is_file():  # tp.json: the joint one
         path = path / f"rank{tp_rank}"
     if not (path / "calibration.json").is_file():
         raise TierError(f"calibration directory {path} has no calibration.json")
@@ -236,7 +200,8 @@ class KvtcWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None, scales: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`); ``scales``: an FP8
         cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default)."""
-        stage = "model"
+        tp = open_group(self.tp_rank, self.tp_size)  # every rank, now: the joint codec's collectives run on it
+        stage, voted = "model", False
         try:
             decide(self.hf_config, self.tp_size)  # docs/models.md's table, from the config, before touching tensors
             stage = "layout"
@@ -266,15 +231,24 @@ class KvtcWorker:
                 v_scales=vs,
             )
             stage = "calibration"
-            cal = self._calibration(kv)
+            cal, shard = self._calibration(kv, tp)
             stage = "store"
             tiers = rank_tiers(self.cfg.tiers, self.tp_rank, self.tp_size)
             if self.tp_rank == 0:
                 self._warn_host_memory()
-            store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv)
+            store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv, shard=shard)
+            stage, voted = "tensor_parallel", True
+            try:
+                agree_start(tp, store)  # the ranks serve a joint calibration together or not at all
+            except KvtcError:
+                store.close()
+                raise
             stage = "warm_up"
-            log.info("kvtc: codec warm-up took %.2f s", store.warm_up())
+            log.info("kvtc: codec warm-up took %.2f s", store.warm_up())  # collective with the joint codec
         except (KvtcError, OSError, ValueError) as e:
+            if not voted:
+                with suppress(KvtcError):
+                    agree_start(tp, None)  # the other ranks wait for this rank's vote
             self._disable(str(e), stage)
             return
         self.layers = {n: i for i, n in enumerate(names)}
@@ -294,11 +268,12 @@ class KvtcWorker:
         if self.tp_rank == 0:
             self.services.start(self, store)
 
-    def _calibration(self, kv: PagedKV) -> Calibration:
+    def _calibration(self, kv: PagedKV, tp: Any = None) -> tuple[Calibration, Any]:
+        """(calibration, this rank's Shard of a joint one under TP or None)."""
         path = resolve_calibration(self.cfg, self.model, self.tp_rank, self.tp_size)
         cal = Calibration.load(path)
-        fp = fingerprint_of(self.hf_config)
-        fp = replace(fp, num_kv_heads=kv.num_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        model = fingerprint_of(self.hf_config)
+        fp = replace(model, num_kv_heads=kv.num_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
         if self.tp_size == 1 and kv.num_heads != fp.total_kv_heads:
             raise TierError(f"engine KV cache has {kv.num_heads} heads, the model config {fp.total_kv_heads}")
         if kv.head_dim != fp.head_dim or kv.num_layers != fp.num_layers:
@@ -306,11 +281,13 @@ class KvtcWorker:
                 f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
                 f"the model config {fp.num_layers} x {fp.head_dim}"
             )
-        cal.check_model(fp)
+        shard = joint_shard(path, cal, model, kv.num_heads, self.tp_rank, self.tp_size, tp)
+        if shard is None:
+            cal.check_model(fp)
         if self.cfg.tiers.ratio == AUTO:  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
             auto = safe_ratio(path, cal.id, cal.ratios, self.model)
             self.cfg = replace(self.cfg, tiers=self.cfg.tiers.with_(ratio=auto))
-        return cal
+        return cal, shard
 
     def _warn_host_memory(self) -> None:
         """Rank 0, at start-up: warn when ``cpu_cache_gb`` (all ranks of this engine, on this machine) exceeds the

@@ -89,6 +89,11 @@ class Offloader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtc-offload")
         self._stream = codec_stream(device, cfg.codec_sms)
         self.budget = QueueBudget(cfg.offload_queue_bytes)
+        # Tensor parallel with the joint codec (set by the connector): ``agree(vote)`` runs on the offload worker,
+        # first in every job, and returns (ratio, raw) when every rank votes to encode the same blocks, else None.
+        # Every save then queues a job on every rank, skipped ones too, so the ranks' collectives stay in step.
+        self.agree: Callable[[tuple[int, ...]], tuple[float, bool] | None] | None = None
+        self._votes = 0
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -131,22 +136,22 @@ class Offloader:
             raise TierError("offload by copy needs a registered KV cache")
         admitted = self.admit.admit(hashes)
         missing = self.index.missing(hashes)
-        if not missing:
-            res.skipped = "present"
-            done.set_result(res)
-            return done
-        start = end = missing[0]
+        start = end = missing[0] if missing else n
         while end < n and admitted[end]:
             end += 1
-        if end == start:
+        held = self._raw_bytes(n, keys)  # what the queued job keeps alive until its encode ends
+        if not missing:
+            res.skipped = "present"
+        elif end == start:
             res.skipped = "filtered"
             self.stats.offload_filtered += 1
-            done.set_result(res)
-            return done
-        held = self._raw_bytes(n, keys)  # what the queued job keeps alive until its encode ends
-        if not self.budget.take(held):
+        elif not self.budget.take(held):
             res.skipped = "queue_full"
             self.stats.offload_queue_full += 1
+        vote = None if self.agree is None else self._vote(hashes, start, end, res.skipped is None, keys)
+        if res.skipped is not None:
+            if vote is not None:  # the other ranks' encode of this save is collective: vote "no" in turn
+                return self._pool.submit(self._guarded, None, res, vote=vote)
             done.set_result(res)
             return done
         try:
@@ -173,9 +178,11 @@ class Offloader:
                 ready_event=ready_event,
                 tail=tail,
             )
-            return self._pool.submit(self._guarded, req, res, raw, held)
+            return self._pool.submit(self._guarded, req, res, raw, held, vote)
         except BaseException:
             self.budget.give(held)
+            if vote is not None:  # the other ranks still vote on this save: this rank's vote turns into "no"
+                self._pool.submit(self._guarded, None, res, vote=(*vote[:3], 0, *vote[4:]))
             raise
 
     def _raw_bytes(self, blocks: int, keys: torch.Tensor | None) -> int:
@@ -184,8 +191,31 @@ class Offloader:
         dtype = keys.dtype if keys is not None and not fp8_cache else self.kv.dtype
         return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
-    def _guarded(self, req: OffloadRequest, res: OffloadResult, raw: bool = False, held: int = 0) -> OffloadResult:
+    def _vote(self, hashes: Sequence[int], start: int, end: int, want: bool, keys: Any) -> tuple[int, ...]:
+        """This rank's vote on a save (see :attr:`agree`): (job number, blocks, first hash, want, start, end, ratio in
+        thousandths, raw)."""
+        self._votes += 1
+        host = self.placement.host
+        ratio = self.policy.choose(host.fill)
+        raw = self.cfg.ratio_policy == "raw" or (
+            self.cfg.ratio_policy == "raw_first"
+            and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
+        )
+        return (self._votes, len(hashes), hashes[0] & ((1 << 62) - 1), int(want), start, end, round(ratio * 1000), raw)
+
+    def _guarded(
+        self, req: OffloadRequest | None, res: OffloadResult, raw: bool = False, held: int = 0, vote: Any = None
+    ) -> OffloadResult:
         try:
+            if vote is not None:  # tensor parallel, joint codec: every rank encodes this save, or none does
+                agreed = self.agree(vote)
+                if req is None:
+                    return res
+                if agreed is None:
+                    res.skipped = "tp_disagreed"
+                    self.stats.offload_tp_disagreed += 1
+                    return res
+                req.ratio, raw = agreed
             self._run(req, res, raw)
         except KvtcError as e:
             log.warning("kvtc offload failed: %s", e)
@@ -196,7 +226,8 @@ class Offloader:
             self.stats.offload_errors["unexpected"] += 1
             res.skipped = f"error: {type(e).__name__}: {e}"
         finally:
-            req.keys = req.values = None  # the copies go now, not when the caller drops its Future
+            if req is not None:
+                req.keys = req.values = None  # the copies go now, not when the caller drops its Future
             self.budget.give(held)
         return res
 

@@ -24,6 +24,7 @@ class StoreStats:
     offload_stored_bytes: int = 0  # their blobs' bytes
     offload_raw: int = 0  # offloads stored uncompressed (``raw``/``raw_first`` ratio policies)
     offload_filtered: int = 0  # offloads the admission filter refused
+    offload_tp_disagreed: int = 0  # saves skipped on every TP rank: the ranks' votes differed (joint codec)
     offload_queue_full: int = 0  # saves skipped, nothing copied: the offload queue held its byte budget already
     offload_fused_batches: int = 0  # encodes that went through the fused CUDA path
     encode_seconds_x1e6: int = 0  # encode time, microseconds
@@ -66,9 +67,10 @@ class StoreStats:
 
     def faults(self) -> dict[str, int]:
         """Failures that cost a recompute or a lost cache entry, by reason: ``offload_error_<Error>``,
-        ``onboard_error_<Error>``, ``disk_write_error_<Error>``, ``offload_queue_full``, ``onboard_cancelled``
-        (``blobs_dropped`` is a field of its own)."""
-        out = {k: getattr(self, k) for k in ("offload_queue_full", "onboard_cancelled") if getattr(self, k)}
+        ``onboard_error_<Error>``, ``disk_write_error_<Error>``, ``offload_queue_full``, ``offload_tp_disagreed``,
+        ``onboard_cancelled`` (``blobs_dropped`` is a field of its own)."""
+        named = ("offload_queue_full", "offload_tp_disagreed", "onboard_cancelled")
+        out = {k: getattr(self, k) for k in named if getattr(self, k)}
         for prefix, errors in (
             ("offload_error_", self.offload_errors),
             ("onboard_error_", self.onboard_errors),

@@ -38,7 +38,7 @@ import torch
 
 from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
-from ..codec.factory import entropy_tag, make_codec
+from ..codec.factory import Shard, entropy_tag, make_codec
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
@@ -74,8 +74,12 @@ class KvtcStore:
         span_tokens: int = 1024,
         kv: PagedKV | None = None,
         disk: DiskTier | None = None,
+        shard: Shard | None = None,
     ) -> None:
+        """``shard``: one tensor-parallel rank of a JOINT calibration (its codecs are the row-sharded ones, whose
+        encodes are collective: see :mod:`dynamo_kvtc.connector.tensor_parallel`)."""
         self.cfg = config or TierConfig.from_env()
+        self.shard = shard
         self.cal = calibration
         self.device = torch.device(device)
         self.block_size = block_size
@@ -141,6 +145,7 @@ class KvtcStore:
                     window=self.cfg.window,
                     tag=self._tag(),
                     options=self.cfg.codec,
+                    shard=self.shard,
                 )
                 if self.kv is not None:
                     fp8.mark_kv_source(self._codecs[ratio], fp8.source_name(self.kv.dtype))
@@ -180,7 +185,8 @@ class KvtcStore:
         window = 16  # not the configured window (a lossless setting keeps ~everything raw): the coded path is the point
         n = -(-(cfg.sinks + cfg.min_tokens + window + 16) // self.block_size) * self.block_size
         gen = torch.Generator().manual_seed(0)
-        shape = (fp.num_layers, n, fp.num_kv_heads, fp.head_dim)
+        heads = fp.num_kv_heads if self.shard is None else codec.heads.stop - codec.heads.start  # a rank's own heads
+        shape = (fp.num_layers, n, heads, fp.head_dim)
         dtype = self.kv.value_dtype if self.kv is not None else torch.bfloat16
         k = torch.randn(shape, generator=gen).to(self.device, dtype)
         v = torch.randn(shape, generator=gen).to(self.device, dtype)
