@@ -22,11 +22,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODEL = "gemma3-270m"
 MAX_TOKENS = 4
-# The last 512 tokens of a blob stay raw: all a sliding layer holds (511), so what is coded is the full-attention
-# layers' older tokens (K through the 4x PCA plan, V int4, both nearly independent of this small calibration's size).
-# The sliding layers' PCA plan needs a calibration of ~16K tokens to keep a reply (docs/accuracy.md); one of 2K tokens
-# here (rel V error 0.2-0.3 on some sliding layers) changes this model's first token.
-WINDOW = 512
+# The connector's default raw window. Measured on this 2-core AVX2 machine: with this script's 2K-token calibration
+# (rel V error 0.2-0.3 on some sliding layers) the restored reply's first token differs from the recompute's (so the
+# test does not compare them yet); a 512-token or unbounded raw window ended in a load error (recomputed) here.
+WINDOW = 128
 
 
 def main(out: Path, tmp: Path) -> None:
@@ -105,6 +104,7 @@ def main(out: Path, tmp: Path) -> None:
         "first_restored": int(first.num_cached_tokens or 0),
         "restored_tokens": int(again.num_cached_tokens or 0),
         "restores": [{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in w.restores[n0:]],
+        "stats": {k: v for k, v in dict(w.stats).items() if isinstance(v, (int, float))},
         "first_tokens": list(first.outputs[0].token_ids),
         "tokens": a,
         "reference_tokens": b,
