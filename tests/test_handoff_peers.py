@@ -107,9 +107,52 @@ def test_a_released_lease_leaves_only_zeros_in_the_staging_arena():
         oa, ob = da[0] - arena.base, db[0] - arena.base
         assert bytes(arena.buf[oa : oa + len(a)].numpy()) == a
         arena.give("lease-a")
-        assert int(arena.buf[: ob].count_nonzero()) == 0  # lease a's extent (and the padding) is zeros
+        assert int(arena.buf[:ob].count_nonzero()) == 0  # lease a's extent (and the padding) is zeros
         assert bytes(arena.buf[ob : ob + len(b)].numpy()) == b  # the open lease is untouched
         arena.give("lease-b")
         assert int(arena.buf.count_nonzero()) == 0
     finally:
         arena.close()
+
+
+# ---------------------------------------------------------------------------------------------- trusted peers
+@pytest.mark.parametrize(
+    "host,peers,secret,ok",
+    [
+        ("10.0.0.2", "", False, False),  # no secret, no list: remote loads are off
+        ("127.0.0.1", "", False, True),  # ... except from loopback
+        ("[::1]", "", False, True),
+        ("localhost", "", False, True),
+        ("10.0.0.2", "", True, True),  # a secret: only holders can answer
+        ("10.0.0.2", "10.0.0.2, 10.0.0.3", False, True),  # listed: trusted without a secret
+        ("10.0.0.9", "10.0.0.2,10.0.0.3", True, False),  # the list restricts even with a secret
+        ("127.0.0.1", "10.0.0.2", False, False),  # ... and loopback too
+        ("10.0.0.9", "*", False, True),  # explicitly any host, unauthenticated
+    ],
+)
+def test_a_decode_worker_fetches_only_from_trusted_peers(host, peers, secret, ok, monkeypatch, tmp_path, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from dynamo_kvtc.connector.handoff import params
+    from dynamo_kvtc.connector.handoff.remote_prefill import REFUSED, RemotePrefill
+
+    key = tmp_path / "secret"
+    key.write_text("0123456789abcdef-shared")
+    cfg = ConnectorConfig(transfer="decode", transfer_peers=peers or None, transfer_secret_file=key if secret else None)
+    assert params.trusted(host, peers, secret) is ok
+    remote = RemotePrefill(cfg, "engine-d", BS, lambda: None)
+    p = {"do_remote_prefill": True, "kvtc_host": host, "kvtc_port": 5555, "kvtc_blocks": 4}
+    req = SimpleNamespace(request_id="r", kv_transfer_params=p, prompt_token_ids=list(range(100)))
+    before = params.REFUSED[params.UNTRUSTED]
+    with caplog.at_level(logging.WARNING, logger="dynamo_kvtc.connector.handoff.params"):
+        for _ in range(3):  # asked again every step: counted and logged once
+            assert remote.applies(req) is ok
+    assert params.REFUSED[params.UNTRUSTED] == before + (0 if ok else 1)
+    assert len(caplog.records) == (0 if ok else 1)
+    if ok:
+        assert remote.load(req, [1], [2]).remote == (host, 5555)
+    else:
+        assert p["kvtc_choice"] == REFUSED
+        with pytest.raises(ValueError):  # a caller that skips applies() still cannot build the fetch
+            remote.load(req, [1], [2])
