@@ -33,6 +33,7 @@ def poisoning_server(cfg: Any, store: Any, mode: str, device: Any = None) -> Any
     ever be indexed by the decode side."""
     from ..connector.handoff.messages import check_fetch, fetch_mem
     from ..connector.handoff.server import HandoffServer
+    from ..errors import TierError
 
     if mode not in POISON_MODES:
         raise ValueError(f"mode must be one of {POISON_MODES}")
@@ -43,7 +44,10 @@ def poisoning_server(cfg: Any, store: Any, mode: str, device: Any = None) -> Any
         def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
             hashes, peer, md = check_fetch(msg)
             mine = set(hashes)
-            other = next(m.hashes for m in self.store.index.metas() if not mine & set(m.hashes))
+            metas = self.store.index.metas()
+            if not metas:
+                raise TierError("the poisoning peer holds no blob")
+            other = min(metas, key=lambda m: len(mine & set(m.hashes))).hashes  # another prompt's blob
             reply = self._stage(list(other), peer, md, self.arena(fetch_mem(msg)))
             b = reply["blobs"][0]
             reply["blobs"] = [b]  # one blob claimed to cover every requested block
