@@ -156,3 +156,28 @@ def test_a_decode_worker_fetches_only_from_trusted_peers(host, peers, secret, ok
         assert p["kvtc_choice"] == REFUSED
         with pytest.raises(ValueError):  # a caller that skips applies() still cannot build the fetch
             remote.load(req, [1], [2])
+
+
+# ---------------------------------------------------------------------------------------------- chaos kinds
+def test_hostile_params_poisoning_and_slow_peers_cost_a_recompute_and_nothing_else(world):
+    """The chaos kinds of this file's faults at a small size: every hostile offer refused once, every poisoned or
+    stalled fetch a clean miss, nothing planted indexed, other fetches unaffected."""
+    from dynamo_kvtc.reliability.ledger import Ledger
+    from dynamo_kvtc.reliability.peer_faults import (
+        POISON_MODES,
+        scenario_hostile_params,
+        scenario_poisoning_peer,
+        scenario_slow_peer,
+    )
+
+    ledger = Ledger()
+    scenario_hostile_params(world, ledger, 40)
+    scenario_poisoning_peer(world, ledger, len(POISON_MODES))
+    scenario_slow_peer(world, ledger, 1)
+    assert ledger.problems == []
+    for kind in ("hostile_params", "poisoning_peer", "slow_peer"):
+        c = ledger.kinds[kind]
+        assert c["faults_injected"] > 0 and c["faults_detected"] == c["faults_injected"] == c["recomputes"], kind
+        assert c["wrong_kv_served"] == c["crashes"] == c["committed_blocks_lost"] == 0, kind
+    assert set(ledger.details["poisoning_peer"]) >= set(POISON_MODES)
+    assert ledger.details["slow_peer"]["other_fetch_ok_while_stalled"] == 1
