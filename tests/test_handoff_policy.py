@@ -107,7 +107,7 @@ def _remote(side, link=None, mode="policy", monkeypatch=None):
     from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
 
     monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", "compressed")  # the config holds the choice; nothing reads this
-    cfg = ConnectorConfig(transfer=side, transfer_port=5555, handoff_choice=mode)
+    cfg = ConnectorConfig(transfer=side, transfer_port=5555, handoff_choice=mode, transfer_peers="10.0.0.2")
     return RemotePrefill(cfg, "engine-a", 16, lambda: 5555, link=link, kv_bytes_per_token=NEMO_KV_PER_TOKEN)
 
 

@@ -59,7 +59,7 @@ class Blocks:
 
 def _decode(monkeypatch, lookup=None):
     monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", "compressed")
-    cfg = ConnectorConfig(transfer="decode")
+    cfg = ConnectorConfig(transfer="decode", transfer_peers="10.0.0.2")
     remote = RemotePrefill(cfg, "engine-d", BS, lambda: None)
     return KvtcScheduler(cfg, BS, lookup or Lookup(), remote)
 
@@ -160,7 +160,7 @@ def test_fuzzed_params_never_raise(p):
         assert isinstance(got.host, str) and 0 < len(got.host) <= params.MAX_HOST
         assert type(got.port) is int and 1 <= got.port <= 65535
         assert type(got.blocks) is int and 0 <= got.blocks <= messages.MAX_FETCH_BLOCKS
-    remote = RemotePrefill(ConnectorConfig(transfer="decode"), "e", BS, lambda: None)
+    remote = RemotePrefill(ConnectorConfig(transfer="decode", transfer_peers="10.0.0.2"), "e", BS, lambda: None)
     req = _req(dict(p) if isinstance(p, dict) else p)
     if remote.applies(req):
         assert got is not None
@@ -219,7 +219,7 @@ def test_a_promised_load_that_cannot_be_planned_fails_in_the_worker(remote, monk
     from dynamo_kvtc.tiers import KvtcStore, TierConfig
 
     monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", "compressed")
-    cfg = ConnectorConfig(transfer="decode")
+    cfg = ConnectorConfig(transfer="decode", transfer_peers="10.0.0.2")
     sched = FailingAlloc(cfg, BS, Lookup(), RemotePrefill(cfg, "d", BS, lambda: None))
     c = _connector(sched)
     req = _req(_offer() if remote else {}, "r")

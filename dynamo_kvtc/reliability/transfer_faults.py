@@ -29,15 +29,16 @@ def transfer_sequences(world: World, n: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def in_process_peers(world: World, device: Any = "cpu", server: Any = None, seqs: int = 3):
+def in_process_peers(world: World, device: Any = "cpu", server: Any = None, seqs: int = 3, timeout: float = 3.0):
     """A prefill store (``seqs`` transfer sequences offloaded) behind a hand-off server and a decode client, both in
     this process (staging and receive memory on ``device``); yields ``(server, client, sequences)``. ``server``
-    builds the server from ``(cfg, store, device=...)`` (default :class:`HandoffServer`; a liar for fault tests)."""
+    builds the server from ``(cfg, store, device=...)`` (default :class:`HandoffServer`; a liar for fault tests);
+    ``timeout``: both sides' transfer deadline."""
     from ..connector.config import ConnectorConfig, handoff_settings
     from ..connector.handoff.client import HandoffClient
     from ..connector.handoff.server import HandoffServer
 
-    cfg = ConnectorConfig(transfer_timeout_s=3.0, transfer_staging_mb=32, **handoff_settings())
+    cfg = ConnectorConfig(transfer_timeout_s=timeout, transfer_staging_mb=32, **handoff_settings())
     src = make_store(world, True, host=64 << 20)
     tokens = transfer_sequences(world, seqs)
     for toks in tokens:
@@ -335,8 +336,8 @@ def lying_server(cfg: Any, store: Any, lie: str, device: Any = None) -> Any:
         raise ValueError(f"lie must be one of {LIES + RANGE_LIES}")
 
     class LyingServer(HandoffServer):
-        def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
-            reply = super()._fetch(msg)
+        def _stage(self, *args: Any) -> dict[str, Any]:
+            reply = super()._stage(*args)
             b = reply["blobs"][0]
             if lie in RANGE_LIES:
                 _lie_about_ranges(reply["blobs"], lie)

@@ -146,6 +146,10 @@ SETTINGS: tuple[Setting, ...] = (
     _s("transfer_timeout_s", "float", 10, "control-channel and NIXL deadline", "connector", lo=0, lo_open=True),
     _s("transfer_staging_mb", "int", 256, "prefill side: NIXL-registered staging arena for the compressed hand-off, "
        "in MiB", "connector", lo=1, hi=1 << 20),
+    _s("transfer_peers", "str", None, "decode side: the prefill hosts it fetches from, comma-separated, as requests "
+       "name them in `kvtc_host` (`*`: any host). Unset: any host when the hand-off has a secret, else loopback "
+       "only. A request naming another host is not fetched (recompute), counted as `untrusted_peer`", "connector",
+       default_doc="unset (secret: any; none: loopback)"),
     # -- process-wide, environment only -----------------------------------------------------------------------------
     _s("transfer_secret_file", "path", None, "file holding the hand-off's shared secret (>= 16 bytes; a Kubernetes "
        "Secret): every control message and reply carries an HMAC-SHA256, replays are refused. Unset: "

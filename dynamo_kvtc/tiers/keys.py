@@ -34,7 +34,7 @@ from typing import Any
 
 import msgpack
 
-from ..codec.container import blob_keys, with_keys
+from ..codec.container import MAX_HEADER_BYTES, PREFIX, blob_keys, with_keys
 from ..errors import BlobKeyError
 
 KEY_BITS = 128
@@ -155,16 +155,35 @@ def keyed_blob(blob: bytes | memoryview, keys: Sequence[int]) -> bytes:
     return with_keys(blob, keys_to_bytes(keys))
 
 
+def _head(blob: Any) -> bytes | memoryview:
+    """The bytes of ``blob`` that hold its prefix and header: all of a landed host blob (no copy); of a blob still
+    landing (a peer's, range by range) or in device memory, only the prefix and header, once they landed."""
+    if not hasattr(blob, "host"):
+        return blob
+    if not (blob.arriving or blob.on_device):
+        return blob.host()
+
+    def read(n: int) -> bytes:
+        blob.wait_for(n)
+        mv = blob.host_view()
+        return bytes(mv[:n]) if mv is not None else blob.slice()[:n].cpu().numpy().tobytes()
+
+    n = min(len(blob), PREFIX.size)
+    hlen = PREFIX.unpack_from(read(n), 0)[3] if n == PREFIX.size else 0
+    return read(min(len(blob), PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1)))
+
+
 def check_blob_keys(blob: Any, first: int, wanted: Sequence[int]) -> None:
     """Raise :class:`~dynamo_kvtc.errors.BlobKeyError` unless blocks ``first .. first + len(wanted)`` of ``blob``
-    (bytes, or a host :class:`~dynamo_kvtc.codec.blob.BlobView`) carry exactly the keys ``wanted`` (its header's
-    ``keys`` field); a blob without keys is refused the same way. CorruptBlobError when the header does not parse."""
-    stored = blob_keys(blob.host() if hasattr(blob, "host") else blob)
+    (bytes, or a :class:`~dynamo_kvtc.codec.blob.BlobView`: host, device, or a peer's still landing — then only its
+    header is waited for) carry exactly the keys ``wanted`` (its header's ``keys`` field); a blob without keys is
+    refused the same way. CorruptBlobError when the header does not parse."""
+    stored = blob_keys(_head(blob))
     if stored is None:
         raise BlobKeyError("blob carries no block keys (written by an older version); refused")
     got = stored[first * KEY_BYTES : (first + len(wanted)) * KEY_BYTES]
     if got != keys_to_bytes(wanted):
         raise BlobKeyError(
-            f"blob holds other blocks than the {len(wanted)} requested at block {first} (a key collision or a wrong "
-            "index entry); refused"
+            f"blob holds other blocks than the {len(wanted)} requested at block {first} (a key collision, a wrong "
+            "index entry or a peer's reply naming blocks it does not hold); refused"
         )

@@ -315,6 +315,8 @@ class Restorer:
         covered = sum(r.count for r in runs)
         if covered != len(hashes):
             raise TierError(f"the source delivered {covered} of {len(hashes)} blocks")
+        for r in runs:  # a peer's blob must answer for the keys asked for (its header, the first range to land)
+            check_blob_keys(r.blob, r.first, hashes[r.at : r.at + r.count])
         handle.bytes_read += sum(len(r.blob) for r in runs)  # a peer's blob may still be landing: read where it is
         return runs
 

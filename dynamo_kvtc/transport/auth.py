@@ -21,7 +21,8 @@ from .channel import Auth
 log = logging.getLogger(__name__)
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``host`` is a loopback address (or ``localhost``)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -44,7 +45,7 @@ def channel_auth(secret_file: Path | None, secret: str | None, side: str, host: 
     ``side`` is the serving ("prefill") side and ``host`` is not loopback)."""
     secret = load_secret(secret_file, secret)
     if secret is None:
-        if side == "prefill" and not _loopback(host):
+        if side == "prefill" and not is_loopback(host):
             log.warning(
                 "kvtc hand-off on %s is unauthenticated: anything that reaches the port can ask for blobs; set "
                 "transfer_secret_file (a Kubernetes Secret) on both prefill and decode workers",

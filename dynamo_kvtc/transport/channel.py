@@ -9,10 +9,12 @@ Never pickle.
 
 The sockets are ZMQ (pyzmq, imported when the first socket is made):
 
-- :class:`RepServer` binds one REP socket, serves it from one daemon thread and answers every request with the
-  handler's reply; a request that fails to unpack or whose handler raises gets ``{"error": "..."}`` and is counted
-  (``refused``), and the server keeps serving. ``MAXMSGSIZE`` drops a peer that sends more than the limit before it is
-  buffered.
+- :class:`RepServer` binds one ROUTER socket (REQ clients talk to it as to a REP socket), serves it from one daemon
+  thread and answers every request with the handler's reply; a request that fails to unpack or whose handler raises
+  gets ``{"error": "..."}`` and is counted (``refused``), and the server keeps serving. A handler that cannot answer
+  yet returns a :class:`Deferred`: the request is parked (at most ``max_pending``; beyond, it is refused as busy)
+  and polled every few milliseconds while the thread goes on answering others, so one request waiting never holds
+  up the rest. ``MAXMSGSIZE`` drops a peer that sends more than the limit before it is buffered.
 - :class:`ReqClient` connects one REQ socket with send/receive deadlines. A socket that missed its reply is stuck in
   ZMQ's REQ state machine, so it is closed and made anew on the next call. An ``{"error": ...}`` reply raises.
 
@@ -241,14 +243,25 @@ def _socket(kind: str, limits: Limits, timeout_s: float | None = None):
     return sock
 
 
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+@dataclass(frozen=True)
+class Deferred:
+    """A handler's answer that is not ready yet: the server calls ``poll`` on its thread every few milliseconds until
+    it returns the reply (a map) or raises (the error reply); None means not yet. ``poll`` must keep its own
+    deadline."""
+
+    poll: Callable[[], dict[str, Any] | None]
+
+
+Handler = Callable[[dict[str, Any]], "dict[str, Any] | Deferred"]
+MAX_PENDING = 256  # requests parked on a Deferred at once; beyond, refused as busy
 
 
 class RepServer:
-    """One bound REP socket answered by one daemon thread.
+    """One bound ROUTER socket answered by one daemon thread, request by request (REQ clients see a REP server).
 
-    Owns the socket and the thread; it never lets a bad request stop the loop (the handler's exceptions become
-    ``{"error": ...}`` replies) and never unpacks without :class:`Limits`. ``endpoint`` is ``ipc://PATH``,
+    Owns the socket, the thread and the parked (:class:`Deferred`) requests; it never lets a bad request stop the loop
+    (the handler's exceptions become ``{"error": ...}`` replies), never lets a parked request hold up another, and
+    never unpacks without :class:`Limits`. ``endpoint`` is ``ipc://PATH``,
     ``tcp://HOST:PORT`` or ``tcp://HOST`` (a free port is picked; see :attr:`port`). ``tick`` runs about every 100 ms
     on the serving thread (expiry of leases and the like).
     """
@@ -262,8 +275,9 @@ class RepServer:
         name: str,
         tick: Callable[[], None] | None = None,
         auth: Auth | None = None,
+        max_pending: int = MAX_PENDING,
     ) -> None:
-        self._sock = _socket("REP", limits)
+        self._sock = _socket("ROUTER", limits)
         self.port: int | None = None
         try:
             if endpoint.startswith("tcp://") and endpoint.count(":") == 1:
@@ -284,9 +298,16 @@ class RepServer:
         self.auth = auth
         self._handle = handle
         self._tick = tick
+        self._pending: list[tuple[bytes, bytes | None, Deferred]] = []  # (peer identity, nonce, parked answer)
+        self.max_pending = max_pending
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Requests parked on a :class:`Deferred` now."""
+        return len(self._pending)
 
     def _serve(self) -> None:
         zmq = zmq_module()
@@ -295,12 +316,26 @@ class RepServer:
         while not self._stop.is_set():
             if self._tick is not None:
                 self._tick()
-            if not poller.poll(100):
+            self._poll_pending()
+            if not poller.poll(5 if self._pending else 100):
                 continue
-            self._sock.send(self._answer(self._sock.recv()))
+            frames = self._sock.recv_multipart()
+            if len(frames) != 3 or frames[1] != b"":  # not a REQ peer's envelope: nothing to answer
+                self.refused += 1
+                continue
+            self._answer(frames[0], frames[2])
 
-    def _answer(self, data: bytes) -> bytes:
-        nonce = None
+    def _send(self, ident: bytes, reply: dict[str, Any], nonce: bytes | None) -> None:
+        data = pack(reply) if nonce is None else self.auth.seal_reply(pack(reply), nonce)
+        self._sock.send_multipart([ident, b"", data])  # a peer gone meanwhile: ROUTER drops it
+
+    def _refuse(self, e: Exception) -> dict[str, Any]:
+        self.refused += 1
+        log.warning("%s request refused: %s", self.name, e)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+    def _answer(self, ident: bytes, data: bytes) -> None:
+        nonce = None  # unauthenticated channel, or a request that failed authentication: the reply is not sealed
         try:
             if self.auth is not None:
                 env = unpack(data, _envelope_limits(self.limits), what=f"{self.name} request")
@@ -310,14 +345,30 @@ class RepServer:
                     self.auth_refused += 1
                     raise
             reply = self._handle(unpack(data, self.limits, what=f"{self.name} request"))
+            if isinstance(reply, Deferred):
+                if len(self._pending) >= self.max_pending:
+                    raise TransferError(f"busy: {len(self._pending)} requests waiting")
+                self._pending.append((ident, nonce, reply))
+                return
             self.served += 1
         except Exception as e:
-            self.refused += 1
-            log.warning("%s request refused: %s", self.name, e)
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        if nonce is None:
-            return pack(reply)  # unauthenticated channel, or a request that failed authentication
-        return self.auth.seal_reply(pack(reply), nonce)
+            reply = self._refuse(e)
+        self._send(ident, reply, nonce)
+
+    def _poll_pending(self) -> None:
+        """Answer each parked request whose reply is ready (or whose poll raised); keep the others."""
+        keep = []
+        for ident, nonce, d in self._pending:
+            try:
+                reply = d.poll()
+                if reply is None:
+                    keep.append((ident, nonce, d))
+                    continue
+                self.served += 1
+            except Exception as e:
+                reply = self._refuse(e)
+            self._send(ident, reply, nonce)
+        self._pending = keep
 
     def close(self) -> None:
         self._stop.set()

@@ -90,13 +90,15 @@ class StagingArena:
     extents, one per open lease.
 
     Owns the buffer, its registration and the extent bookkeeping. It never frees the buffer while a lease holds an
-    extent of it and never hands out overlapping extents."""
+    extent of it, never hands out overlapping extents, and never leaves a released lease's bytes behind: the buffer
+    starts zeroed and each extent is zeroed when its lease is given back, so what a peer can READ through the
+    arena's registration is the blobs of leases open now and zeros (see docs/reliability.md, threat model)."""
 
     def __init__(self, agent: PeerAgent, nbytes: int, device: torch.device) -> None:
         self.agent = agent
         self.device = device
         self.mem, self.dev = mem_kind(device)
-        self.buf = torch.empty(_up(nbytes), dtype=torch.uint8, device=device)
+        self.buf = torch.zeros(_up(nbytes), dtype=torch.uint8, device=device)  # no stale process memory exposed
         self.base = self.buf.data_ptr()
         with agent.lock:
             self._reg = agent.agent.register_memory(self.buf)
@@ -129,6 +131,7 @@ class StagingArena:
         if got is None:
             return
         off, n = got
+        self.buf[off : off + n].zero_()  # a released lease's blobs are not readable through the registration
         i = bisect.bisect(self._free, (off, n))
         self._free.insert(i, (off, n))
         merged: list[tuple[int, int]] = []

@@ -11,6 +11,12 @@ Accepted: ``kvtc_host`` a non-empty string of at most 255 characters drawn from 
 (letters, digits, ``.-_:[]%``), ``kvtc_port`` an integer 1..65535 (not a bool, not a string), ``kvtc_blocks`` an
 integer 0..``MAX_FETCH_BLOCKS`` (the most one fetch may ask for; a larger offer would be refused by the peer anyway),
 and ``kv_transfer_params`` itself a map.
+
+Well-formed params still name a host of the client's choosing, and a hostile host could answer with KV of its choice
+(checked, but its own): :func:`trusted` says whether this decode worker fetches from it at all — a host on
+``transfer_peers``, or with that list empty any host when the hand-off is authenticated (a shared secret: only a
+holder of it can answer) and only loopback when it is not. A request naming any other host is refused the same way
+(``untrusted_peer``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ...transport.auth import is_loopback
 from .messages import MAX_FETCH_BLOCKS
 
 log = logging.getLogger(__name__)
@@ -28,6 +35,7 @@ log = logging.getLogger(__name__)
 MAX_HOST = 255
 HOST = re.compile(r"[A-Za-z0-9._:\[\]%-]{1,255}")
 REFUSED: Counter[str] = Counter()  # reason -> requests whose hand-off params were refused (process-wide)
+UNTRUSTED = "untrusted_peer"  # the REFUSED reason of well-formed params naming a host this worker does not fetch from
 
 
 @dataclass(frozen=True)
@@ -69,3 +77,23 @@ def parse(params: Any, request_id: Any = "?") -> HandoffParams | None:
         got,
     )
     return None
+
+
+def trusted(host: str, peers: str | None, authenticated: bool) -> bool:
+    """Whether a decode worker whose ``transfer_peers`` setting is ``peers`` fetches from ``host``: listed (``*``:
+    any host), or with no list, any host when the channel is ``authenticated`` (a secret), else only loopback."""
+    allowed = {p.strip() for p in (peers or "").split(",") if p.strip()}
+    if allowed:
+        return "*" in allowed or host in allowed
+    return authenticated or is_loopback(host.strip("[]"))
+
+
+def refuse_untrusted(host: str, request_id: Any = "?") -> None:
+    """Count and log (one warning line) a request naming a host this worker does not fetch from."""
+    REFUSED[UNTRUSTED] += 1
+    log.warning(
+        "kvtc: request %.64s names hand-off peer %.64s, which is not trusted here (transfer_peers, or a secret); "
+        "it is not fetched from a peer (recompute)",
+        str(request_id),
+        host,
+    )

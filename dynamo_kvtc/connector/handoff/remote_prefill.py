@@ -30,10 +30,10 @@ from ... import settings
 from ..config import ConnectorConfig
 from ..step_plan import LoadOp
 from .link_choice import COMPRESSED, RAW, LinkPolicy
-from .params import HandoffParams, check, parse
+from .params import HandoffParams, check, parse, refuse_untrusted, trusted
 
 log = logging.getLogger(__name__)
-REFUSED = "refused"  # kvtc_choice of a request whose hand-off params are malformed: never fetched from a peer
+REFUSED = "refused"  # kvtc_choice of a request whose hand-off params are malformed or untrusted: never fetched
 
 
 def _params_of(request: Any) -> dict[str, Any]:
@@ -68,14 +68,19 @@ class RemotePrefill:
             link = LinkPolicy.from_config(cfg, gpu=True)  # the decode side restores on its GPU
         self.link = link
         self.kv_bytes_per_token = kv_bytes_per_token
+        self._authenticated = cfg.transfer_secret_file is not None or bool(cfg.transfer_secret)
 
     def applies(self, request: Any) -> bool:
         """Decode side: this request's prompt KV is to be fetched, compressed, from a prefill peer."""
         p = _params_of(request)
         if not (self.cfg.transfer == "decode" and bool(p.get("do_remote_prefill")) and "kvtc_port" in p):
             return False
-        hp = None if p.get("kvtc_choice") == REFUSED else parse(p, getattr(request, "request_id", "?"))
-        if hp is None:  # malformed (counted and logged once): the local tiers or a recompute, never an exception
+        rid = getattr(request, "request_id", "?")
+        hp = None if p.get("kvtc_choice") == REFUSED else parse(p, rid)
+        if hp is not None and not trusted(hp.host, self.cfg.transfer_peers, self._authenticated):
+            refuse_untrusted(hp.host, rid)
+            hp = None
+        if hp is None:  # malformed or untrusted (counted, logged once): the local tiers or a recompute, never raises
             p["kvtc_choice"] = REFUSED
             return False
         if "kvtc_choice" not in p:
@@ -115,8 +120,8 @@ class RemotePrefill:
         """The fetch-and-restore of ``hashes`` into ``block_ids``; consumes the request's remote-prefill flag so a
         preemption later recomputes instead of fetching again."""
         p, hp = request.kv_transfer_params, check(_params_of(request))
-        if not isinstance(hp, HandoffParams):  # applies() refused these already: not reached
-            raise ValueError(f"request {request.request_id}: malformed hand-off params ({hp})")
+        if not isinstance(hp, HandoffParams) or not trusted(hp.host, self.cfg.transfer_peers, self._authenticated):
+            raise ValueError(f"request {request.request_id}: malformed or untrusted hand-off params")  # not reached
         op = LoadOp(request.request_id, hashes, block_ids, True, remote=(hp.host, hp.port))
         p["do_remote_prefill"] = False
         return op

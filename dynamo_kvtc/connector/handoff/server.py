@@ -1,9 +1,10 @@
 """Prefill side of the hand-off: serves a worker's compressed blobs to decode workers over NIXL.
 
-A ``fetch`` names blocks by sequence hash; the server waits (up to half the transfer deadline) for the prompt's encode
-to land in the store, copies the covering blobs (from the host tier's pinned pages in place, under a lease) back to
-back into one contiguous extent of a staging arena registered
-with NIXL once (:class:`StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
+A ``fetch`` names blocks by sequence hash; when the prompt's encode has not landed in the store yet the fetch is
+parked (:class:`~dynamo_kvtc.transport.channel.Deferred`, up to half the transfer deadline, then refused) and the
+serving thread goes on answering other peers, releases and expiry meanwhile. It copies the covering blobs (from the
+host tier's pinned pages in place, under a lease) back to back into one contiguous extent of a staging arena
+registered with NIXL once (:class:`StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
 host memory otherwise), and replies with its agent metadata, the arena's memory type, one descriptor per blob and
 where each blob's layer groups end (the decode side READs group by group) under a lease. The decode side READs
 them and sends ``release``; a lease that is never released expires after four deadlines.
@@ -21,7 +22,7 @@ import torch
 from ...codec.blob import BlobView
 from ...errors import TierError
 from ...transport.auth import channel_auth
-from ...transport.channel import RepServer
+from ...transport.channel import Deferred, RepServer
 from ...transport.nixl_io import PeerAgent
 from ...transport.staging import StagingArena, memory_device
 from ..config import ConnectorConfig
@@ -98,17 +99,26 @@ class HandoffServer:
             return {"ok": self._release(str(msg.get("lease", "")), str(msg.get("agent", "")))}
         raise TierError(f"unknown op {op!r}")
 
-    def _wait_stored(self, hashes: list[int]) -> None:
-        deadline = time.monotonic() + self.cfg.transfer_timeout_s / 2
-        while self.store.match(hashes) < len(hashes):  # the prompt's encode may still be running
-            if time.monotonic() > deadline:
-                raise TierError(f"only {self.store.match(hashes)} of {len(hashes)} blocks are stored here")
-            time.sleep(0.005)
-
-    def _fetch(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _fetch(self, msg: dict[str, Any]) -> dict[str, Any] | Deferred:
+        """Stage the blobs now when every block is stored, else park the fetch until they are (or half the transfer
+        deadline passed: refused, the decode side recomputes)."""
         hashes, peer, md = check_fetch(msg)
         arena = self.arena(fetch_mem(msg))
-        self._wait_stored(hashes)
+        if self.store.match(hashes) >= len(hashes):
+            return self._stage(hashes, peer, md, arena)
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s / 2
+
+        def ready() -> dict[str, Any] | None:
+            stored = self.store.match(hashes)  # the prompt's encode may still be running
+            if stored >= len(hashes):
+                return self._stage(hashes, peer, md, arena)
+            if time.monotonic() > deadline:
+                raise TierError(f"only {stored} of {len(hashes)} blocks are stored here")
+            return None
+
+        return Deferred(ready)
+
+    def _stage(self, hashes: list[int], peer: str, md: bytes, arena: StagingArena) -> dict[str, Any]:
         runs, held = self.store.export(hashes, lease=True)
         lease = secrets.token_hex(16)  # unguessable; bound to the fetching peer below
         try:
