@@ -219,7 +219,11 @@ def test_decode_side_link_estimate_takes_ratio_auto():
     from dynamo_kvtc.tiers.config import TierConfig
 
     cfg = ConnectorConfig(
-        tiers=TierConfig(ratio="auto"), transfer="decode", transfer_port=5555, handoff_choice="policy"
+        tiers=TierConfig(ratio="auto"),
+        transfer="decode",
+        transfer_port=5555,
+        handoff_choice="policy",
+        transfer_peers="10.0.0.2",  # the prefill host named below is trusted (decode workers fetch only from those)
     )
     rp = RemotePrefill(cfg, "engine-a", 16, lambda: 5555, link=LinkPolicy(100, 50), kv_bytes_per_token=160 * 1024)
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "remote_engine_id": "p", "remote_host": "h",
