@@ -134,6 +134,28 @@ def test_cpu_layout_with_the_kernel_element_order():
         PagedKV(caches, "cpu", bs, k_offsets=torch.zeros(bs * D, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("H,bs,D", [(3, 32, 64), (1, 32, 256), (2, 16, 128)])
+def test_probe_learns_the_kernel_element_order_for_every_head_size(H, bs, D):
+    """vLLM's own CPU cache kernel writes random K/V into a paged cache; the probed offsets read them back exactly,
+    head_dim 256 (Gemma-3) included: read as the plain layout, its keys would come out transposed per block."""
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from dynamo_kvtc.tiers.layout import probe_cpu_offsets
+
+    cache = torch.zeros(3, H, bs, 2 * D, dtype=torch.bfloat16)
+    offsets = probe_cpu_offsets(cache, bs)
+    assert offsets is not None
+    k = torch.randn(2 * bs, H, D).to(torch.bfloat16)
+    v = torch.randn(2 * bs, H, D).to(torch.bfloat16)
+    kc, vc = cache.view(3, H, 2 * bs, D).chunk(2, dim=2)
+    slots = torch.cat([torch.arange(2 * bs, 3 * bs), torch.arange(0, bs)])  # blocks 2, then 0
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, _get_attn_isa(torch.bfloat16, bs, D, "auto"))
+    got_k, got_v = PagedKV([cache], "cpu", bs, k_offsets=offsets[0], v_offsets=offsets[1]).gather([2, 0])
+    assert torch.equal(got_k[0], k) and torch.equal(got_v[0], v)
+
+
 # ---------------------------------------------------------------------------------------------- services
 def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
     import urllib.error

@@ -146,8 +146,7 @@ def cpu_offsets(num_heads: int, block_size: int, head_dim: int, dtype: torch.dty
     """Element order of vLLM's CPU attention kernel inside a block (None: plain ``[block_size, D]`` halves)."""
     from ..tiers.layout import probe_cpu_offsets
 
-    try:
+    try:  # None only when vLLM's kernel is not importable (then the plain layout is what is there)
         return probe_cpu_offsets(torch.empty(1, num_heads, block_size, 2 * head_dim, dtype=dtype), block_size)
-    except Exception as e:  # the kernel is not there: the plain layout
-        log.warning("kvtc tier: CPU attention layout probe failed (%s); assuming plain [block_size, D] halves", e)
-        return None
+    except Exception as e:  # read as the plain layout, keys would come out scrambled: refuse instead
+        raise ConfigError(f"kvtc tier: cannot learn the element order of vLLM's CPU KV cache ({e})") from e

@@ -273,9 +273,8 @@ class KvtcConnector(KVConnectorBase_V1):
             return None  # not the CPU layout, or a cache the worker refuses (FP8): nothing to probe
         try:
             return probe_cpu_offsets(first, self.block_size, str(self._vllm_config.cache_config.cache_dtype))
-        except Exception as e:
-            log.warning("kvtc: probing the CPU KV layout failed (%s); using the plain layout", e)
-            return None
+        except Exception as e:  # noqa: BLE001 - the worker refuses the cache with this reason (never reads it as plain)
+            return e
 
     def _plan(self) -> StepPlan | None:
         if not self.has_connector_metadata():

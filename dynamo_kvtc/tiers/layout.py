@@ -225,10 +225,18 @@ def mla_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[:, :, None, half:], cache[:, :, None, :half]
 
 
+PROBE_BASE = 16  # digit size of the probe: 1..16 are exact in every cache dtype the kernel writes (bf16, fp16, e4m3)
+
+
 def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str = "auto"):
     """Learn where vLLM's CPU attention kernel puts each (token, dim) element of a block's K and V halves, by writing
     token and dim indices through the kernel itself into a scratch block. Returns (k_offsets, v_offsets) for
-    :class:`PagedKV`, or None when the kernel is unavailable (the plain layout is used)."""
+    :class:`PagedKV`, or None when vLLM's kernel is not importable (the plain layout is then what is there).
+
+    Indices are written one base-:data:`PROBE_BASE` digit per pass, so the probe is exact for any block size and
+    head size (Gemma's head_dim 256 included) whatever the cache dtype rounds. A kernel whose writes cannot be read
+    back as a permutation raises :class:`ConfigError`: reading its cache as the plain layout would hand the codec
+    scrambled keys (a raw round trip would still look exact; a compressed one would not)."""
     try:
         from vllm import _custom_ops as ops
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -236,25 +244,40 @@ def probe_cpu_offsets(kv_cache: torch.Tensor, block_size: int, cache_dtype: str 
         return None
     _, H, bs, d2 = kv_cache.shape
     D = d2 // 2
-    if bs * D > 4096 * 256 or max(bs, D) >= 256:  # indices must stay exact in 16-bit floats
-        return None
     isa = _get_attn_isa(kv_cache.dtype, block_size, D, cache_dtype)
-    found = []
-    for which in ("token", "dim"):
-        scratch = torch.zeros(1, H, bs, d2, dtype=kv_cache.dtype)
-        kc, vc = scratch.view(1, H, 2 * bs, D).chunk(2, dim=2)
-        idx = torch.arange(bs)[:, None, None] if which == "token" else torch.arange(D)[None, None, :]
-        x = (idx + 1).expand(bs, H, D).to(kv_cache.dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
-        found.append(scratch.view(H, 2 * bs * D)[0].to(torch.int64) - 1)
-    tok, dim = found
+
+    def written(idx: torch.Tensor) -> torch.Tensor:
+        """The index written at every element of the slab, read back digit by digit (-1 where nothing landed)."""
+        total = torch.zeros(2 * bs * D, dtype=torch.int64)
+        scale, top = 1, int(idx.max()) + 1
+        while scale < top or scale == 1:
+            scratch = torch.zeros(1, H, bs, d2, dtype=kv_cache.dtype)
+            kc, vc = scratch.view(1, H, 2 * bs, D).chunk(2, dim=2)
+            x = ((idx // scale) % PROBE_BASE + 1).expand(bs, H, D).to(kv_cache.dtype).contiguous()
+            ops.cpu_attn_reshape_and_cache(x, x, kc, vc, torch.arange(bs, dtype=torch.int64), isa)
+            digit = scratch.view(H, 2 * bs * D)[0].float().round().to(torch.int64) - 1
+            if (digit < 0).any():
+                return digit  # a hole: nothing was written there
+            total += digit * scale
+            scale *= PROBE_BASE
+        return total
+
+    tok = written(torch.arange(bs)[:, None, None])
+    dim = written(torch.arange(D)[None, None, :])
     half = bs * D
     out = []
     for lo in (0, half):
         t, d = tok[lo : lo + half], dim[lo : lo + half]
-        if (t < 0).any() or (d < 0).any():
-            return None  # the kernel left holes: not a layout we understand
+        if (t < 0).any() or (d < 0).any() or (t >= bs).any() or (d >= D).any():
+            raise ConfigError(
+                f"vLLM's CPU cache kernel ({isa}) left a layout this connector cannot read (block {bs}, head {D})"
+            )
+        flat = t * D + d
+        if torch.unique(flat).numel() != half:
+            raise ConfigError(
+                f"vLLM's CPU cache kernel ({isa}) wrote a block {bs} x head {D} slab that is not a permutation"
+            )
         offsets = torch.empty(half, dtype=torch.int64)
-        offsets[t * D + d] = torch.arange(half)
+        offsets[flat] = torch.arange(half)
         out.append(offsets)
     return out[0], out[1]
