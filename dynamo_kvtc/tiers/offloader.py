@@ -159,17 +159,13 @@ class Offloader:
                 keys, values, ready_event = copy()
                 if keys.shape[1] != n * bs or values.shape != keys.shape:
                     raise TierError(f"copied keys/values must be [L, {n * bs}, H, D], got {tuple(keys.shape)}")
-            host = self.placement.host
-            raw = self.cfg.ratio_policy == "raw" or (
-                self.cfg.ratio_policy == "raw_first"
-                and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
-            )
+            ratio, raw = self._choice(start, end, keys)
             req = OffloadRequest(
                 hashes,
                 token_ids,
                 start,
                 end,
-                self.policy.choose(host.fill),
+                ratio,
                 first_block=first_block,
                 parent=parent,
                 keys=keys,
@@ -191,16 +187,21 @@ class Offloader:
         dtype = keys.dtype if keys is not None and not fp8_cache else self.kv.dtype
         return blocks * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
 
-    def _vote(self, hashes: Sequence[int], start: int, end: int, want: bool, keys: Any) -> tuple[int, ...]:
-        """This rank's vote on a save (see :attr:`agree`): (job number, blocks, first hash, want, start, end, ratio in
-        thousandths, raw)."""
-        self._votes += 1
+    def _choice(self, start: int, end: int, keys: Any) -> tuple[float, bool]:
+        """(ratio, raw) for blocks ``start:end`` of a save: the policy's ratio at the host tier's fill, and whether
+        ``ratio_policy`` stores them raw."""
         host = self.placement.host
-        ratio = self.policy.choose(host.fill)
         raw = self.cfg.ratio_policy == "raw" or (
             self.cfg.ratio_policy == "raw_first"
             and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))
         )
+        return self.policy.choose(host.fill), raw
+
+    def _vote(self, hashes: Sequence[int], start: int, end: int, want: bool, keys: Any) -> tuple[int, ...]:
+        """This rank's vote on a save (see :attr:`agree`): (job number, blocks, first hash, want, start, end, ratio in
+        thousandths, raw)."""
+        self._votes += 1
+        ratio, raw = self._choice(start, end, keys)
         return (self._votes, len(hashes), hashes[0] & ((1 << 62) - 1), int(want), start, end, round(ratio * 1000), raw)
 
     def _guarded(
