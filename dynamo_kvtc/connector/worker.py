@@ -213,7 +213,7 @@ class KvtcWorker:
             layout = detect_layout(tensors[0], self.num_blocks, mla=is_mla(self.hf_config))
             if isinstance(offsets, Exception) and layout == "cpu":  # read as the plain layout, keys come out scrambled
                 raise TierError(f"cannot learn the element order of this CPU KV cache: {offsets}")
-            ko, vo = offsets if isinstance(offsets, tuple) and layout == "cpu" else (None, None)
+            ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
             ks = vs = None
             if kv_format(self.kv_cache_dtype) is not None:
                 if layout == "cpu" and offsets is None:
