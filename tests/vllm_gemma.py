@@ -24,7 +24,9 @@ MODEL = "gemma3-270m"
 MAX_TOKENS = 4
 # The connector's default raw window. With it the restored reply agrees with the recompute (4 of 4 tokens on this
 # 2-core AVX2 machine once the CPU layout probe read head_dim 256 correctly; before, keys reached the codec transposed
-# per block). A 512-token or unbounded raw window ended in a load error (recomputed) here: not investigated yet.
+# per block). With a 512-token or unbounded raw window the 1408-token prompt is one blob, and the repeat (matched one
+# block short: the engine computes the last token) would stop inside it, where its sliding layers lack tokens: the
+# lookup promises nothing then (a miss; test_store_promises_only_what_sliding_layers_can_restore), so 128 it is here.
 WINDOW = 128
 
 

@@ -216,9 +216,31 @@ class KvtcStore:
         return self.index.match(hashes)
 
     def match_tiers(self, hashes: Sequence[int]) -> tuple[int, int]:
-        """(leading blocks held by either tier, leading blocks held in host memory)."""
+        """(leading blocks either tier can restore, leading blocks of those held in host memory)."""
         host = self.host
-        return self.index.match_tiers(hashes, host.__contains__)
+        n, n_host = self.index.match_tiers(hashes, host.__contains__)
+        held = min((g.tokens for g in self.cal.groups if g.tokens), default=0)
+        if held:
+            n = self._restorable(hashes, n, held)
+        return n, min(n_host, n)
+
+    def _restorable(self, hashes: Sequence[int], n: int, held: int) -> int:
+        """The leading blocks of ``hashes[:n]`` a restore can serve when sliding-window layers hold only a blob's last
+        ``held`` tokens: a blob's run that stops before the blob's end must start inside what every layer holds
+        (codec/base.py refuses it otherwise); else the match ends where the run begins (an earlier blob's end)."""
+        while n > 0:
+            e = self.index.locate(hashes[n - 1])
+            meta = None if e is None else self.index.meta(e[0])
+            if meta is None:
+                return n  # gone since the match: the restore finds the miss and counts it
+            j = n - 1  # the run of this blob in hashes[:n] starts at j (consecutive blocks, as index.plan cuts runs)
+            while j > 0 and self.index.locate(hashes[j - 1]) == (e[0], e[1] - (n - j)):
+                j -= 1
+            first = e[1] - (n - 1 - j)
+            if e[1] + 1 == len(meta.hashes) or first * meta.block_size >= len(meta.hashes) * meta.block_size - held:
+                return n
+            n = j
+        return 0
 
     def where(self, h: int) -> str | None:
         """The tier holding block ``h``: "host", "disk" or None."""

@@ -51,6 +51,8 @@ def main():
         from transformers import AutoTokenizer
 
         ids = AutoTokenizer.from_pretrained(model)(f"{doc}\n\nIn one sentence, the essay above is about")["input_ids"]
+        if os.environ.get("PROBE_ALIGN"):  # a whole number of 32-token blocks: the repeat is matched one block short
+            ids = ids[: len(ids) // 32 * 32]
         prompt = {"prompt_token_ids": ids}
         w = worker_of(llm)
         sp = SamplingParams(temperature=0.0, max_tokens=16)
@@ -69,10 +71,15 @@ def main():
             restores=[{k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in w.restores[n0:]],
             reply=o2.outputs[0].text,
             reference=ref.outputs[0].text,
+            first_tokens=list(o1.outputs[0].token_ids),
+            tokens=a,
+            reference_tokens=b,
+            agree_tokens=sum(x == y for x, y in zip(a, b)),
             same_leading_tokens=next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))),
         )
         try:
             res["stats"] = {k: v for k, v in vars(w.store.stats).items() if isinstance(v, (int, float)) and v}
+            res["connector_stats"] = {k: v for k, v in dict(w.stats).items() if isinstance(v, (int, float)) and v}
         except Exception as e:
             res["stats_error"] = repr(e)
     except BaseException as e:
