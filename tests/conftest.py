@@ -22,6 +22,7 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
     "UCX_NET_DEVICES": "lo",
+    "DYN_KVTC_NIXL_PROGRESS_US": "100",  # NIXL agents' progress threads sleep between polls: no busy core on 2 cores
 }
 
 L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synthetic KV

@@ -72,8 +72,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 class RawPeer:
     """The raw path's decode side: one NIXL agent and registered destination K/V, READ per layer like NixlConnector."""
 
-    def __init__(self, backend: str, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float) -> None:
-        self.agent = PeerAgent(backend, "kvtc-bench-raw-decode")
+    def __init__(
+        self, backend: str, port: int, dst_k: torch.Tensor, dst_v: torch.Tensor, timeout_s: float, progress_us: int = 0
+    ) -> None:
+        self.agent = PeerAgent(backend, "kvtc-bench-raw-decode", progress_us=progress_us)
         self.dst_k, self.dst_v, self.timeout_s = dst_k, dst_v, timeout_s
         ch = ReqClient(f"tcp://127.0.0.1:{port}", RAW_LIMITS, timeout_s, name="raw prefill peer")
         try:
@@ -386,7 +388,7 @@ def _one(shape: str, tokens: int, args, cal_path: Path, work: Path) -> list[dict
         err = {"rel_err_k": _rel(k_got, k_ref), "rel_err_v": _rel(v_got, v_ref)}
         del k_got, v_got
         raw_peer = RawPeer(cfg.nixl_backend, pre["raw_port"], torch.empty_like(k_ref), torch.empty_like(v_ref),
-                           args.timeout)  # fmt: skip
+                           args.timeout, cfg.nixl_progress_us)  # fmt: skip
         raw_peer.pull(None)
         err["raw_bit_exact"] = bool(torch.equal(raw_peer.dst_k, k_ref) and torch.equal(raw_peer.dst_v, v_ref))
         del k_ref, v_ref

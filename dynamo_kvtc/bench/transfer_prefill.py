@@ -122,7 +122,7 @@ def serve(cal_path: str, tokens: int, device: str, ratio: float, port_file: str)
         raise TransferError(f"prefill side stored {res.stored_blocks} of {tokens // BS} blocks: {res.skipped}")
     staging_mb = max(cfg.transfer_staging_mb, 2 * (res.stored_bytes >> 20) + 64)  # room for two fetches in flight
     server = HandoffServer(dataclasses.replace(cfg, transfer_staging_mb=staging_mb), store)
-    raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw")
+    raw_agent = PeerAgent(cfg.nixl_backend, "kvtc-bench-raw", progress_us=cfg.nixl_progress_us)
     regs = [raw_agent.agent.register_memory(k), raw_agent.agent.register_memory(v)]
     mem = "VRAM" if dev.type == "cuda" else "DRAM"
 

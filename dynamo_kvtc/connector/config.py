@@ -3,12 +3,12 @@ variables.
 
 The keys, variables, types, bounds and defaults are the ``tier`` and ``connector`` rows of
 :data:`dynamo_kvtc.settings.SETTINGS`, plus the process-wide knobs the connector passes down (the hand-off's:
-``handoff_choice``, ``handoff_memory``, ``link_gbps``, ``handoff_restore_gbs``, ``transfer_secret``; the tiers':
-codec options and ``codec_sms``); the reference table is docs/configuration.md, generated from it. The extra config
-wins over the environment (process-wide knobs are environment only: the extra config refuses them); everything is
-parsed once, at start-up, by :func:`dynamo_kvtc.settings.resolve` with errors that name the key or variable, and an
-unknown ``DYN_KVTC_*`` variable is warned about. Tier sizes, policy and codec options become the
-:class:`~dynamo_kvtc.tiers.config.TierConfig`; the rest belong to the connector.
+``handoff_choice``, ``handoff_memory``, ``link_gbps``, ``handoff_restore_gbs``, ``nixl_progress_us``,
+``transfer_secret``; the tiers': codec options and ``codec_sms``); the reference table is docs/configuration.md,
+generated from it. The extra config wins over the environment (process-wide knobs are environment only: the extra
+config refuses them); everything is parsed once, at start-up, by :func:`dynamo_kvtc.settings.resolve` with errors that
+name the key or variable, and an unknown ``DYN_KVTC_*`` variable is warned about. Tier sizes, policy and codec options
+become the :class:`~dynamo_kvtc.tiers.config.TierConfig`; the rest belong to the connector.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from ..tiers.config import TierConfig
 
 TRANSFER_MODES = settings.BY_KEY["transfer"].choices  # "" (off), "prefill", "decode"
 LOAD_FAILURE_POLICIES = settings.BY_KEY["load_failure_policy"].choices
-HANDOFF_KEYS = ("handoff_choice", "handoff_memory", "link_gbps", "handoff_restore_gbs", "transfer_secret")
+HANDOFF_KEYS = (
+    "handoff_choice", "handoff_memory", "link_gbps", "handoff_restore_gbs", "nixl_progress_us", "transfer_secret"
+)
 _d = settings.default  # field defaults are the table's
 
 
@@ -61,6 +63,7 @@ class ConnectorConfig:
     handoff_memory: str = _d("handoff_memory")  # auto | host | device: where staging and receive buffers live
     link_gbps: float = _d("link_gbps")  # 0: learned per peer
     handoff_restore_gbs: float = _d("handoff_restore_gbs")  # 0: learned from restores
+    nixl_progress_us: int = _d("nixl_progress_us")  # 0: NIXL's never-sleeping progress thread
     transfer_secret: str | None = field(default=_d("transfer_secret"), repr=False)  # never logged
 
     def __post_init__(self) -> None:

@@ -156,6 +156,11 @@ SETTINGS: tuple[Setting, ...] = (
        "`DYN_KVTC_TRANSFER_SECRET`, else unauthenticated", "connector", default_doc="unset"),
     _s("transfer_secret", "str", None, "the hand-off's shared secret itself (environment only, never in "
        "kv_connector_extra_config; `transfer_secret_file` wins)", "process", read_by=RB_CONN, default_doc="unset"),
+    _s("nixl_progress_us", "int", 0, "hand-off: how long each NIXL agent's progress thread may wait between polls, "
+       "in microseconds. 0 is NIXL's own default, a thread that never sleeps: one busy CPU core per agent (a prefill "
+       "or decode worker has one) for the engine's lifetime. On CPU-limited pods set 100: idle, the thread then "
+       "uses ~2% of a core; a transfer step may wait up to that long (not measured on GPUs)", "process",
+       read_by=RB_CONN, lo=0, hi=1_000_000),
     _s("link_gbps", "float", 0, "hand-off: the prefill<->decode link rate in Gbit/s for the raw-vs-compressed "
        "choice (0: learned per peer from the transfers themselves)", "process", read_by=RB_CONN, lo=0,
        default_doc="0 (learn)"),

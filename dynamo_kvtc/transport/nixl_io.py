@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -53,6 +54,40 @@ def import_nixl():
             raise ConfigError("NIXL is not installed: pip install --no-deps nixl-cu13==1.5.1") from e
     errors = tuple(getattr(_bindings, n) for n in dir(_bindings) if n.endswith("Error"))
     return nixl_agent, nixl_agent_config, errors
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+def new_agent(name: str, backends: Sequence[str], progress_us: int = 0):
+    """A NIXL agent named ``name`` with ``backends``. ``progress_us`` > 0: its progress thread waits up to that many
+    microseconds between polls of the backend. NIXL's Python wrapper always asks for 0, a thread that never sleeps
+    (one busy core per UCX agent for as long as it lives); the wrapper has no option for it, so its config class is
+    swapped for one that keeps ``progress_us`` while the agent is built (under a lock; nothing else changes)."""
+    nixl_agent, nixl_agent_config, errors = import_nixl()
+    cfg = nixl_agent_config(backends=list(backends))
+    if progress_us <= 0:
+        return nixl_agent(name, cfg)
+    api = sys.modules[nixl_agent.__module__]
+    bind = api.nixlBind
+    base = bind.nixlAgentConfig
+
+    class _Delayed(base):  # the wrapper writes pthrDelay = 0 after building the config: that write keeps ours
+        pthrDelay = property(lambda self: base.pthrDelay.__get__(self),
+                             lambda self, _v: base.pthrDelay.__set__(self, int(progress_us)))
+
+    class _Bind:  # the bindings module with the config class replaced
+        nixlAgentConfig = _Delayed
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bind, attr)
+
+    with _AGENT_LOCK:
+        api.nixlBind = _Bind()
+        try:
+            return nixl_agent(name, cfg)
+        finally:
+            api.nixlBind = bind
 
 
 QUARANTINE_CAP_BYTES = 1 << 30
@@ -372,13 +407,14 @@ class PeerAgent:
     Owns the agent; ``lock`` serialises its use (NIXL agents are not thread-safe; call :meth:`add_remote` and
     :meth:`forget` with it held). A peer's metadata is loaded once and must name the agent the peer says it is
     (metadata naming another, unknown agent is unloaded again); at most ``max_remotes`` are kept loaded, the least
-    recently used unloaded first (every new peer, e.g. each restart of a prefill worker, is a new agent name)."""
+    recently used unloaded first (every new peer, e.g. each restart of a prefill worker, is a new agent name).
+    ``progress_us``: how long the agent's progress thread may wait between polls (:func:`new_agent`)."""
 
-    def __init__(self, backend: str, prefix: str, max_remotes: int = MAX_REMOTES) -> None:
-        nixl_agent, nixl_agent_config, self.errors = import_nixl()
+    def __init__(self, backend: str, prefix: str, max_remotes: int = MAX_REMOTES, progress_us: int = 0) -> None:
+        self.errors = import_nixl()[2]
         self.name = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=[backend]))
+            self.agent = new_agent(self.name, [backend], progress_us)
         except self.errors + (RuntimeError,) as e:
             raise TransferError(f"NIXL {backend} backend unavailable: {type(e).__name__}: {e}") from e
         self._remotes: OrderedDict[str, None] = OrderedDict()

@@ -76,7 +76,7 @@ class HandoffClient:
         self.auth = channel_auth(
             cfg.transfer_secret_file, cfg.transfer_secret, cfg.transfer, cfg.transfer_host
         )  # before the agent: a bad secret is a ConfigError at start-up
-        self.agent = PeerAgent(cfg.nixl_backend, "kvtc-decode")
+        self.agent = PeerAgent(cfg.nixl_backend, "kvtc-decode", progress_us=cfg.nixl_progress_us)
         self.device = memory_device(device, cfg.handoff_memory)
         self.recv = RecvBuffer(self.agent, self.device)
         self.link = link if link is not None else LinkPolicy.from_config(cfg, gpu=self.device.type == "cuda")

@@ -43,7 +43,7 @@ class HandoffServer:
     def __init__(self, cfg: ConnectorConfig, store: Any, device: Any = None) -> None:
         self.cfg = cfg
         self.store = store
-        self.agent = PeerAgent(cfg.nixl_backend, "kvtc-prefill")
+        self.agent = PeerAgent(cfg.nixl_backend, "kvtc-prefill", progress_us=cfg.nixl_progress_us)
         dev = memory_device(device if device is not None else getattr(store, "device", "cpu"), cfg.handoff_memory)
         self._arenas: dict[str, StagingArena] = {}
         if dev.type == "cuda":
