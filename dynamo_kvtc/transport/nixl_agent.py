@@ -3,12 +3,15 @@ or ``nixl_cu13``) and :func:`new_agent` (an agent whose progress thread may wait
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def import_nixl():
@@ -39,8 +42,11 @@ def new_agent(name: str, backends: Sequence[str], progress_us: int = 0):
     if progress_us <= 0:
         return nixl_agent(name, cfg)
     api = sys.modules[nixl_agent.__module__]
-    bind = api.nixlBind
-    base = bind.nixlAgentConfig
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if not hasattr(base, "pthrDelay"):  # another NIXL wrapper than the one this was written against
+        log.warning("NIXL progress delay not applied: this NIXL's Python wrapper has no nixlBind.nixlAgentConfig")
+        return nixl_agent(name, cfg)
 
     class _Delayed(base):  # the wrapper writes pthrDelay = 0 after building the config: that write keeps ours
         pthrDelay = property(lambda self: base.pthrDelay.__get__(self),
