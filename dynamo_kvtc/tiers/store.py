@@ -39,6 +39,7 @@ import torch
 from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
 from ..codec.factory import Shard, entropy_tag, make_codec
+from ..errors import TierError
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
@@ -226,21 +227,22 @@ class KvtcStore:
 
     def _restorable(self, hashes: Sequence[int], n: int, held: int) -> int:
         """The leading blocks of ``hashes[:n]`` a restore can serve when sliding-window layers hold only a blob's last
-        ``held`` tokens: a blob's run that stops before the blob's end must start inside what every layer holds
-        (codec/base.py refuses it otherwise); else the match ends where the run begins (an earlier blob's end)."""
-        while n > 0:
-            e = self.index.locate(hashes[n - 1])
-            meta = None if e is None else self.index.meta(e[0])
+        ``held`` tokens: a run (the index's plan) that stops before its blob's end must start inside what every layer
+        holds (codec/base.py refuses it otherwise); the promise ends where the first run that does not begins."""
+        try:
+            runs = self.index.plan(hashes[:n])
+        except TierError:
+            return n  # evicted since the match: the restore finds the miss and counts it
+        done = 0
+        for r in runs:
+            meta = self.index.meta(r.blob_id)
             if meta is None:
-                return n  # gone since the match: the restore finds the miss and counts it
-            j = n - 1  # the run of this blob in hashes[:n] starts at j (consecutive blocks, as index.plan cuts runs)
-            while j > 0 and self.index.locate(hashes[j - 1]) == (e[0], e[1] - (n - j)):
-                j -= 1
-            first = e[1] - (n - 1 - j)
-            if e[1] + 1 == len(meta.hashes) or first * meta.block_size >= len(meta.hashes) * meta.block_size - held:
-                return n
-            n = j
-        return 0
+                return n  # likewise
+            tokens = len(meta.hashes) * meta.block_size
+            if r.first + r.count < len(meta.hashes) and r.first * meta.block_size < tokens - held:
+                return done
+            done += r.count
+        return done
 
     def where(self, h: int) -> str | None:
         """The tier holding block ``h``: "host", "disk" or None."""
