@@ -19,8 +19,8 @@ from dynamo_kvtc.calibration.card import card
 from dynamo_kvtc.calibration.verdict import CHECK_FILE, read_verdict, safe_ratio, write_verdict
 from dynamo_kvtc.cli.main import build_parser
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.offload_options import KvtcTierOptions
-from dynamo_kvtc.connector.worker import KvtcWorker
+from dynamo_kvtc.connector.offloading.options import KvtcTierOptions
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker
 from dynamo_kvtc.errors import CalibrationError, ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "calibrations" / "smollm2-135m-instruct"
@@ -158,7 +158,7 @@ def test_ratio_auto_serves_at_the_recorded_ratio_and_refuses_without_one(smollm2
     shutil.copytree(cal_dir, bare, ignore=shutil.ignore_patterns(CHECK_FILE))
     w = _smol_worker(smollm2, bare, "auto")
     try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.worker"):
+        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
             w.register_kv_caches(_caches(smollm2[0].config))
         assert w.store is None and w.disabled_reason == "calibration"
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
@@ -184,7 +184,7 @@ def test_ratio_setting_takes_auto():
 
 def test_offload_tier_ratio_auto(checked, cal_dir, tmp_path):
     pytest.importorskip("vllm")
-    from dynamo_kvtc.connector.offload_tier import KvtcSecondaryTier
+    from dynamo_kvtc.connector.offloading.tier import KvtcSecondaryTier
 
     assert KvtcTierOptions.from_config({"ratio": "AUTO"}).ratio == "auto"
     with pytest.raises(ConfigError, match="ratio: must be a number"):
@@ -215,7 +215,7 @@ def test_decode_side_link_estimate_takes_ratio_auto():
     from types import SimpleNamespace
 
     from dynamo_kvtc.connector.handoff.link_choice import COMPRESSED, LinkPolicy
-    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
+    from dynamo_kvtc.connector.vllm.remote_prefill import RemotePrefill
     from dynamo_kvtc.tiers.config import TierConfig
 
     cfg = ConnectorConfig(

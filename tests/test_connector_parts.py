@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.lookup import LookupClient, LookupServer, socket_path
-from dynamo_kvtc.connector.worker import detect_layout, layer_index
+from dynamo_kvtc.connector.vllm.lookup import LookupClient, LookupServer, socket_path
+from dynamo_kvtc.connector.vllm.worker import detect_layout, layer_index
 from dynamo_kvtc.errors import ConfigError, TierError, TransferError
 from dynamo_kvtc.tiers.layout import PagedKV
 
@@ -162,7 +162,7 @@ def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
     import urllib.request
     from collections import Counter
 
-    from dynamo_kvtc.connector.services import WorkerServices
+    from dynamo_kvtc.connector.vllm.services import WorkerServices
 
     class Worker:  # what the lookup channel and the metrics read of a worker
         stats: Counter = Counter()
@@ -177,7 +177,7 @@ def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
     stats: Counter = Counter()
     engine = f"svc-{uuid.uuid4().hex[:8]}"
     svc = WorkerServices(ConnectorConfig(metrics_port=0, transfer="prefill"), engine, stats)
-    with caplog.at_level("INFO", logger="dynamo_kvtc.connector.services"):
+    with caplog.at_level("INFO", logger="dynamo_kvtc.connector.vllm.services"):
         svc.start(Worker(), None)  # a disabled worker: no store, so no hand-off server
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "lookup channel on ipc://" in lines[0] and "metrics on :" in lines[1]
@@ -200,12 +200,12 @@ def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
 def test_a_handoff_server_that_cannot_start_is_counted_not_raised(caplog):
     from collections import Counter
 
-    from dynamo_kvtc.connector.services import WorkerServices
+    from dynamo_kvtc.connector.vllm.services import WorkerServices
 
     stats: Counter = Counter()
     cfg = ConnectorConfig(transfer="prefill", transfer_host="256.0.0.1", nixl_backend="NO_SUCH_BACKEND")
     svc = WorkerServices(cfg, f"svc-{uuid.uuid4().hex[:8]}", stats)
-    with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.services"):
+    with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.services"):
         svc.start(None, object())  # a prefill engine whose store exists but whose server cannot start
     try:
         assert svc.handoff is None and stats["fallback_transfer_setup"] == 1

@@ -14,7 +14,7 @@ import torch
 
 from dynamo_kvtc.connector.config import ConnectorConfig
 from dynamo_kvtc.connector.host_memory import host_memory_limit, host_memory_warning
-from dynamo_kvtc.connector.worker import KvtcWorker, rank_tiers
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker, rank_tiers
 from dynamo_kvtc.tiers.config import TierConfig
 
 GiB = 1 << 30
@@ -88,7 +88,7 @@ def test_unreadable_8bit_kv_cache_is_refused_at_start_up_and_metrics_still_serve
         cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=32, kv_cache_dtype=cache_dtype
     )
     try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.worker"):
+        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
             w.register_kv_caches(_fp8_cpu_caches(storage))  # an 8-bit cache: refused even when the flag says "auto"
         assert w.store is None and w.disabled_reason == "kv_cache_dtype"
         assert "not supported" in w.disabled and cache_dtype in w.disabled
@@ -104,7 +104,7 @@ def test_unreadable_8bit_kv_cache_is_refused_at_start_up_and_metrics_still_serve
 
 
 def test_16bit_caches_pass_the_dtype_check():
-    from dynamo_kvtc.connector.worker import check_kv_dtype
+    from dynamo_kvtc.connector.vllm.worker import check_kv_dtype
     from dynamo_kvtc.errors import TierError
 
     for dt in (torch.bfloat16, torch.float16, torch.float32):
@@ -132,7 +132,7 @@ def test_stats_round_trip_through_vllms_connector_stats():
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector, MultiKVConnectorStats
 
     from dynamo_kvtc.connector.vllm import KvtcConnector
-    from dynamo_kvtc.connector.vllm_stats import KvtcConnectorStats, StatsReporter
+    from dynamo_kvtc.connector.vllm.stats import KvtcConnectorStats, StatsReporter
 
     w = _worker_with_counts()
     rep = StatsReporter(w)
@@ -164,7 +164,7 @@ def test_stats_reach_vllm_prometheus_series():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from dynamo_kvtc.connector.vllm import KvtcConnector
-    from dynamo_kvtc.connector.vllm_stats import StatsReporter
+    from dynamo_kvtc.connector.vllm.stats import StatsReporter
 
     reg = CollectorRegistry()  # vLLM passes its metric classes; these register on a registry of the test's own
 
@@ -188,7 +188,7 @@ def test_failure_policy_is_set_on_the_enclosing_multiconnector_config():
     pytest.importorskip("vllm")
     from vllm.config import KVTransferConfig
 
-    from dynamo_kvtc.connector.vllm import enclosing_transfer_configs, ensure_failure_policy
+    from dynamo_kvtc.connector.vllm.connector import enclosing_transfer_configs, ensure_failure_policy
 
     child = {"kv_connector": "KvtcConnector", "kv_connector_module_path": "dynamo_kvtc.connector.vllm"}
     top = KVTransferConfig(
@@ -217,7 +217,7 @@ def test_failure_policy_is_set_on_the_enclosing_multiconnector_config():
 
 def test_failure_policy_that_cannot_be_set_is_reported():
     pytest.importorskip("vllm")
-    from dynamo_kvtc.connector.vllm import ensure_failure_policy
+    from dynamo_kvtc.connector.vllm.connector import ensure_failure_policy
 
     class FrozenTop:  # a wrapper config that refuses changes (a frozen dataclass would)
         kv_connector = "SomeWrapper"

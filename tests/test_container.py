@@ -53,7 +53,10 @@ def test_every_build_context_source_exists_and_is_not_ignored():
         assert path.exists(), src
         if src != ".":
             assert _kept_by_dockerignore(src.rstrip("/") + "/x"), f"{src} is excluded by {IGNORE.name}"
-    for needed in ("pyproject.toml", "README.md", "dynamo_kvtc/cli/main.py", "dynamo_kvtc/connector/offload_tier.py"):
+    needed_files = (
+        "pyproject.toml", "README.md", "dynamo_kvtc/cli/main.py", "dynamo_kvtc/connector/offloading/tier.py"
+    )
+    for needed in needed_files:
         assert _kept_by_dockerignore(needed), needed
 
 

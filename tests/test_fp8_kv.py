@@ -14,8 +14,8 @@ import torch
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
 from dynamo_kvtc.codec import fp8
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.step_plan import LoadOp, SaveOp, StepPlan
-from dynamo_kvtc.connector.worker import KvtcWorker
+from dynamo_kvtc.connector.vllm.step_plan import LoadOp, SaveOp, StepPlan
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker
 from dynamo_kvtc.errors import ConfigError
 from dynamo_kvtc.tiers.keys import sequence_hashes
 from dynamo_kvtc.tiers.layout import PagedKV

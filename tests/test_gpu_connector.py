@@ -12,8 +12,8 @@ import torch
 
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration, synthetic_kv
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.step_plan import LoadOp, SaveOp, StepPlan
-from dynamo_kvtc.connector.worker import KvtcWorker
+from dynamo_kvtc.connector.vllm.step_plan import LoadOp, SaveOp, StepPlan
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker
 from dynamo_kvtc.tiers.keys import sequence_hashes
 
 L, H, D, BS, NB = 4, 2, 64, 16, 40

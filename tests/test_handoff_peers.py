@@ -135,7 +135,7 @@ def test_a_decode_worker_fetches_only_from_trusted_peers(host, peers, secret, ok
     from types import SimpleNamespace
 
     from dynamo_kvtc.connector.handoff import params
-    from dynamo_kvtc.connector.handoff.remote_prefill import REFUSED, RemotePrefill
+    from dynamo_kvtc.connector.vllm.remote_prefill import REFUSED, RemotePrefill
 
     key = tmp_path / "secret"
     key.write_text("0123456789abcdef-shared")

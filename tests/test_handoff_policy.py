@@ -104,7 +104,7 @@ def _request(params, tokens=8193):
 
 def _remote(side, link=None, mode="policy", monkeypatch=None):
     from dynamo_kvtc.connector.config import ConnectorConfig
-    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
+    from dynamo_kvtc.connector.vllm.remote_prefill import RemotePrefill
 
     monkeypatch.setenv("DYN_KVTC_HANDOFF_CHOICE", "compressed")  # the config holds the choice; nothing reads this
     cfg = ConnectorConfig(transfer=side, transfer_port=5555, handoff_choice=mode, transfer_peers="10.0.0.2")
@@ -189,7 +189,7 @@ def test_a_fetchs_work_besides_the_read_counts_against_compressed():
 def test_scheduler_claims_no_local_prefix_of_a_request_left_to_nixl(monkeypatch):
     """A declined offer (raw over NVLink) must not be claimed from the local tiers either: MultiConnector gives a
     request to the first connector that claims tokens, and NixlConnector is to READ it raw."""
-    from dynamo_kvtc.connector.scheduler import KvtcScheduler
+    from dynamo_kvtc.connector.vllm.scheduler import KvtcScheduler
 
     class Lookup:  # holds every block of every prompt
         asked = 0
@@ -213,7 +213,7 @@ def test_scheduler_claims_no_local_prefix_of_a_request_left_to_nixl(monkeypatch)
 
 def test_the_scheduler_policy_takes_its_link_settings_from_the_config():
     from dynamo_kvtc.connector.config import ConnectorConfig
-    from dynamo_kvtc.connector.handoff.remote_prefill import RemotePrefill
+    from dynamo_kvtc.connector.vllm.remote_prefill import RemotePrefill
 
     cfg = ConnectorConfig.from_sources(
         {"transfer": "decode"}, {"DYN_KVTC_HANDOFF_CHOICE": "policy", "DYN_KVTC_LINK_GBPS": "100"}

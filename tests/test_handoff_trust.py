@@ -1,6 +1,6 @@
 """Hostile clients and peers of the hand-off: a malformed request parameter never raises out of a scheduler hook, a
-fault inside a hook is answered as a miss (connector/guard.py), and a peer's reply can only make the decode side keep
-blobs under the hashes it asked for (messages.plan_reply / kept_meta). Fuzzed with hypothesis."""
+fault inside a hook is answered as a miss (connector/vllm/guard.py), and a peer's reply can only make the decode side
+keep blobs under the hashes it asked for (messages.plan_reply / kept_meta). Fuzzed with hypothesis."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dynamo_kvtc.connector.config import ConnectorConfig
 from dynamo_kvtc.connector.handoff import messages, params
 from dynamo_kvtc.connector.handoff.params import HandoffParams, parse
-from dynamo_kvtc.connector.handoff.remote_prefill import REFUSED, RemotePrefill
-from dynamo_kvtc.connector.scheduler import KvtcScheduler
+from dynamo_kvtc.connector.vllm.remote_prefill import REFUSED, RemotePrefill
+from dynamo_kvtc.connector.vllm.scheduler import KvtcScheduler
 from dynamo_kvtc.errors import TierError, TransferError
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
@@ -172,7 +172,7 @@ def test_fuzzed_params_never_raise(p):
 
 
 # ---------------------------------------------------------------------------------------------- the hook guard
-vllm = pytest.importorskip("dynamo_kvtc.connector.vllm")
+vllm = pytest.importorskip("dynamo_kvtc.connector.vllm.connector")
 
 
 def _connector(sched):
@@ -187,13 +187,13 @@ def _empty_output():
 
 
 def test_a_fault_in_a_hook_is_a_miss_not_an_engine_failure(monkeypatch, caplog):
-    from dynamo_kvtc.connector import guard
+    from dynamo_kvtc.connector.vllm import guard
 
     c = _connector(_decode(monkeypatch))
     broken = _req({}, "broken")
     broken.prompt_token_ids = broken.all_token_ids = ["not a token"] * 64  # hashing it raises ValueError
     before = guard.FAULTS["get_num_new_matched_tokens"]
-    with caplog.at_level(logging.WARNING, logger="dynamo_kvtc.connector.guard"):
+    with caplog.at_level(logging.WARNING, logger="dynamo_kvtc.connector.vllm.guard"):
         assert c.get_num_new_matched_tokens(broken, 0) == (0, False)
     assert guard.FAULTS["get_num_new_matched_tokens"] == before + 1 and "answering a miss" in caplog.text
     c.update_state_after_alloc(broken, Blocks(4), 0)  # nothing promised: nothing planned
@@ -432,7 +432,7 @@ def test_near_valid_replies_are_mostly_accepted_and_kept():
 
 
 def test_when_the_fallback_fails_too_the_hook_answers_its_default():
-    from dynamo_kvtc.connector import guard
+    from dynamo_kvtc.connector.vllm import guard
 
     c = _connector(None)  # no scheduler at all: the hook and its fallback both raise AttributeError
     before = guard.FAULTS["build_connector_meta_fallback"]

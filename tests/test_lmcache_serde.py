@@ -1,4 +1,4 @@
-"""The ``kvtc`` LMCache serde (connector/lmcache_serde.py).
+"""The ``kvtc`` LMCache serde (connector/lmcache/serde.py).
 
 The first tests need no LMCache: the chunk coder (LMCache's ``[2, L, T, H*D]`` chunk <-> length-prefixed blob) and its
 size bound, on a synthetic model with real RoPE. The rest run against the real ``lmcache`` package where it is
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from dynamo_kvtc.connector.lmcache_serde import PREFIX, KvtcChunkCoder, SerdeOptions
+from dynamo_kvtc.connector.lmcache.serde import PREFIX, KvtcChunkCoder, SerdeOptions
 from dynamo_kvtc.errors import ConfigError, DecodeError
 
 from .conftest import rel
@@ -150,7 +150,7 @@ def test_registered_on_import_and_selected_by_an_l2_adapter_serde_config(lmcache
     from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
     from lmcache.v1.distributed.serde import SerdeProcessor, create_serde_processor, get_registered_serde_types
 
-    import dynamo_kvtc.connector.lmcache_serde as serde
+    import dynamo_kvtc.connector.lmcache.serde as serde
 
     assert serde.HAVE_LMCACHE and "kvtc" in get_registered_serde_types()
     assert serde.register()  # idempotent: LMCache itself refuses a second registration of a name

@@ -443,9 +443,9 @@ def _general_plugins() -> dict[str, str]:
 
 
 def test_the_pd_protocol_plugin_acts_only_inside_dynamo_vllm(protocols, monkeypatch):
-    from dynamo_kvtc.connector import dynamo_register
+    from dynamo_kvtc.connector.vllm import dynamo_register
 
-    assert _general_plugins()["dynamo_kvtc_pd_protocol"] == "dynamo_kvtc.connector.dynamo_register:register"
+    assert _general_plugins()["dynamo_kvtc_pd_protocol"] == "dynamo_kvtc.connector.vllm.dynamo_register:register"
     argv = ["dynamo.vllm", "--kv-transfer-config", json.dumps({"kv_connector": KVTC, "kv_role": "kv_both"})]
     multi = ["dynamo.vllm", '--kv-transfer-config={"kv_connector": "MultiConnector"}']
     monkeypatch.delitem(sys.modules, dynamo_register.PROTOCOLS_MODULE)

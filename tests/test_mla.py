@@ -21,7 +21,7 @@ from dynamo_kvtc.codec.gpu.ops import rope_tables
 from dynamo_kvtc.codec.rope import RotaryConfig, apply_rope, remove_rope
 from dynamo_kvtc.connector.config import ConnectorConfig
 from dynamo_kvtc.connector.support import BY_KEY, FAMILIES, Unsupported, decide, render_table
-from dynamo_kvtc.connector.worker import KvtcWorker, detect_layout
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker, detect_layout
 from dynamo_kvtc.errors import ConfigError, TierError
 from dynamo_kvtc.tiers.layout import PagedKV
 
@@ -295,7 +295,7 @@ def test_worker_refuses_an_unsupported_model_before_touching_its_caches(caplog):
         "model.layers.1.self_attn.attn": torch.zeros(8, 2, 32, 128, dtype=torch.bfloat16),
     }
     try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.worker"):
+        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
             w.register_kv_caches(caches)
         assert w.store is None and w.disabled_reason == "model" and "SSM / linear-attention" in w.disabled
         errors = [r for r in caplog.records if r.levelname == "ERROR"]
@@ -324,7 +324,7 @@ def test_worker_serves_an_mla_model_on_its_latent_cache(small_mla, tmp_path):
     finally:
         w.shutdown()
     # the other ways in read K/V pages, not latent rows: they refuse an MLA calibration with a clear error
-    from dynamo_kvtc.connector.lmcache_serde import KvtcChunkCoder, SerdeOptions
+    from dynamo_kvtc.connector.lmcache.serde import KvtcChunkCoder, SerdeOptions
 
     with pytest.raises(ConfigError, match="MLA is served through KvtcConnector"):
         KvtcChunkCoder(SerdeOptions(str(tmp_path / "cal"), ratio=4))

@@ -1,4 +1,4 @@
-"""The ``kvtc`` secondary tier of vLLM's OffloadingConnector (connector/offload_tier.py, offload_cpu.py).
+"""The ``kvtc`` secondary tier of vLLM's OffloadingConnector (connector/offloading/tier.py, offload_cpu.py).
 
 Unit parts (options, the chunk layout, the blob cache, registration) run against vLLM's own classes; the real-engine
 scenarios (tests/vllm_offload_tier.py, one engine per process) run OffloadingConnector + TieringOffloadingSpec's
@@ -20,7 +20,7 @@ from .conftest import ENGINE_ENV, cpu_avx512
 
 pytest.importorskip("vllm")
 
-from dynamo_kvtc.connector.offload_tier import (  # noqa: E402
+from dynamo_kvtc.connector.offloading.tier import (  # noqa: E402
     BlobCache,
     ChunkLayout,
     KvtcTierOptions,
@@ -142,22 +142,22 @@ def test_blob_cache_lru_demotes_to_disk_and_drops_beyond_both_budgets(tmp_path):
 def test_kvtc_is_registered_with_vllms_secondary_tier_factory_and_by_entry_point():
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    from dynamo_kvtc.connector import offload_register
-    from dynamo_kvtc.connector.offload_tier import KvtcSecondaryTier
+    from dynamo_kvtc.connector.offloading import register as offload_register
+    from dynamo_kvtc.connector.offloading.tier import KvtcSecondaryTier
 
     assert offload_register.register() and offload_register.register()  # idempotent
     assert SecondaryTierFactory.get_tier_class({"type": "kvtc"}) is KvtcSecondaryTier
-    out_of_tree = {"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offload_tier"}
+    out_of_tree = {"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offloading.tier"}
     assert SecondaryTierFactory.get_tier_class(out_of_tree) is KvtcSecondaryTier
     text = (ROOT / "pyproject.toml").read_text()
     section = text.split('[project.entry-points."vllm.general_plugins"]', 1)[1].split("\n[", 1)[0]
-    assert 'dynamo_kvtc_offload_tier = "dynamo_kvtc.connector.offload_register:register"' in section
+    assert 'dynamo_kvtc_offload_tier = "dynamo_kvtc.connector.offloading.register:register"' in section
 
 
 def test_register_module_imports_nothing_heavy():
     code = (
-        "import sys; import dynamo_kvtc.connector.offload_register as r; "
-        "print(int('dynamo_kvtc.connector.offload_tier' in sys.modules), int('dynamo_kvtc.codec' in sys.modules))"
+        "import sys; import dynamo_kvtc.connector.offloading.register as r; "
+        "print(int('dynamo_kvtc.connector.offloading.tier' in sys.modules), int('dynamo_kvtc.codec' in sys.modules))"
     )
     p = subprocess.run([sys.executable, "-c", code], env=ENGINE_ENV, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -261,8 +261,8 @@ def test_vllms_tiering_manager_cascades_promotes_and_fails_safe():
     from vllm.v1.kv_offload.tiering.base import LookupResult
 
     from dynamo_kvtc.calibration.catalog import find_calibration
-    from dynamo_kvtc.connector import offload_register
-    from dynamo_kvtc.connector.offload_cpu import KvtcTieringSpec
+    from dynamo_kvtc.connector.offloading import register as offload_register
+    from dynamo_kvtc.connector.offloading.cpu_worker import KvtcTieringSpec
 
     offload_register.register()
     L, bs, bpc = 30, 32, 4  # SmolLM2-135M: 30 layers x 3 KV heads x 64

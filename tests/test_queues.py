@@ -15,8 +15,8 @@ import torch
 
 from dynamo_kvtc.connector.config import ConnectorConfig
 from dynamo_kvtc.connector.metrics import connector_counters
-from dynamo_kvtc.connector.step_plan import LoadOp, SaveOp, StepPlan
-from dynamo_kvtc.connector.worker import KvtcWorker
+from dynamo_kvtc.connector.vllm.step_plan import LoadOp, SaveOp, StepPlan
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker
 from dynamo_kvtc.errors import ConfigError, TierError
 from dynamo_kvtc.reliability.testbed import BS, SPAN, Sink, World, close_store, make_store, offload, tier_config
 from dynamo_kvtc.tiers import KvtcStore, PagedKV, TierConfig

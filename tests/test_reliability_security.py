@@ -14,7 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from dynamo_kvtc.connector import lookup
+from dynamo_kvtc.connector.vllm import lookup
 from dynamo_kvtc.errors import ConfigError, KvtcError, TierError, TransferError
 from dynamo_kvtc.tiers import DiskTier, HostTier, TierConfig
 from dynamo_kvtc.transport.nixl_io import NixlFiles

@@ -111,7 +111,7 @@ class StoreLookup:
 @pytest.fixture
 def sched():
     from dynamo_kvtc.connector.config import ConnectorConfig
-    from dynamo_kvtc.connector.scheduler import KvtcScheduler
+    from dynamo_kvtc.connector.vllm.scheduler import KvtcScheduler
 
     return KvtcScheduler(ConnectorConfig(), BS, StoreLookup())
 
@@ -137,7 +137,7 @@ class _NoSchedule:
 
 
 def test_scheduler_keys_follow_the_tenant(sched):
-    from dynamo_kvtc.connector.scheduler import tenant_of
+    from dynamo_kvtc.connector.vllm.scheduler import tenant_of
 
     plain = _request("p")
     assert tenant_of(plain) == TenantKey()
@@ -196,7 +196,7 @@ def test_two_lora_adapters_never_share_and_events_carry_the_adapter(sched):
 def test_unkeyable_requests_bypass_the_tiers(sched):
     import torch
 
-    from dynamo_kvtc.connector.scheduler import BYPASS_UNKEYABLE, tenant_of
+    from dynamo_kvtc.connector.vllm.scheduler import BYPASS_UNKEYABLE, tenant_of
 
     embeds = _request("e", tokens=[0] * len(TOKENS), prompt_embeds=torch.zeros(len(TOKENS), 8))
     assert tenant_of(embeds) is None and sched.hashes_for(embeds) is None

@@ -18,8 +18,8 @@ from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.calibration.tensor_parallel import TP_MANIFEST, head_layout, sharded_codec, write_tp_manifest
 from dynamo_kvtc.codec.factory import Shard
 from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.tensor_parallel import Agreement, GlooCollective, TpGroup, agree_start, joint_shard
-from dynamo_kvtc.connector.worker import resolve_calibration
+from dynamo_kvtc.connector.vllm.tensor_parallel import Agreement, GlooCollective, TpGroup, agree_start, joint_shard
+from dynamo_kvtc.connector.vllm.worker import resolve_calibration
 from dynamo_kvtc.errors import ConfigError, InputError, TierError
 from dynamo_kvtc.tiers import KvtcStore, TierConfig
 from dynamo_kvtc.tiers.keys import sequence_hashes

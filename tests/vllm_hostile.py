@@ -24,7 +24,7 @@ from pathlib import Path
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
-from dynamo_kvtc.connector import guard
+from dynamo_kvtc.connector.vllm import guard
 from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings
 from dynamo_kvtc.connector.handoff import params
 from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of

@@ -38,7 +38,7 @@ def extra_config(mode: str, disk_dir: str | None = None) -> dict:
         tier.update(cpu_cache_gb=0.001, disk_cache_gb=1, disk_cache_dir=disk_dir)  # ~5 blobs on host, the rest on disk
     return {
         "spec_name": "KvtcTieringSpec",
-        "spec_module_path": "dynamo_kvtc.connector.offload_cpu",
+        "spec_module_path": "dynamo_kvtc.connector.offloading.cpu_worker",
         "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK * KV_BYTES_PER_TOKEN + 8 * 4096,
         "block_size": CHUNK,
         "secondary_tiers": [tier],
@@ -91,7 +91,7 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    import dynamo_kvtc.connector.offload_register  # noqa: F401  (the entry point does this in an installed package)
+    import dynamo_kvtc.connector.offloading.register  # noqa: F401  (the entry point does this in an installed package)
     from dynamo_kvtc.calibration.models import resolve_model
 
     t_start = time.perf_counter()

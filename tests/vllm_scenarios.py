@@ -141,7 +141,7 @@ def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
     # the lossless run finds its calibration through $DYN_KVTC_CALIBRATIONS (the lookup rule), the 16x run is given it
     llm = _engine(LOSSLESS, calibrations=tmp / "cals") if lossless else _engine({"metrics_port": 0})
     w = worker_of(llm)
-    from dynamo_kvtc.connector.worker import resolve_calibration  # what the worker ran at start-up
+    from dynamo_kvtc.connector.vllm.worker import resolve_calibration  # what the worker ran at start-up
 
     out = {"calibration_found": str(resolve_calibration(w.cfg, w.model, 0, 1)), "calibration_set": w.cfg.calibration}
     out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))

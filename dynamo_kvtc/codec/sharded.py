@@ -18,7 +18,7 @@ on a sequence's last span) so the blob holds every head, as the single-process b
 
 The collective is injected: any object with ``all_reduce_sum`` and ``all_gather`` (:class:`Collective`), e.g.
 :class:`TorchCollective` over a ``torch.distributed`` process group (the connector's own group of the TP ranks:
-:mod:`dynamo_kvtc.connector.tensor_parallel`). Nothing here
+:mod:`dynamo_kvtc.connector.vllm.tensor_parallel`). Nothing here
 imports CUDA, NIXL or Dynamo; the math is the reference path's float32 (on any device).
 """
 

@@ -90,7 +90,7 @@ class EventCollector:
     """Scheduler side: gathers the workers' event batches of one step (``update_connector_output``) and hands the
     events that every TP worker reported to vLLM's event stream (``take_events``).
 
-    ``lora_of`` (the scheduler's :meth:`~dynamo_kvtc.connector.scheduler.KvtcScheduler.lora_of`) maps a block hash
+    ``lora_of`` (the scheduler's :meth:`~dynamo_kvtc.connector.vllm.scheduler.KvtcScheduler.lora_of`) maps a block hash
     to its request's (lora id, lora name); stored events of such blocks carry both. It never drops or reorders
     events."""
 

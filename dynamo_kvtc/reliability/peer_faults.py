@@ -217,8 +217,8 @@ def scenario_hostile_params(world: World, ledger: Ledger, rounds: int) -> None:
     well-formed request is still planned from its peer."""
     from ..connector.config import ConnectorConfig
     from ..connector.handoff import params
-    from ..connector.handoff.remote_prefill import RemotePrefill
-    from ..connector.scheduler import KvtcScheduler
+    from ..connector.vllm.remote_prefill import RemotePrefill
+    from ..connector.vllm.scheduler import KvtcScheduler
 
     kind = "hostile_params"
     cfg = ConnectorConfig(transfer="decode")

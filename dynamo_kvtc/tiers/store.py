@@ -78,7 +78,7 @@ class KvtcStore:
         shard: Shard | None = None,
     ) -> None:
         """``shard``: one tensor-parallel rank of a JOINT calibration (its codecs are the row-sharded ones, whose
-        encodes are collective: see :mod:`dynamo_kvtc.connector.tensor_parallel`)."""
+        encodes are collective: see :mod:`dynamo_kvtc.connector.vllm.tensor_parallel`)."""
         self.cfg = config or TierConfig.from_env()
         self.shard = shard
         self.cal = calibration

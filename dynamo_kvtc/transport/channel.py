@@ -29,7 +29,7 @@ is ``{body, mac}`` with the MAC over the request's nonce too, so a reply cannot 
 request. Without a secret the channel is unauthenticated (the lookup
 channel, an IPC socket in a private directory, needs none).
 
-Users: the lookup channel (connector/lookup.py), the prefill→decode hand-off (connector/handoff/), the transfer
+Users: the lookup channel (connector/vllm/lookup.py), the prefill→decode hand-off (connector/handoff/), the transfer
 benchmark and the reliability harness; the disk tier's index records use :func:`unpack` alone.
 """
 

@@ -1,6 +1,6 @@
 """The ``vllm_tier`` system of ``bench serve``: vLLM's tiered OffloadingConnector with the ``kvtc`` secondary tier.
 
-vLLM's tiered offloading (what :mod:`dynamo_kvtc.connector.offload_tier` plugs into) keeps a raw CPU *primary*
+vLLM's tiered offloading (what :mod:`dynamo_kvtc.connector.offloading.tier` plugs into) keeps a raw CPU *primary*
 tier, the only one the GPU copies to and from, and cascades every chunk it stores there to its secondary tiers. A
 chunk found only in a secondary tier is first promoted into a primary slot, then loaded from the primary like any
 other. :class:`CascadeTier` replays that data path on the benchmark's engine, at a share of the same host budget:

@@ -2,8 +2,6 @@
 
 This package is the protocol only:
 
-- :mod:`.remote_prefill` — the scheduler side: which requests hand off (prefill) or fetch (decode), and the params
-  between.
 - :mod:`.link_choice` — raw or compressed per request, from per-peer link estimates (``handoff_choice=policy``).
 - :mod:`.server` — the prefill worker serves its store's blobs from a NIXL-registered staging arena.
 - :mod:`.client` — the decode worker fetches them and hands them to its store as blob runs to verify and restore.
@@ -18,9 +16,11 @@ process-wide knobs (``handoff_choice``, ``handoff_memory``, link and restore rat
 The prefill engine's blocks are free as soon as they were copied out, not after the decode side read them. Anything
 that goes wrong (peer gone, timeout, NIXL error, corrupt bytes, blocks not there) fails the receive and vLLM
 recomputes. NIXL's own descriptor serialisation (pickle) is not used.
+
+Its scheduler side (which requests hand off or fetch, and the params between) is KvtcConnector's:
+:mod:`dynamo_kvtc.connector.vllm.remote_prefill`.
 """
 
 from .messages import MAX_FETCH_BLOCKS, MAX_FETCH_BYTES, MAX_MESSAGE
-from .remote_prefill import RemotePrefill
 
-__all__ = ["MAX_FETCH_BLOCKS", "MAX_FETCH_BYTES", "MAX_MESSAGE", "RemotePrefill"]
+__all__ = ["MAX_FETCH_BLOCKS", "MAX_FETCH_BYTES", "MAX_MESSAGE"]

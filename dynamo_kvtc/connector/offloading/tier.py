@@ -9,9 +9,9 @@ large compressed warm tier, in the ``kv_connector_extra_config`` users already w
      "secondary_tiers": [{"type": "kvtc", "cpu_cache_gb": 64, "ratio": 16,
                           "disk_cache_gb": 500, "disk_cache_dir": "/nvme/kvtc"}]}
 
-``type: kvtc`` is registered by :mod:`dynamo_kvtc.connector.offload_register` (vLLM loads it through the
+``type: kvtc`` is registered by :mod:`dynamo_kvtc.connector.offloading.register` (vLLM loads it through the
 ``vllm.general_plugins`` entry point of the installed package); without the entry point the out-of-tree form works
-too: ``{"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offload_tier", ...}``.
+too: ``{"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offloading.tier", ...}``.
 
 Everything here runs in the scheduler process, as vLLM requires of secondary tiers: ``submit_store`` and
 ``submit_load`` queue a job and return; a small thread pool reads the chunk out of the primary tier's memory view,
@@ -48,11 +48,11 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ..calibration.mla import is_mla_fingerprint
-from ..errors import ConfigError, KvtcError
-from .offload_layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
-from .offload_options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
-from .offload_store import BlobCache
+from ...calibration.mla import is_mla_fingerprint
+from ...errors import ConfigError, KvtcError
+from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
+from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
+from .store import BlobCache
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 f"{self.layout.elem} bytes make {self.layout.bytes}: calibration {self.cal.id[:12]} is not for "
                 "this model"
             )
-        from ..codec import KvtcCodec
+        from ...codec import KvtcCodec
 
         self.codec = KvtcCodec(self.cal, ratio=self.opts.ratio, device=self.device, window=self.opts.window)
         self.cache = BlobCache(
@@ -182,8 +182,8 @@ class KvtcSecondaryTier(SecondaryTierManager):
         )
 
     def _calibration(self, cfg: Any):
-        from ..calibration.artifact import Calibration
-        from ..calibration.catalog import find_calibration
+        from ...calibration.artifact import Calibration
+        from ...calibration.catalog import find_calibration
 
         path = self.opts.calibration
         if path is None:
@@ -199,7 +199,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
             raise option_error("calibration", f"{path} has no calibration.json")
         cal = Calibration.load(path)
         if self.opts.ratio == "auto":  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
-            from ..calibration.verdict import safe_ratio
+            from ...calibration.verdict import safe_ratio
 
             try:
                 self.opts = replace(self.opts, ratio=safe_ratio(path, cal.id, cal.ratios, cfg.model.name))

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def resolve_page_layout(requested: str, kv_cache_layout: str | None) -> str:
 
 def cpu_offsets(num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
     """Element order of vLLM's CPU attention kernel inside a block (None: plain ``[block_size, D]`` halves)."""
-    from ..tiers.layout import probe_cpu_offsets
+    from ...tiers.layout import probe_cpu_offsets
 
     try:  # None only when vLLM's kernel is not importable (then the plain layout is what is there)
         return probe_cpu_offsets(torch.empty(1, num_heads, block_size, 2 * head_dim, dtype=dtype), block_size)

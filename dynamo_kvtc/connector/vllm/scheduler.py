@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tiers.keys import TenantKey, block_hashes, chain, router_hash
-from .config import ConnectorConfig
-from .handoff.remote_prefill import RemotePrefill
+from ...tiers.keys import TenantKey, block_hashes, chain, router_hash
+from ..config import ConnectorConfig
 from .lookup import Matcher
+from .remote_prefill import RemotePrefill
 from .step_plan import LoadOp, SaveOp, StepPlan
 
 log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ class KvtcScheduler:
         params = self.remote.handoff_params(request) if self.remote is not None else None
         return held, params
 
-    # ------------------------------------------------------------------ after a fault in a hook (connector/guard.py)
+    # -------------------------------------------------------------- after a fault in a hook (connector/vllm/guard.py)
     def fail_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """``update_state_after_alloc`` raised: vLLM still expects the ``num_external_tokens`` it was promised to be
         loaded, so plan a load that cannot succeed (no hashes for its blocks: the worker's restore refuses it at once)

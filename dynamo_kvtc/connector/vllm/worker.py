@@ -35,23 +35,23 @@ from typing import Any
 
 import torch
 
-from .. import settings
-from ..calibration.artifact import Calibration
-from ..calibration.catalog import find_calibration, normalise_model_name
-from ..calibration.mla import is_mla
-from ..calibration.models import fingerprint_of
-from ..calibration.tensor_parallel import TP_MANIFEST
-from ..calibration.verdict import safe_ratio
-from ..codec.fp8 import kv_format
-from ..errors import KvtcError, TierError
-from ..tiers.config import AUTO
-from ..tiers.layout import PagedKV
-from ..tiers.store import KvtcStore, OnboardHandle
-from .config import ConnectorConfig
-from .host_memory import host_memory_limit, host_memory_warning
+from ... import settings
+from ...calibration.artifact import Calibration
+from ...calibration.catalog import find_calibration, normalise_model_name
+from ...calibration.mla import is_mla
+from ...calibration.models import fingerprint_of
+from ...calibration.tensor_parallel import TP_MANIFEST
+from ...calibration.verdict import safe_ratio
+from ...codec.fp8 import kv_format
+from ...errors import KvtcError, TierError
+from ...tiers.config import AUTO
+from ...tiers.layout import PagedKV
+from ...tiers.store import KvtcStore, OnboardHandle
+from ..config import ConnectorConfig
+from ..host_memory import host_memory_limit, host_memory_warning
+from ..support import decide
 from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
-from .support import decide
 from .tensor_parallel import agree_start, joint_shard, open_group, rank_tiers
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ Use it from vLLM or from ``python -m dynamo.vllm``::
     --kv-transfer-config '{"kv_connector": "KvtcConnector", "kv_connector_module_path": "dynamo_kvtc.connector.vllm",
                            "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_cache_gb": 8, "ratio": 16}}'
 
-The class is a thin delegate: :class:`~dynamo_kvtc.connector.scheduler.KvtcScheduler` (scheduler role) and
-:class:`~dynamo_kvtc.connector.worker.KvtcWorker` (worker role) hold the logic, and
+The class is a thin delegate: :class:`~dynamo_kvtc.connector.vllm.scheduler.KvtcScheduler` (scheduler role) and
+:class:`~dynamo_kvtc.connector.vllm.worker.KvtcWorker` (worker role) hold the logic, and
 :mod:`~dynamo_kvtc.connector.handoff` the compressed prefill→decode hand-off. Layer-wise restore needs eager mode or
 PIECEWISE CUDA graphs (``requires_piecewise_for_cudagraph``).
 
@@ -35,16 +35,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from ..errors import KvtcError
-from ..tiers.layout import probe_cpu_offsets
-from .config import ConnectorConfig
+from ...errors import KvtcError
+from ...tiers.layout import probe_cpu_offsets
+from ..config import ConnectorConfig
+from ..kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .guard import shielded
-from .handoff.remote_prefill import RemotePrefill
-from .kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .lookup import LazyLookup
+from .remote_prefill import RemotePrefill
 from .scheduler import KvtcScheduler
+from .stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .step_plan import StepPlan
-from .vllm_stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .worker import SUPPORTED_KV_DTYPES, KvtcWorker
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class KvtcConnectorMetadata(KVConnectorMetadata):
 def _kv_bytes_per_token(vllm_config: Any) -> int:
     """16-bit K and V bytes of one token on one TP rank (what a raw hand-off READs per token), from the model's
     fingerprint; 0 when the model config does not say (the link policy then takes every offer compressed)."""
-    from ..calibration.models import fingerprint_of
+    from ...calibration.models import fingerprint_of
 
     try:
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
@@ -98,7 +98,7 @@ def _peer(cfg: ConnectorConfig):
     """The decode engine's hand-off client, or None (no hand-off, or NIXL unusable: remote loads then recompute)."""
     if cfg.transfer != "decode":
         return None
-    from .handoff.client import HandoffClient
+    from ..handoff.client import HandoffClient
 
     try:
         return HandoffClient(cfg)
@@ -163,7 +163,8 @@ class KvtcConnector(KVConnectorBase_V1):
     """dynamo_kvtc as a vLLM KV connector: exactly one of a scheduler half or a worker half, by role.
 
     Owns nothing but the half it built and the settings. Every hook is one delegating call; the logic lives in
-    :class:`~dynamo_kvtc.connector.scheduler.KvtcScheduler` and :class:`~dynamo_kvtc.connector.worker.KvtcWorker`.
+    :class:`~dynamo_kvtc.connector.vllm.scheduler.KvtcScheduler` and
+    :class:`~dynamo_kvtc.connector.vllm.worker.KvtcWorker`.
     It must never raise into the engine on a cache fault."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
@@ -229,7 +230,7 @@ class KvtcConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         return True  # per-layer waits are skipped inside full CUDA graphs
 
-    # ------------------------------------------------------------------ scheduler side (connector/guard.py: a miss)
+    # -------------------------------------------------------------- scheduler side (connector/vllm/guard.py: a miss)
     @shielded(lambda self, *a, **k: (0, False), (0, False))
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from .metrics import COUNTERS, GAUGES, connector_counters, enabled_reason, policy_ratio
+from ..metrics import COUNTERS, GAUGES, connector_counters, enabled_reason, policy_ratio
 
 # the families carried here: every shared counter; offload_blocks without its tier label (host only: demotions to
 # disk stay on the kvtc_ endpoint)

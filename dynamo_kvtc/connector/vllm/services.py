@@ -20,8 +20,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from ..errors import KvtcError
-from .config import ConnectorConfig
+from ...errors import KvtcError
+from ..config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class WorkerServices:
         log.info("kvtc lookup channel on ipc://%s", self.lookup.path)
 
     def _start_handoff(self, store: Any) -> None:
-        from .handoff.server import HandoffServer
+        from ..handoff.server import HandoffServer
 
         try:
             self.handoff = HandoffServer(self.cfg, store)  # logs where it listens
@@ -72,7 +72,7 @@ class WorkerServices:
             self.stats["fallback_transfer_setup"] += 1
 
     def _start_metrics(self, worker: Any, store: Any) -> None:
-        from .metrics import KvtcMetrics
+        from ..metrics import KvtcMetrics
 
         try:
             from prometheus_client import start_http_server

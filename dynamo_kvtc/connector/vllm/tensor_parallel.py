@@ -41,12 +41,12 @@ from typing import Any
 
 import torch
 
-from ..calibration.artifact import Calibration
-from ..calibration.tensor_parallel import check_tp_manifest
-from ..codec.factory import Shard
-from ..codec.model import ModelFingerprint
-from ..errors import TierError
-from ..tiers.config import TierConfig
+from ...calibration.artifact import Calibration
+from ...calibration.tensor_parallel import check_tp_manifest
+from ...codec.factory import Shard
+from ...codec.model import ModelFingerprint
+from ...errors import TierError
+from ...tiers.config import TierConfig
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from .offload_options import option_error
+from .options import option_error
 
 log = logging.getLogger(__name__)
 

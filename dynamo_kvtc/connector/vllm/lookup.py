@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..errors import ConfigError, TransferError
-from ..transport.channel import Limits, RepServer, ReqClient
+from ...errors import ConfigError, TransferError
+from ...transport.channel import Limits, RepServer, ReqClient
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 22  # 4 MiB: ~230K block keys (18 bytes each), far above any request

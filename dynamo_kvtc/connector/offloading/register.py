@@ -10,7 +10,7 @@ Calling it twice is harmless.
 from __future__ import annotations
 
 TIER_TYPE = "kvtc"
-MODULE = "dynamo_kvtc.connector.offload_tier"
+MODULE = "dynamo_kvtc.connector.offloading.tier"
 CLASS = "KvtcSecondaryTier"
 
 

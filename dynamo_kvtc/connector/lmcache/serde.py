@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..calibration.mla import is_mla_fingerprint
-from ..errors import ConfigError, DecodeError, KvtcError
+from ...calibration.mla import is_mla_fingerprint
+from ...errors import ConfigError, DecodeError, KvtcError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class KvtcChunkCoder:
     """LMCache-independent core: a ``[2, L, T, H*D]`` chunk <-> length-prefixed KVTC blob in a byte buffer."""
 
     def __init__(self, opts: SerdeOptions) -> None:
-        from ..calibration.artifact import Calibration
+        from ...calibration.artifact import Calibration
 
         self.opts = opts
         self.cal = Calibration.load(opts.calibration)
@@ -122,7 +122,7 @@ class KvtcChunkCoder:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def codec(self, device: torch.device, tag: str = "deflate"):
-        from ..codec import KvtcCodec
+        from ...codec import KvtcCodec
 
         key = (str(device), tag)
         with self._lock:

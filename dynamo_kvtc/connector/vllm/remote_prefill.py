@@ -7,7 +7,7 @@ vLLM's disaggregation protocol, as Dynamo drives it:
    ``do_remote_prefill`` and where to fetch them: ``kvtc_host``, ``kvtc_port``, ``kvtc_blocks``.
 2. The decode engine gets those params. :meth:`RemotePrefill.matched` asks for the prompt's full blocks as an
    asynchronous load, and :meth:`RemotePrefill.load` turns the allocation into a
-   :class:`~dynamo_kvtc.connector.step_plan.LoadOp` with ``remote=(host, port)``; the worker fetches and restores it
+   :class:`~.step_plan.LoadOp` with ``remote=(host, port)``; the worker fetches and restores it
    through its :class:`~dynamo_kvtc.connector.handoff.client.HandoffClient`.
 3. Anything that goes wrong fails the receive: vLLM recomputes the prompt on the decode side.
 
@@ -28,9 +28,9 @@ from typing import Any
 
 from ... import settings
 from ..config import ConnectorConfig
-from ..step_plan import LoadOp
-from .link_choice import COMPRESSED, RAW, LinkPolicy
-from .params import HandoffParams, check, parse, refuse_untrusted, trusted
+from ..handoff.link_choice import COMPRESSED, RAW, LinkPolicy
+from ..handoff.params import HandoffParams, check, parse, refuse_untrusted, trusted
+from .step_plan import LoadOp
 
 log = logging.getLogger(__name__)
 REFUSED = "refused"  # kvtc_choice of a request whose hand-off params are malformed or untrusted: never fetched
