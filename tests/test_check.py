@@ -66,7 +66,7 @@ def checked(command_run):
 def test_check_command_prints_the_table_writes_json_and_the_verdict(command_run, cal_dir):
     out, data = command_run
     assert "| 16× |" in out and "| 64× |" in out
-    assert "largest ratio within budget (budget ΔNLL ≤ 1%, passkeys ≥ vanilla's)" in out
+    assert "largest ratio within budget (budget ΔNLL ≤ 1%, KL ≤ 0.025, top-1 ≥ 0.9, passkeys ≥ vanilla's)" in out
     assert data["samples"]["ppl_scored"] == 32 and data["budget"]["dnll_pct"] == 1.0 and data["records"]
     assert data["machine"]["cpus"] >= 1 and data["command"].startswith("dynamo-kvtc ")
     verdict = read_verdict(cal_dir, data["calibration_id"])
@@ -86,12 +86,18 @@ def test_check_table_and_budgets(checked):
     assert kls == sorted(kls)  # harder compression, further from vanilla
     text = table(checked)
     assert text.splitlines()[0] == "| ratio | achieved | KL | ΔNLL % | top-1 | passkey | verdict |"
-    assert "largest ratio within budget (budget ΔNLL ≤ 1%, passkeys ≥ vanilla's)" in text
-    loose = rejudge(checked, Budget(dnll_pct=100.0, passkey_slack=1))
+    assert "largest ratio within budget (budget ΔNLL ≤ 1%, KL ≤ 0.025, top-1 ≥ 0.9, passkeys ≥ vanilla's)" in text
+    assert "uninformative" not in checked.vanilla and "uninformative" not in text  # SmolLM2 does its tasks
+    loose = rejudge(checked, Budget(dnll_pct=100.0, kl=None, passkey_slack=1, top1=None))
     assert loose.safe_ratio == 64.0 and all(r["pass"] for r in loose.rows)
     tight = rejudge(checked, Budget(dnll_pct=0.0, kl=min(kls) / 2))
     assert tight.safe_ratio is None and "fail: " in table(tight) and "none (no ratio within budget)" in table(tight)
-    budgets = [Budget(100.0), Budget(), Budget(dnll_pct=1.0, kl=kls[0]), Budget(0.0)]  # tighter and tighter
+    budgets = [  # tighter and tighter
+        Budget(100.0, kl=None, top1=None),
+        Budget(),
+        Budget(dnll_pct=1.0, kl=kls[0]),
+        Budget(0.0, kl=kls[0], top1=1.0),
+    ]
     safes = [rejudge(checked, b).safe_ratio or 0.0 for b in budgets]
     assert safes == sorted(safes, reverse=True)
     with pytest.raises(ConfigError, match="ΔNLL"):
@@ -203,7 +209,7 @@ def test_offload_tier_ratio_auto(checked, cal_dir, tmp_path):
 
 def test_check_arguments():
     a = build_parser().parse_args(["check", str(SHIPPED), "--model", "m"])
-    assert (a.budget_dnll, a.budget_kl, a.passkey_slack, a.write) == (1.0, None, 0, False)
+    assert (a.budget_dnll, a.budget_kl, a.budget_top1, a.passkey_slack, a.write) == (1.0, 0.025, 0.9, 0, False)
     assert a.passkey_lengths == [1024, 2048] and a.depths == (0.2, 0.5, 0.8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["check", str(SHIPPED), "--model", "m", "--depths", "1.5"])
@@ -230,3 +236,34 @@ def test_decode_side_link_estimate_takes_ratio_auto():
               "remote_port": 7000, "kvtc_host": "10.0.0.2", "kvtc_port": 5555, "kvtc_blocks": 512}  # fmt: skip
     req = SimpleNamespace(request_id="r", kv_transfer_params=params, prompt_token_ids=list(range(8193)))
     assert rp.applies(req) is True and params["kvtc_choice"] == COMPRESSED  # a slow link: compressed at 16x
+
+
+def test_a_random_weight_model_makes_every_task_uninformative_and_ratio_auto_refuses(smollm2, cal_dir, tmp_path):
+    """A model that cannot do the check's tasks cannot pass a ratio on them: SmolLM2's own shape and tokenizer with
+    random weights (the shipped calibration's fingerprint still fits) finds no passkey and predicts the text at about
+    ln(vocab), so both tasks are reported as uninformative, no ratio passes and ``ratio: auto`` refuses naming why."""
+    from transformers import AutoModelForCausalLM
+
+    from dynamo_kvtc.calibration.artifact import Calibration
+    from dynamo_kvtc.evaluation.check import CheckSamples, run_check, table
+
+    model, tok = smollm2
+    torch.manual_seed(0)
+    rand = AutoModelForCausalLM.from_config(model.config).eval()
+    samples = CheckSamples(ppl_length=256, ppl_windows=1, ppl_scored=32, passkey_lengths=(256,), depths=(0.5,))
+    result = run_check(
+        rand, tok, Calibration.load(cal_dir), model_name="random", ratios=[16.0], samples=samples, progress=False
+    )
+    blind = result.vanilla["uninformative"]
+    assert set(blind) == {"dnll", "passkey"}, result.vanilla
+    assert "vanilla finds 0/1 passkeys" in blind["passkey"] and "near ln(vocab)" in blind["dnll"]
+    assert result.safe_ratio is None and not any(r["pass"] for r in result.rows)
+    assert all("no task informs" in r["why"] for r in result.rows)
+    text = table(result)
+    assert "uninformative: dnll" in text and "uninformative: passkey" in text
+    d = tmp_path / "random-cal"
+    shutil.copytree(cal_dir, d, ignore=shutil.ignore_patterns(CHECK_FILE))
+    write_verdict(d, result.verdict())
+    with pytest.raises(CalibrationError, match="could not judge any ratio") as e:
+        safe_ratio(d, result.calibration_id, [16.0], "random")
+    assert "\n" not in str(e.value) and "set a ratio explicitly" in str(e.value)

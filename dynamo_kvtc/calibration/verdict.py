@@ -89,6 +89,13 @@ def safe_ratio(
             f"`{check_command(path, model)}` (or set a ratio)"
         )
     r = v["safe_ratio"]
+    blind = (v.get("vanilla") or {}).get("uninformative") or {}
+    if r is None and {"dnll", "passkey"} <= set(blind):
+        raise CalibrationError(
+            f"ratio auto: the check of calibration {path} could not judge any ratio, as the model itself fails its "
+            f"tasks ({'; '.join(blind.values())}): check on text or a task the model can do (a larger or in-domain "
+            "calibration and check text), or set a ratio explicitly"
+        )
     if r is None:
         raise CalibrationError(
             f"ratio auto: no ratio of calibration {path} stayed within its check budget {v.get('budget')}; set a "

@@ -10,8 +10,10 @@ HELP = "check a calibration with its model before serving: accuracy per ratio, t
 
 EPILOG = (
     "A ratio passes when its mean ΔNLL on held-out text is within --budget-dnll percent of vanilla's NLL (default 1), "
-    "its mean KL within --budget-kl (default: not checked), and it finds as many passkeys as vanilla (less "
-    "--passkey-slack, default 0). The largest ratio at which it and every lower ratio pass is the verdict; --write "
+    "its mean KL within --budget-kl (default 0.025), its top-1 agreement with vanilla at least --budget-top1 (default "
+    "0.9), and it finds as many passkeys as vanilla (less --passkey-slack, default 0). A task vanilla itself fails "
+    "(no passkey found, an NLL near ln(vocab)) is reported as uninformative; when no task informs there is no verdict "
+    "ratio. The largest ratio at which it and every lower ratio pass is the verdict; --write "
     "records it in the calibration directory's check.json (the calibration id is unchanged) and the connector's "
     "`ratio: auto` serves at it."
 )
@@ -31,9 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--budget-kl",
         type=types.nonneg_float,
-        default=None,
+        default=0.025,
         metavar="X",
-        help="largest mean KL divergence from vanilla, nats per token (default: not checked)",
+        help="largest mean KL divergence from vanilla, nats per token (default 0.025)",
+    )
+    p.add_argument(
+        "--budget-top1",
+        type=types.nonneg_float,
+        default=0.9,
+        metavar="F",
+        help="least top-1 agreement with vanilla's next-token predictions, 0..1 (default 0.9)",
     )
     p.add_argument(
         "--passkey-slack",
