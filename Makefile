@@ -57,12 +57,17 @@ bench: setup
 # embedded default model with the calibration mounted from this checkout (calibrations are data, not package: neither
 # artifact may hold calibrations/); then the sdist, installed over it, must run `--help`. One venv for both keeps the
 # check to one torch install.
+# It needs only `build` (in its own small venv), not `make setup`'s engine and test dependencies.
 DISTCHECK := build/distcheck
-dist: setup
-	rm -rf dist $(DISTCHECK)
-	$(BIN)/python -m build --sdist --wheel --outdir dist .
-	! $(BIN)/python -m zipfile -l dist/*.whl | grep -q 'calibration\.json'
+DISTBUILD := build/distbuild
+dist:
+	rm -rf dist $(DISTCHECK) $(DISTBUILD)
+	$(PY) -m venv $(DISTBUILD)
+	$(DISTBUILD)/bin/pip install -q "build>=1.0"
+	$(DISTBUILD)/bin/python -m build --sdist --wheel --outdir dist .
+	! $(PY) -m zipfile -l dist/*.whl | grep -q 'calibration\.json'
 	! tar tzf dist/*.tar.gz | grep -q 'calibrations/'
+	rm -rf $(DISTBUILD)
 	$(PY) -m venv $(DISTCHECK)
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(DISTCHECK)/bin/pip install -q "$(TORCH_CPU)"; fi
 	$(DISTCHECK)/bin/pip install -q "$$(ls dist/*.whl)[models]"

@@ -22,6 +22,13 @@ def positive_float(s: str) -> float:
     return x
 
 
+def ratio_or_auto(s: str) -> float | str:
+    """A compression ratio > 0, or ``auto`` (the calibration's checked ratio, `dynamo-kvtc check --write`)."""
+    if s.strip().lower() == "auto":
+        return "auto"
+    return positive_float(s)
+
+
 def nonneg_float(s: str) -> float:
     x = _number(s, float, "a number")
     if not x >= 0:

@@ -47,7 +47,8 @@ def run_demo(args) -> int:
     info = engine_info(llm)
     print(
         f"\nengine vLLM {info['version']} on {info['device']} | model {args.model} | calibration {w.store.cal.id[:12]} "
-        f"| ratio {args.ratio:g} | prefix caching off: history comes back only through the compressed tier\n"
+        f"| ratio {w.cfg.tiers.ratio:g}{' (auto)' if args.ratio == 'auto' else ''} | prefix caching off: history comes "
+        "back only through the compressed tier\n"
     )
     print(
         f"{'turn':>4} {'prompt':>6} {'restored':>8} {'raw KB':>8} {'stored KB':>9} {'ratio':>6} "
@@ -83,6 +84,12 @@ def run_demo(args) -> int:
     )
     write_json(
         args.json_path,
-        {"turns": rows, "machine": machine(), "engine": info, "calibration": w.store.cal.id, "ratio": args.ratio},
+        {
+            "turns": rows,
+            "machine": machine(),
+            "engine": info,
+            "calibration": w.store.cal.id,
+            "ratio": w.cfg.tiers.ratio,
+        },
     )
     return 0
