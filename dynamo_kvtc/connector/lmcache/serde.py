@@ -42,6 +42,7 @@ import torch
 
 from ...calibration.mla import is_mla_fingerprint
 from ...errors import ConfigError, DecodeError, KvtcError
+from ...logs import operator_logging
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class KvtcChunkCoder:
     def __init__(self, opts: SerdeOptions) -> None:
         from ...calibration.artifact import Calibration
 
+        operator_logging("lmcache")  # the ready line and warnings in LMCache's log at its level
         self.opts = opts
         self.cal = Calibration.load(opts.calibration)
         if opts.ratio_policy == "fixed" and opts.ratio not in [float(r) for r in self.cal.ratios]:

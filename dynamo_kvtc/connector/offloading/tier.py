@@ -50,6 +50,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from ...calibration.mla import is_mla_fingerprint
 from ...errors import ConfigError, KvtcError
+from ...logs import operator_logging
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
 from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
 from .store import BlobCache
@@ -94,6 +95,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        operator_logging()  # the ready line and warnings in vLLM's log at its level
         self.opts = KvtcTierOptions.from_config(options)
         self.locality = Locality(self.opts.locality) if self.opts.locality else None
         cfg = offloading_spec.config

@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...errors import KvtcError
+from ...logs import operator_logging
 from ...tiers.layout import probe_cpu_offsets
 from ..config import ConnectorConfig
 from ..kv_events import EventCollector, EventQueue, KvtcKVEvents
@@ -169,6 +170,7 @@ class KvtcConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        operator_logging()  # the ready line and warnings in vLLM's log at its level
         tc = vllm_config.kv_transfer_config
         self.cfg = ConnectorConfig.from_sources(tc.kv_connector_extra_config)
         self.engine_id = str(tc.engine_id)
