@@ -161,12 +161,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens between resumable checkpoints (default 16384 on the CPU, 65536 on a GPU, whose state is large)",
     )
     p.add_argument("--stop-after-tokens", type=types.nonneg_int, default=0, help=argparse.SUPPRESS)  # tests
-    p.add_argument(
-        "--out",
-        default=None,
-        help="output calibration directory (default: $DYN_KVTC_CALIBRATIONS/<model name>, else "
-        "<cache>/calibrations/<model name>)",
-    )
+    p.add_argument("--out", help="output calibration directory (default: where the connector looks, see below)")
 
 
 def run(args: argparse.Namespace) -> int:
