@@ -36,9 +36,17 @@ def _ms(x: float | None) -> str:
 def run_demo(args) -> int:
     t0 = time.time()
     model_dir = resolve_model(args.model)
-    cal = args.calibration or find_calibration(args.model)
-    if cal is None:
-        raise ConfigError(f"no calibration for {args.model}: run `dynamo-kvtc calibrate --model {args.model}` first")
+    cal = args.calibration
+    if cal is None:  # by the model's name, else by its fingerprint whatever the calibration's folder is called
+        from transformers import AutoConfig
+
+        from ..calibration.catalog import not_found
+        from ..calibration.models import fingerprint_of
+
+        fp = fingerprint_of(AutoConfig.from_pretrained(str(model_dir)))
+        cal = find_calibration(args.model, fingerprint=fp)
+        if cal is None:
+            raise ConfigError(not_found(args.model, fp))
     extra = {"calibration": str(cal), "ratio": args.ratio, "cpu_cache_gb": args.cpu_cache_gb}
     llm = build_engine(EngineConfig(model=str(model_dir), extra=extra))
     w = worker_of(llm)
