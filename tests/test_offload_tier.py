@@ -29,6 +29,8 @@ from dynamo_kvtc.connector.offloading.tier import (  # noqa: E402
 )
 from dynamo_kvtc.errors import ConfigError  # noqa: E402
 
+from . import example_layout  # noqa: E402, F401 - registers the tests' own layout, token_minor
+
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 
@@ -44,7 +46,7 @@ def test_options_defaults_and_errors_name_the_key(tmp_path):
         "window": {"window": 1.5},
         "cpu_cache_gb": {"cpu_cache_gb": 0},
         "disk_cache_dir": {"disk_cache_gb": 10},
-        "page_layout": {"page_layout": "flash"},
+        "page_layout": {"page_layout": "flash"},  # registered, but a block's K and V are not one page
         "threads": {"threads": 0},
         "device": {"device": "tpu"},
     }
@@ -61,7 +63,7 @@ def test_layer_index_of_vllm_layer_names():
 
 
 # ----------------------------------------------------------------------------------------------- layout
-@pytest.mark.parametrize("kind", ["nhd", "hnd", "cpu"])
+@pytest.mark.parametrize("kind", ["nhd", "hnd", "cpu", "token_minor"])  # token_minor: a layout of the tests only
 def test_chunk_layout_pack_is_the_exact_inverse_of_unpack(kind):
     L, bs, P, H, D = 3, 32, 2, 2, 32  # 32: the smallest head size vLLM's CPU kernel supports on every ISA
     offsets = (None, None)
@@ -87,6 +89,15 @@ def test_chunk_layout_pack_is_the_exact_inverse_of_unpack(kind):
     if kind == "nhd":
         page = raw[: lay.page_bytes].view(torch.bfloat16).view(bs, H, 2, D)
         assert torch.equal(k[2, :bs], page[:, :, 0]) and torch.equal(v[2, :bs], page[:, :, 1])
+
+
+def test_chunk_page_layouts_are_the_registrys():
+    """The tier's page_layout is any registered layout with a page form (the tests' own one included); one whose
+    block's K and V lie apart is refused, by the option check and by ChunkLayout."""
+    assert KvtcTierOptions.from_config({"page_layout": "token_minor"}).page_layout == "token_minor"
+    with pytest.raises(ConfigError, match="no page form"):
+        ChunkLayout(layers=[0], block_size=16, blocks_per_chunk=1, num_heads=1, head_dim=8, dtype=torch.float16,
+                    kind="flash")  # fmt: skip
 
 
 def test_cpu_layout_matches_the_attention_kernels_own_writes():

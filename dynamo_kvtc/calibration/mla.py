@@ -4,7 +4,7 @@ An MLA layer caches, per token, one latent ``c`` of ``kv_lora_rank`` (C) feature
 after ``kv_a_layernorm``) and one post-RoPE key part ``k_pe`` of ``qk_rope_head_dim`` (R) features, shared by every
 attention head. vLLM stores ``[c | k_pe]`` (``C + R`` wide, e.g. 576) as one "head" per token and layer, with the
 RoPE of ``k_pe`` in interleaved pairs (GPT-J style). The codec sees that row cut in two halves of ``D = (C + R) / 2``
-(:func:`dynamo_kvtc.tiers.layout.mla_views`): V the first half (latent only), K the second (the latent's tail, then
+(:func:`dynamo_kvtc.tiers.layouts.mla.mla_views`): V the first half (latent only), K the second (the latent's tail, then
 ``k_pe``), one KV head each; K's RoPE sits at ``rotary_offset = D - R``. Raw bytes per token are then exactly the
 cache's (``2 * L * D`` elements). The PCA runs across layers over these features as for any model.
 
@@ -88,7 +88,7 @@ def is_mla_fingerprint(fp: ModelFingerprint) -> bool:
 
 
 def split_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V ``[..., 1, D]`` of cache rows ``[..., C + R]`` (as :func:`~dynamo_kvtc.tiers.layout.mla_views`)."""
+    """K, V ``[..., 1, D]`` of cache rows ``[..., C + R]`` (as :func:`~dynamo_kvtc.tiers.layouts.mla.mla_views`)."""
     D = rows.shape[-1] // 2
     return rows[..., None, D:], rows[..., None, :D]
 

@@ -1,17 +1,22 @@
-"""How a primary-tier chunk of vLLM's OffloadingConnector holds K and V, for the ``kvtc`` tier (:mod:`.offload_tier`).
+"""How a primary-tier chunk of vLLM's OffloadingConnector holds K and V, for the ``kvtc`` tier (:mod:`.tier`).
 
-:class:`ChunkLayout` unpacks a chunk's bytes into per-layer keys and values and packs them back; the helpers resolve
-the engine's page layout, the layer index of a KV cache layer's name, the KV dtype and the CPU kernel's element order.
+A chunk is pages of one registered KV layout (:mod:`dynamo_kvtc.tiers.layouts`: ``nhd``, ``hnd``, ``cpu``, ...; the
+layout packs and unpacks one page); :class:`ChunkLayout` is their arrangement, layer-major, in the KV group's layer
+order. The helpers resolve the engine's page layout, the layer index of a KV cache layer's name, the KV dtype and the
+CPU kernel's element order.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import torch
 
 from ...errors import ConfigError
+from ...tiers.layouts import layout_class, page_layout_of
+from ...tiers.layouts.cpu import probe_cpu_offsets
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +35,8 @@ def layer_index(name: str) -> int:
 
 class ChunkLayout:
     """How one worker's part of a primary-tier chunk holds K and V: per layer (in the KV group's layer order),
-    ``blocks_per_chunk`` consecutive pages of one engine block each. A page is:
-
-    - ``nhd``: ``[block_size, H, 2, D]`` (vLLM 0.31's logical ``[B, H, N, C]`` in the LBNHC layout, C = K then V);
-    - ``hnd``: ``[H, block_size, 2, D]`` (LBHNC);
-    - ``cpu``: vLLM's CPU attention block ``[H, 2, block_size * D]``, each half in the kernel's own element order
-      (``k_offsets``/``v_offsets``, probed through the kernel as :func:`..tiers.layout.probe_cpu_offsets` does).
+    ``blocks_per_chunk`` consecutive pages of one engine block each, every page in layout ``kind`` (a registered
+    layout with pages; ``k_offsets``/``v_offsets``: the ``cpu`` layout's element order, probed by :func:`cpu_offsets`).
 
     :meth:`unpack` turns a chunk's bytes into ``(keys, values)`` ``[L, T, H, D]`` in model layer order,
     :meth:`pack` is its exact inverse."""
@@ -55,59 +56,34 @@ class ChunkLayout:
     ) -> None:
         if sorted(layers) != list(range(len(layers))):
             raise ConfigError(f"KV cache layers are not one of each of 0..{len(layers) - 1}: {layers}")
+        cls = layout_class(kind)
+        if not cls.has_pages():
+            raise ConfigError(f"KV layout {kind!r} has no page form: a chunk cannot hold it")
+        options = {k: o for k, o in (("k_offsets", k_offsets), ("v_offsets", v_offsets)) if o is not None}
+        self.form = cls(block_size, num_heads, head_dim, **options)
         self.slots = layers  # slot i of the chunk holds model layer layers[i]
         self.order = torch.tensor(sorted(range(len(layers)), key=lambda i: layers[i]))  # layer -> slot
         self.L, self.bs, self.bpc, self.H, self.D = len(layers), block_size, blocks_per_chunk, num_heads, head_dim
         self.dtype, self.kind = dtype, kind
         self.elem = torch.tensor([], dtype=dtype).element_size()
-        self.page_bytes = block_size * num_heads * 2 * head_dim * self.elem
+        self.page_bytes = math.prod(self.form.page_shape) * self.elem
         self.bytes = self.L * self.bpc * self.page_bytes
         self.tokens = block_size * blocks_per_chunk
-        self.k_offsets, self.v_offsets = k_offsets, v_offsets
-        if kind == "cpu" and k_offsets is not None:
-            self.k_inv = torch.argsort(k_offsets)
-            self.v_inv = torch.argsort(v_offsets)
 
     def unpack(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``raw``: this worker's ``self.bytes`` bytes of one chunk (uint8/int8, any device)."""
-        x = raw[: self.bytes].view(self.dtype)
-        L, P, bs, H, D = self.L, self.bpc, self.bs, self.H, self.D
-        if self.kind == "nhd":
-            x = x.view(L, P, bs, H, 2, D)
-            k, v = x[..., 0, :], x[..., 1, :]
-        elif self.kind == "hnd":
-            x = x.view(L, P, H, bs, 2, D).permute(0, 1, 3, 2, 4, 5)
-            k, v = x[..., 0, :], x[..., 1, :]
-        else:
-            x = x.view(L, P, H, 2, bs * D)
-            k, v = x[:, :, :, 0], x[:, :, :, 1]
-            if self.k_offsets is not None:  # element at logical t*D+d lives at offsets[t*D+d]
-                k = k[..., self.k_offsets.to(k.device)]
-                v = v[..., self.v_offsets.to(v.device)]
-            k = k.reshape(L, P, H, bs, D).transpose(2, 3)
-            v = v.reshape(L, P, H, bs, D).transpose(2, 3)
+        x = raw[: self.bytes].view(self.dtype).view(self.L, self.bpc, *self.form.page_shape)
+        k, v = self.form.unpage(x)  # [L, P, bs, H, D]
         order = self.order.to(x.device)
-        k = k.reshape(L, P * bs, H, D)[order].contiguous()
-        v = v.reshape(L, P * bs, H, D)[order].contiguous()
+        k = k.reshape(self.L, self.tokens, self.H, self.D)[order].contiguous()
+        v = v.reshape(self.L, self.tokens, self.H, self.D)[order].contiguous()
         return k, v
 
     def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``(keys, values)`` ``[L, T, H, D]`` in model layer order -> the chunk's bytes (uint8, on their device)."""
-        L, P, bs, H, D = self.L, self.bpc, self.bs, self.H, self.D
+        shape = (self.L, self.bpc, self.bs, self.H, self.D)
         slots = torch.tensor(self.slots, device=k.device)
-        k = k.to(self.dtype)[slots].reshape(L, P, bs, H, D)
-        v = v.to(self.dtype)[slots].reshape(L, P, bs, H, D)
-        if self.kind == "nhd":
-            x = torch.stack((k, v), dim=4)  # L P bs H 2 D
-        elif self.kind == "hnd":
-            x = torch.stack((k, v), dim=4).permute(0, 1, 3, 2, 4, 5)  # L P H bs 2 D
-        else:
-            k = k.transpose(2, 3).reshape(L, P, H, bs * D)
-            v = v.transpose(2, 3).reshape(L, P, H, bs * D)
-            if self.k_offsets is not None:
-                k = k[..., self.k_inv.to(k.device)]
-                v = v[..., self.v_inv.to(v.device)]
-            x = torch.stack((k, v), dim=3)  # L P H 2 bs*D
+        x = self.form.page(k.to(self.dtype)[slots].reshape(shape), v.to(self.dtype)[slots].reshape(shape))
         return x.contiguous().view(-1).view(torch.uint8)
 
 
@@ -121,7 +97,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def resolve_page_layout(requested: str, kv_cache_layout: str | None) -> str:
-    """``auto``: vLLM's CPU attention layout on a CPU platform, else from the engine's resolved KV cache layout."""
+    """``auto``: vLLM's CPU attention layout (``cpu``) on a CPU platform, else the registered layout whose pages are
+    the engine's resolved KV cache layout (``LBNHC`` -> ``nhd``, ``LBHNC`` -> ``hnd``)."""
     if requested != "auto":
         return requested
     try:
@@ -131,21 +108,17 @@ def resolve_page_layout(requested: str, kv_cache_layout: str | None) -> str:
             return "cpu"
     except ImportError:  # pragma: no cover - vLLM is imported above
         pass
-    name = (kv_cache_layout or "LBNHC").upper()
-    if name in ("LBNHC", "NHD"):
-        return "nhd"
-    if name in ("LBHNC", "HND"):
-        return "hnd"
-    raise ConfigError(
-        f"KV cache layout {kv_cache_layout!r} keeps several layers in one block; the kvtc tier reads per-layer "
-        "layouts (LBNHC, LBHNC) only: set secondary_tiers[type=kvtc].page_layout explicitly if you know it"
-    )
+    try:
+        return page_layout_of(kv_cache_layout or "LBNHC")
+    except ConfigError:
+        raise ConfigError(
+            f"KV cache layout {kv_cache_layout!r} keeps several layers in one block; the kvtc tier reads per-layer "
+            "layouts (LBNHC, LBHNC) only: set secondary_tiers[type=kvtc].page_layout explicitly if you know it"
+        ) from None
 
 
 def cpu_offsets(num_heads: int, block_size: int, head_dim: int, dtype: torch.dtype):
     """Element order of vLLM's CPU attention kernel inside a block (None: plain ``[block_size, D]`` halves)."""
-    from ...tiers.layout import probe_cpu_offsets
-
     try:  # None only when vLLM's kernel is not importable (then the plain layout is what is there)
         return probe_cpu_offsets(torch.empty(1, num_heads, block_size, 2 * head_dim, dtype=dtype), block_size)
     except Exception as e:  # read as the plain layout, keys would come out scrambled: refuse instead

@@ -12,7 +12,8 @@ Tier options (each validated here; an error names the key):
 ``disk_cache_gb``  disk-tier budget (default 0: no disk tier); needs ``disk_cache_dir``
 ``disk_cache_dir`` directory the disk tier owns (created 0700)
 ``device``         ``auto`` (CUDA when available), ``cpu`` or ``cuda``: where chunks are encoded and decoded
-``page_layout``    ``auto``, ``nhd``, ``hnd`` or ``cpu``: how a layer's block is laid out in a primary chunk
+``page_layout``    ``auto``, or a registered KV layout with pages (``nhd``, ``hnd``, ``cpu``, ...:
+                   :mod:`dynamo_kvtc.tiers.layouts`): how a layer's block is laid out in a primary chunk
 ``threads``        encode/decode threads (default 2)
 =================  =======================================================================================
 """
@@ -26,12 +27,13 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from ...tiers.layouts import page_layouts
 
 __all__ = ["DEVICES", "PAGE_LAYOUTS", "RATIO_POLICIES", "TIER_TYPE", "KvtcTierOptions", "option_error"]
 
 
 TIER_TYPE = "kvtc"
-PAGE_LAYOUTS = ("auto", "nhd", "hnd", "cpu")
+PAGE_LAYOUTS = ("auto", *page_layouts())  # the built-in ones; validation asks the registry (layouts added later too)
 RATIO_POLICIES = ("fixed", "raw")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -104,8 +106,9 @@ class KvtcTierOptions:
             raise option_error("device", f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise option_error("device", "'cuda' requested but CUDA is not available in the scheduler process")
-        if self.page_layout not in PAGE_LAYOUTS:
-            raise option_error("page_layout", f"must be one of {', '.join(PAGE_LAYOUTS)}, got {self.page_layout!r}")
+        if self.page_layout not in ("auto", *page_layouts()):
+            known = ", ".join(("auto", *page_layouts()))
+            raise option_error("page_layout", f"must be one of {known}, got {self.page_layout!r}")
         if not 1 <= self.threads <= 64:
             raise option_error("threads", f"must be in 1..64, got {self.threads}")
         if self.locality is not None and self.locality not in ("LOCAL", "REMOTE"):

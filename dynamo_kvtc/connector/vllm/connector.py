@@ -35,9 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from ...calibration.mla import is_mla
 from ...errors import KvtcError
 from ...logs import operator_logging
-from ...tiers.layout import probe_cpu_offsets
+from ...tiers.layouts import detect_layout
+from ...tiers.layouts.cpu import probe_cpu_offsets
 from ..config import ConnectorConfig
 from ..kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .guard import shielded
@@ -46,7 +48,7 @@ from .remote_prefill import RemotePrefill
 from .scheduler import KvtcScheduler
 from .stats import KvtcConnectorStats, KvtcPromMetrics, StatsReporter
 from .step_plan import StepPlan
-from .worker import SUPPORTED_KV_DTYPES, KvtcWorker
+from .worker import KvtcWorker
 
 if TYPE_CHECKING:
     import torch
@@ -271,11 +273,18 @@ class KvtcConnector(KVConnectorBase_V1):
             return {}  # the worker refuses: encoding with guessed scales would restore wrong values
 
     def _cpu_offsets(self, kv_caches: dict[str, torch.Tensor]):
+        """The ``cpu`` layout's element order, probed through vLLM's own cache-write kernel (bf16, fp16 and FP8
+        caches); None for any other layout."""
         first = next(iter(kv_caches.values()))
-        if first.dim() != 4 or first.device.type != "cpu" or first.dtype not in SUPPORTED_KV_DTYPES:
-            return None  # not the CPU layout, or a cache the worker refuses (FP8): nothing to probe
+        mc = self._vllm_config.model_config
         try:
-            return probe_cpu_offsets(first, self.block_size, str(self._vllm_config.cache_config.cache_dtype))
+            if first.device.type != "cpu" or detect_layout(first, None, mla=is_mla(mc.hf_config)) != "cpu":
+                return None
+        except KvtcError:
+            return None  # the worker refuses this cache with its own reason
+        try:
+            cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+            return probe_cpu_offsets(first, self.block_size, cache_dtype, model_dtype=mc.dtype)
         except Exception as e:  # noqa: BLE001 - the worker refuses the cache with this reason (never reads it as plain)
             return e
 

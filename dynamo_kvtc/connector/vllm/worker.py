@@ -46,6 +46,7 @@ from ...codec.fp8 import kv_format
 from ...errors import KvtcError, TierError
 from ...tiers.config import AUTO
 from ...tiers.layout import PagedKV
+from ...tiers.layouts import detect_layout
 from ...tiers.store import KvtcStore, OnboardHandle
 from ..config import ConnectorConfig
 from ..host_memory import host_memory_limit, host_memory_warning
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # KV cache dtypes the codec encodes from and restores into as they are (FP8 caches go through their scales)
 SUPPORTED_KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def check_kv_dtype(t: torch.Tensor, cache_dtype: str = "auto") -> None:
     """Refuse KV caches the codec cannot read: anything but 16/32-bit float, or an FP8 cache (``fp8``, ``fp8_e4m3``,
     ``fp8_e5m2``; uint8 or float8 tensors, encoded through its per-layer scales). Other quantized caches are refused."""
@@ -78,25 +81,6 @@ def layer_index(name: str) -> int:
     if m is None:
         raise TierError(f"cannot tell the layer index of KV cache {name!r}")
     return int(m.group(1))
-
-
-def detect_layout(t: torch.Tensor, num_blocks: int | None, mla: bool = False) -> str:
-    """vLLM's per-layer KV tensor layouts: CPU [nb, H, bs, 2D], FlashAttention [2, nb, ...], FlashInfer [nb, 2, ...];
-    for an MLA model (``mla``) its latent cache [nb, bs, C + R] (the CPU backend's [nb, 1, bs, C + R])."""
-    if mla:
-        if t.dim() == 3 or t.dim() == 4 and t.shape[1] == 1:
-            return "mla"
-        raise TierError(f"unsupported KV cache layout for an MLA model: shape {tuple(t.shape)}")
-    if t.dim() == 4:
-        return "cpu"
-    if t.dim() == 5:
-        if t.shape[0] == 2 and (num_blocks is None or t.shape[1] == num_blocks) and t.shape[1] != 2:
-            return "flash"
-        if t.shape[1] == 2 and (num_blocks is None or t.shape[0] == num_blocks):
-            return "flashinfer"
-        if t.shape[0] == 2:
-            return "flash"
-    raise TierError(f"unsupported KV cache layout: shape {tuple(t.shape)} (see docs/models.md)")
 
 
 def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
@@ -216,8 +200,8 @@ class KvtcWorker:
             ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
             ks = vs = None
             if kv_format(self.kv_cache_dtype) is not None:
-                if layout == "cpu" and offsets is None:
-                    raise TierError("the element order of this CPU FP8 KV cache is unknown (no layout probe for fp8)")
+                if layout == "cpu" and offsets is None:  # no vLLM kernel to probe: do not guess the order
+                    raise TierError("the element order of this CPU FP8 KV cache is unknown (no cache kernel to probe)")
                 if scales is not None:
                     if set(names) - set(scales):
                         raise TierError(f"no k/v scale for FP8 KV cache {sorted(set(names) - set(scales))[0]!r}")
