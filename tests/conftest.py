@@ -39,6 +39,15 @@ def cpu_avx512() -> bool:
     return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def cpu_isa() -> str:
+    """The widest of this CPU's vector ISAs that change float results here: "amx" (AMX tiles: vLLM's CPU backend then
+    picks other kernels, and float results recorded on AVX-512 CPUs without them did not repeat), "avx512" or
+    "avx2"."""
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "avx512" if torch.cpu._is_avx512_supported() else "avx2"
+
+
 def make_fp(layers: int = L, heads: int = H, head_dim: int = D, name: str = "synthetic") -> ModelFingerprint:
     return ModelFingerprint(
         "SyntheticForCausalLM",

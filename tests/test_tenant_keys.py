@@ -235,14 +235,53 @@ def engine_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+# Where a restored reply may leave its recompute's: at a step whose two best tokens are this close (nats), in both
+# runs. The restore computes the prompt's last chunk beside restored history, the recompute the whole prompt at once;
+# on some CPUs (AVX-512/AMX kernels) the two shapes round differently, so the two runs' logits differ a little, and
+# greedy decoding can take the other of two near-equal tokens and continue differently from there. The logits are
+# bf16: at this model's top logits (16..32) one bf16 step is 0.125, and the logprobs come in multiples of it. A
+# rounding difference moves a logit by a step or two; NEAR_TIE is four steps. Measured here (AVX2): both runs'
+# logprobs equal at every step, and the salted reply's 5th step an exact tie (" listen" and another token at the same
+# logprob, 0 apart; four other steps 0.125 to 0.375 apart), likely where an AMX CPU's restored reply left the
+# recompute's (it ended one token short of the same words). Foreign KV fails the bit-exact check first and moves
+# logprobs by whole nats.
+NEAR_TIE = 0.5
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def assert_restored_reply_is_its_recompute(r: dict) -> None:
+    """A request that restored its own KV (bit for bit what the engine wrote for those blocks) answers as its
+    recompute does, token for token, up to a near tie: where the two replies part, both runs ranked the two tokens
+    within NEAR_TIE of each other, and until then both runs' logprobs of the chosen tokens agree within NEAR_TIE.
+    Foreign KV fails the bit-exact check, and moves logprobs by far more than rounding."""
+    assert r["restored_bit_exact"] is True, "the restored blocks are not the K/V the engine wrote for them"
+    got, ref = r["reply_ids"], r["reference_ids"]
+    mine = [{int(t): lp for t, lp in step.items()} for step in r["reply_top"]]
+    theirs = [{int(t): lp for t, lp in step.items()} for step in r["reference_top"]]
+    i = _first_difference(got, ref)
+    for j in range(len(got) if i is None else i):
+        assert abs(mine[j][got[j]] - theirs[j][ref[j]]) < NEAR_TIE, (j, r["reply"], r["reference_reply"])
+    if i is None:
+        assert r["reply"] == r["reference_reply"]
+        return
+    assert i < len(got) and i < len(ref), ("one reply stopped early", r["reply"], r["reference_reply"])
+    a, b = got[i], ref[i]
+    assert b in mine[i] and a in theirs[i], ("not a near tie", i, r["reply"], r["reference_reply"])
+    why = ("not a near tie", i, mine[i], theirs[i], r["reply"], r["reference_reply"])
+    assert mine[i][a] - mine[i][b] < NEAR_TIE and theirs[i][b] - theirs[i][a] < NEAR_TIE, why
+
+
 @pytest.mark.model
 def test_engine_salts_never_share_and_a_repeat_restores(engine_run):
     r = engine_run["salts"]
     assert r["a"]["restored_tokens"] == 0  # the first request of tenant A: nothing stored yet
     assert r["b"]["restored_tokens"] == 0, "tenant B restored tenant A's KV"
-    assert r["b"]["reply"] == r["b"]["reference_reply"]
+    assert r["b"]["reply"] == r["b"]["reference_reply"]  # two full prefills of the same prompt: the same path
     assert r["a_again"]["restored_tokens"] >= r["usable_tokens"] - engine_run["block_size"]
-    assert r["a_again"]["reply"] == r["a_again"]["reference_reply"]
+    assert_restored_reply_is_its_recompute(r["a_again"])
     assert r["plain"]["restored_tokens"] == 0  # no salt is another tenant too
 
 
@@ -255,4 +294,4 @@ def test_engine_lora_adapters_never_share(engine_run):
     assert r["two"]["restored_tokens"] == 0, "adapter 2 restored adapter 1's KV"
     assert r["two"]["reply"] == r["two"]["reference_reply"]
     assert r["one_again"]["restored_tokens"] > 0  # same adapter again: restores
-    assert r["one_again"]["reply"] == r["one_again"]["reference_reply"]
+    assert_restored_reply_is_its_recompute(r["one_again"])

