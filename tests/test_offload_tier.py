@@ -195,6 +195,25 @@ def test_the_tiers_blobs_count_in_the_same_store_stats_and_metrics_as_kvtc_conne
         assert get("kvtc_tier_blocks", {"tier": "host"}) == 2
         assert get("kvtc_effective_ratio") > 8 and get("kvtc_policy_ratio") == 16
         assert get("kvtc_encode_seconds_count") == 2 and get("kvtc_restore_seconds_count") == 1
+        # the engine's /metrics: vLLM's offloading metrics carry KvtcConnector's vllm:kvtc_* families (same names and
+        # labels as its KvtcPromMetrics), fed by the tier's get_stats through vLLM's manager
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        from dynamo_kvtc.connector.vllm.stats import LABELS
+
+        defs = TieringOffloadingSpec.build_metric_definitions(rig.cfg.extra_config)
+        ours = {n: d for n, d in defs.items() if n.startswith("vllm:kvtc_")}
+        assert set(ours) >= {"vllm:kvtc_offload_blocks", "vllm:kvtc_onboard_blocks", "vllm:kvtc_offload_bytes"}
+        for name, d in ours.items():
+            family = name.removeprefix("vllm:kvtc_")
+            assert d.labelnames == ((LABELS[family],) if family in LABELS else ())
+        data = rig.manager.get_stats().data["data"]
+        assert data["vllm:kvtc_offload_blocks"] == {(): 2} and data["vllm:kvtc_onboard_blocks"][("host",)] == 1
+        assert data["vllm:kvtc_offload_bytes"] == {("raw",): 2 * raw, ("stored",): st.offload_stored_bytes}
+        assert rig.store([key(3)], [3]).success
+        data = rig.manager.get_stats().data["data"]  # deltas since the last call
+        assert data["vllm:kvtc_offload_blocks"] == {(): 1} and "vllm:kvtc_onboard_blocks" not in data
+        assert data["vllm:kvtc_policy_ratio"] == {(): 16.0}
     finally:
         rig.close()
 

@@ -44,11 +44,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -59,6 +61,7 @@ from ...calibration.mla import is_mla_fingerprint
 from ...errors import ConfigError, KvtcError, TierError, TierFullError
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
 from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
+from .stats import TierStats, metric_definitions
 from .storage import KeyBook, make_store, offload_hash
 
 log = logging.getLogger(__name__)
@@ -164,6 +167,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self._events = bool(getattr(offloading_spec.kv_events_config, "enable_kv_cache_events", False))
         self.keys = KeyBook()  # vLLM's keys of the blobs this tier put, and of those that left the store since
         self.store.listeners.append(self.keys)
+        self._stats = TierStats(self.store)
         log.info(
             "kvtc secondary tier ready: %d layers, page layout %s, %d tokens per chunk, calibration %s, %s, "
             "device %s, host %.2f GB, disk %.2f GB",
@@ -293,6 +297,15 @@ class KvtcSecondaryTier(SecondaryTierManager):
             self._flat.release()
         except BufferError:
             log.warning("kvtc tier: the primary tier's memory is still referenced at shutdown")
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The ``vllm:kvtc_*`` families KvtcConnector reports that the tier's store feeds (:mod:`.stats`)."""
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The store's counter deltas since the last call and its gauges (:class:`.stats.TierStats`)."""
+        return self._stats.take()
 
     def snapshot(self) -> dict[str, Any]:
         """The store's snapshot (:meth:`KvtcStore.snapshot`: the :class:`~dynamo_kvtc.tiers.stats.StoreStats`
