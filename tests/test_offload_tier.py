@@ -21,7 +21,6 @@ from .conftest import ENGINE_ENV, cpu_avx512
 pytest.importorskip("vllm")
 
 from dynamo_kvtc.connector.offloading.tier import (  # noqa: E402
-    BlobCache,
     ChunkLayout,
     KvtcTierOptions,
     cpu_offsets,
@@ -129,24 +128,105 @@ def test_cpu_layout_matches_the_attention_kernels_own_writes():
 
 
 # ----------------------------------------------------------------------------------------------- storage
-def test_blob_cache_lru_demotes_to_disk_and_drops_beyond_both_budgets(tmp_path):
-    c = BlobCache(host_bytes=250, disk_bytes=250, disk_dir=str(tmp_path / "d"))
-    for i in range(6):
-        assert c.put(bytes([i]), bytes([i]) * 100)
-    # host holds the 2 newest, disk the 2 before, the 2 oldest were dropped
-    assert list(c.host) == [b"\x04", b"\x05"] and list(c.disk) == [b"\x02", b"\x03"]
-    assert c.stats["demoted"] == 4 and c.stats["dropped"] == 2
-    c.touch([b"\x04"])  # now the host tier's most recent: b"\x05" is the next victim
-    assert list(c.host) == [b"\x05", b"\x04"]
-    assert c.get(b"\x02") == b"\x02" * 100 and c.get(b"\x00") is None
-    assert sorted(c.take_removed()) == [b"\x00", b"\x01"]
-    assert oct((tmp_path / "d").stat().st_mode & 0o777) == "0o700"
-    (tmp_path / "d" / "03.kvtc").unlink()  # a file deleted underneath is a miss, then forgotten
-    assert c.get(b"\x03") is None and b"\x03" not in c
-    no_disk = BlobCache(host_bytes=150)
-    no_disk.put(b"a", b"1" * 100)
-    no_disk.put(b"b", b"2" * 100)
-    assert b"a" not in no_disk and no_disk.take_removed() == [b"a"]
+def test_the_tiers_blobs_live_in_a_kvtc_store_lru_to_disk_then_dropped(tmp_path):
+    """The tier's blobs are KvtcConnector's store's: a host tier of ~2 raw chunks whose LRU victims go to a disk tier
+    of ~2 (created 0700), dropped beyond both (a removal event); ``touch`` keeps a chunk in host memory; a disk file
+    deleted underneath is a failed promotion, then a miss."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from dynamo_kvtc.connector.offloading.tier import offload_hash
+    from dynamo_kvtc.tiers.store import KvtcStore
+
+    from .test_tier_contract import Rig, key
+
+    disk = tmp_path / "d"
+    rig = Rig("kvtc", tmp_path, events=True, cpu_cache_gb=0.0031, disk_cache_gb=0.0031, disk_cache_dir=str(disk))
+    try:
+        store = rig.tier.store
+        assert isinstance(store, KvtcStore) and oct(disk.stat().st_mode & 0o777) == "0o700"
+        where = lambda i: store.where(offload_hash(key(i)))  # noqa: E731
+        assert rig.store([key(1), key(2)], [0, 1]).success
+        rig.tier.touch([key(1)], None)  # now key(2) is the host tier's least recently used
+        assert rig.store([key(3)], [2]).success
+        assert (where(1), where(2), where(3)) == ("host", "disk", "host")
+        assert rig.store([key(4), key(5)], [3, 4]).success  # key(1) and key(3) to disk, key(2) dropped
+        assert [where(i) for i in range(1, 6)] == ["disk", None, "disk", "host", "host"]
+        events = list(rig.tier.take_events())
+        assert [(e.removed, sorted(e.keys)) for e in events] == [
+            (False, sorted(key(i) for i in range(1, 6))),
+            (True, [key(2)]),
+        ]
+        s = rig.tier.snapshot()
+        assert (s["offload_blocks"], s["host_blobs"], s["disk_blobs"], s["disk_evictions"]) == (5, 2, 2, 1)
+        (disk / f"{store.blob_of(offload_hash(key(3)))}.kvtc").unlink()
+        assert not rig.load([key(3)], [5]).success and rig.lookup(key(3)) is LookupResult.MISS
+        assert rig.load([key(1)], [5]).success  # from disk, back into the host tier
+        assert torch.equal(rig.rows[5, : len(rig.written[key(1)])], rig.written[key(1)])
+    finally:
+        rig.close()
+
+
+def test_the_tiers_disk_directory_policy_is_the_disk_tiers(tmp_path):
+    """A group-writable directory is refused at start-up, the error naming the option."""
+    from .test_tier_contract import Rig
+
+    disk = tmp_path / "shared"
+    disk.mkdir()
+    disk.chmod(0o775)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[type=kvtc\]\.disk_cache_dir: .*group- or world-writable"):
+        Rig("kvtc", tmp_path, disk_cache_gb=0.01, disk_cache_dir=str(disk))
+
+
+def test_the_tiers_blobs_count_in_the_same_store_stats_and_metrics_as_kvtc_connectors(tmp_path):
+    """At ratio 16 the tier's chunks are offloads and promotions of a KvtcStore: the StoreStats fields and the
+    ``kvtc_*`` families KvtcConnector's store reports (connector/metrics.py), with a promotion from the host tier."""
+    from prometheus_client import CollectorRegistry
+
+    from dynamo_kvtc.connector.metrics import KvtcMetrics
+    from dynamo_kvtc.tiers.stats import StoreStats
+
+    from .test_tier_contract import Rig, key
+
+    rig = Rig("kvtc", tmp_path, ratio=16, ratio_policy="fixed")
+    try:
+        assert rig.store([key(1), key(2)], [0, 1]).success and rig.load([key(1)], [2]).success
+        st = rig.tier.store.stats
+        assert type(st) is StoreStats
+        raw = rig.tier.layout.bytes
+        assert (st.offload_blocks, st.offload_raw_bytes, st.offload_raw) == (2, 2 * raw, 0)
+        assert 2 * raw / st.offload_stored_bytes > 8
+        assert (st.onboards, st.onboard_blocks, st.onboard_host_blocks, st.onboard_host_hits) == (1, 1, 1, 1)
+        reg = CollectorRegistry()
+        KvtcMetrics(rig.tier.store, registry=reg)
+        get = reg.get_sample_value
+        assert get("kvtc_offload_blocks_total", {"tier": "host"}) == 2
+        assert get("kvtc_offload_bytes_total", {"kind": "raw"}) == 2 * raw
+        assert get("kvtc_offload_bytes_total", {"kind": "stored"}) == st.offload_stored_bytes
+        assert get("kvtc_onboard_blocks_total", {"tier": "host"}) == 1
+        assert get("kvtc_tier_blocks", {"tier": "host"}) == 2
+        assert get("kvtc_effective_ratio") > 8 and get("kvtc_policy_ratio") == 16
+        assert get("kvtc_encode_seconds_count") == 2 and get("kvtc_restore_seconds_count") == 1
+        # the engine's /metrics: vLLM's offloading metrics carry KvtcConnector's vllm:kvtc_* families (same names and
+        # labels as its KvtcPromMetrics), fed by the tier's get_stats through vLLM's manager
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        from dynamo_kvtc.connector.vllm.stats import LABELS
+
+        defs = TieringOffloadingSpec.build_metric_definitions(rig.cfg.extra_config)
+        ours = {n: d for n, d in defs.items() if n.startswith("vllm:kvtc_")}
+        assert set(ours) >= {"vllm:kvtc_offload_blocks", "vllm:kvtc_onboard_blocks", "vllm:kvtc_offload_bytes"}
+        for name, d in ours.items():
+            family = name.removeprefix("vllm:kvtc_")
+            assert d.labelnames == ((LABELS[family],) if family in LABELS else ())
+        data = rig.manager.get_stats().data["data"]
+        assert data["vllm:kvtc_offload_blocks"] == {(): 2} and data["vllm:kvtc_onboard_blocks"][("host",)] == 1
+        assert data["vllm:kvtc_offload_bytes"] == {("raw",): 2 * raw, ("stored",): st.offload_stored_bytes}
+        assert rig.store([key(3)], [3]).success
+        data = rig.manager.get_stats().data["data"]  # deltas since the last call
+        assert data["vllm:kvtc_offload_blocks"] == {(): 1} and "vllm:kvtc_onboard_blocks" not in data
+        assert data["vllm:kvtc_policy_ratio"] == {(): 16.0}
+    finally:
+        rig.close()
 
 
 # ----------------------------------------------------------------------------------------------- registration
@@ -233,13 +313,13 @@ def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
     assert a1["restored_tokens"] == 0 and b1["restored_tokens"] == 0
     # A's history left the 12-chunk raw primary tier (B's turn took it) and came back through the kvtc tier
     assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
-    assert a2["tier"]["load_failures"] == 0
+    assert not any(k.startswith("onboard_error_") for k in a2["tier"])
     assert r["promoted_digests"]["same"] >= 6 and r["promoted_digests"]["different"] == 0
     if cpu_avx512():
         assert a2["tokens"] == a2["reference_tokens"] and a2["reply"]
     else:
         assert a2["tokens"][0] == a2["reference_tokens"][0] and a2["reply"]
-    assert r["tier"]["stored_raw_chunks"] == r["tier"]["stored_chunks"] > 0
+    assert r["tier"]["offload_raw"] == r["tier"]["offload_blocks"] > 0
 
 
 @pytest.mark.model
@@ -249,7 +329,8 @@ def test_history_comes_back_through_the_kvtc_tier_at_16x_from_disk(scenario):
     r = scenario("kvtc16", disk=True)
     a2, tier = r["turns"]["a2"], r["tier"]
     assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
-    assert tier["load_failures"] == 0 and tier["disk_reads"] >= 1 and tier["demoted"] >= 1
+    assert not any(k.startswith("onboard_error_") for k in tier)
+    assert tier["onboard_disk_hits"] >= 1 and tier["disk_demotions"] >= 1
     assert tier["ratio"] > 8  # 128-token chunks, sinks in the first; the raw bytes / stored bytes
     assert _leading_same(a2["tokens"], a2["reference_tokens"]) >= 3
 
@@ -274,6 +355,7 @@ def test_vllms_tiering_manager_cascades_promotes_and_fails_safe():
     from dynamo_kvtc.calibration.catalog import find_calibration
     from dynamo_kvtc.connector.offloading import register as offload_register
     from dynamo_kvtc.connector.offloading.cpu_worker import KvtcTieringSpec
+    from dynamo_kvtc.connector.offloading.tier import offload_hash
 
     offload_register.register()
     L, bs, bpc = 30, 32, 4  # SmolLM2-135M: 30 layers x 3 KV heads x 64
@@ -334,12 +416,12 @@ def test_vllms_tiering_manager_cascades_promotes_and_fails_safe():
         m.complete_load(a, ctx)
         m.on_request_finished(ctx)
         store("c", [make_offload_key(bytes([200 + i]) * 8, 0) for i in range(3)])  # a leaves it again
-        blob = bytearray(tier.cache.host[a[0]])
-        blob[len(blob) // 2] ^= 0xFF
-        tier.cache.host[a[0]] = bytes(blob)
+        host = tier.store.host
+        (off, n), *_ = host.extents(tier.store.blob_of(offload_hash(a[0])))
+        host.arena[off + n // 2] ^= 0xFF  # one flipped byte in the blob's host-tier pages
         ctx, found = promote("a3", a[:1])
-        assert found == [LookupResult.MISS] and tier.snapshot()["load_failures"] == 1
-        assert a[0] not in tier.cache and a[1] in tier.cache  # the corrupt blob is dropped, the others stay
+        assert found == [LookupResult.MISS] and tier.snapshot()["onboard_error_CorruptBlobError"] == 1
+        assert not tier.holds(a[0]) and tier.holds(a[1])  # the corrupt blob is dropped, the others stay
         m.on_request_finished(ctx)
     finally:
         m.shutdown()

@@ -71,7 +71,7 @@ def watch_chunks(tier) -> dict[str, int]:
     def watched_load(job):
         load(job)
         for key, cid in zip(job.keys, job.chunk_ids):  # a load stops at its first failure and forgets that blob
-            if key not in tier.cache:
+            if not tier.holds(key):
                 break
             if key in stored:
                 counts["same" if digest(cid) == stored[key] else "different"] += 1
@@ -150,13 +150,13 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
     rows = {}
     rows["a1"] = turn(a)
     rows["b1"] = turn(b)
-    loaded_before = tier.snapshot()["loaded_chunks"]
+    loaded_before = tier.snapshot()["onboard_blocks"]
     a += [
         {"role": "assistant", "content": rows["a1"]["reply"]},
         {"role": "user", "content": "Which example does the author use to support it?"},
     ]
     rows["a2"] = turn(a)
-    rows["a2"]["promoted_chunks"] = tier.snapshot()["loaded_chunks"] - loaded_before
+    rows["a2"]["promoted_chunks"] = tier.snapshot()["onboard_blocks"] - loaded_before
     result = {
         "mode": mode,
         "engine_start_s": t_engine,

@@ -39,14 +39,14 @@ import torch
 from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
 from ..codec.factory import Shard, entropy_tag, make_codec
-from ..errors import TierError
+from ..errors import TierError, TierFullError
 from .admission import OffloadFilter, RatioPolicy
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
 from .disk import DiskTier
 from .host import HostLease, HostTier
 from .index import BlockIndex
-from .keys import sequence_hashes
+from .keys import keyed_blob, sequence_hashes
 from .layout import PagedKV
 from .offloader import Offloader
 from .placement import Placement
@@ -290,6 +290,53 @@ class KvtcStore:
             tail=tail,
             copy=copy,
         )
+
+    def put_blob(
+        self,
+        hashes: Sequence[int],
+        blob: bytes,
+        *,
+        first_position: int,
+        ratio: float | None,
+        raw_bytes: int,
+        seconds: float = 0.0,
+    ) -> str | None:
+        """Keep a blob encoded by the caller (the vLLM ``kvtc`` tier encodes its chunks itself) as an offload keeps
+        its blobs: ``hashes`` are its blocks' keys (one per ``block_size`` tokens, in order) and go into its header,
+        it is indexed and placed (host tier, LRU victims to disk: :meth:`Placement.put`), the listeners are told its
+        blocks are stored (without token ids) and :attr:`stats` counts it as an offload (``offload_blocks``,
+        ``offload_raw_bytes``, ``offload_stored_bytes``, ``offload_raw`` when ``ratio`` is None; ``seconds``: its
+        encode time). ``first_position`` is the absolute position of its first token, ``raw_bytes`` the KV's size
+        uncompressed. The blob must be of this store's calibration; restores check its keys and CRCs as any other.
+        Returns its blob id, or None when it fits in no tier (nothing is indexed then); KvtcError for a blob that
+        does not parse or bad keys."""
+        hashes = list(hashes)
+        blob = keyed_blob(blob, hashes)
+        meta = BlobMeta(
+            f"{hashes[0]:016x}{hashes[-1]:016x}",  # the offloader's naming
+            hashes,
+            self.block_size,
+            first_position,
+            ratio,
+            self.cal.id,
+            raw_bytes,
+            len(blob),
+        )
+        try:
+            self.placement.put(meta, blob)
+        except TierFullError:
+            return None
+        if not self.index.has_blob(meta.id):
+            return None  # dropped on the way (its own demotion to a full disk)
+        self.index.announce_stored(hashes, [], None)
+        st = self.stats
+        st.offload_blocks += len(hashes)
+        st.offload_raw_bytes += raw_bytes
+        st.offload_stored_bytes += len(blob)
+        st.offload_raw += ratio is None
+        st.encode_seconds_x1e6 += int(seconds * 1e6)
+        st.time("encode", seconds)
+        return meta.id
 
     # ------------------------------------------------------------------ onboard
     def start_onboard(

@@ -15,14 +15,21 @@ too: ``{"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offlo
 
 Everything here runs in the scheduler process, as vLLM requires of secondary tiers: ``submit_store`` and
 ``submit_load`` queue a job and return; a small thread pool reads the chunk out of the primary tier's memory view,
-encodes it with :class:`~dynamo_kvtc.codec.KvtcCodec` (on the GPU when one is present, else on the CPU) and keeps the
-blob in a byte-budgeted LRU host tier whose victims move to an optional disk tier; a promotion decodes the blob and
-writes the chunk back into the primary slot vLLM allocated. Positions (for the keys' RoPE) come from vLLM's
-per-request record of each chunk's end token; a chunk without one is stored raw. A failed or missing blob is a failed
-promotion: vLLM recomputes those tokens.
+encodes it with :class:`~dynamo_kvtc.codec.KvtcCodec` (on the GPU when one is present, else on the CPU) and puts the
+blob into a :class:`~dynamo_kvtc.tiers.store.KvtcStore` (:mod:`.storage`: KvtcConnector's store, one chunk one blob:
+its host tier, whose LRU victims move to its optional disk tier, its StoreStats); a promotion restores the blob through
+the store and writes the chunk back into the primary slot vLLM allocated. Positions (for the keys' RoPE) come from
+vLLM's per-request record of each chunk's end token; a chunk without one is stored raw. A failed or missing blob is a
+failed promotion: vLLM recomputes those tokens.
 
-Tier options: :mod:`.offload_options` (each validated there; an error names the key); chunk layouts:
-:mod:`.offload_layout`; the blob store: :mod:`.offload_store` (their public names are re-exported here).
+The job contract (vLLM's ``SecondaryTierManager``): every submitted job is reported exactly once by
+``get_finished_jobs``, whatever fails (a chunk's error of any type is that chunk's failure, the report is made in a
+``finally``; a job that cannot be queued is reported failed at once); a store job succeeds only if every chunk is
+stored (or was already held); a load job reports the chunks restored before the first failure. ``transfer_bytes`` are
+the chunks' raw bytes, as vLLM's own tiers report them (vLLM's backpressure reads latency per byte).
+
+Tier options: :mod:`.options` (each validated there; an error names the key); chunk layouts: :mod:`.layout`; the
+store: :mod:`.storage` (the options' and layouts' public names are re-exported here).
 """
 
 from __future__ import annotations
@@ -37,11 +44,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
+    OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -49,11 +58,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ...calibration.mla import is_mla_fingerprint
-from ...errors import ConfigError, KvtcError
+from ...errors import ConfigError, KvtcError, TierError, TierFullError
 from ...logs import operator_logging
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
 from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
-from .store import BlobCache
+from .stats import TierStats, metric_definitions
+from .storage import KeyBook, make_store, offload_hash
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +72,12 @@ __all__ = [  # the moved names stay importable from here (tests, docs and vLLM's
     "PAGE_LAYOUTS",
     "RATIO_POLICIES",
     "TIER_TYPE",
-    "BlobCache",
     "ChunkLayout",
     "KvtcSecondaryTier",
     "KvtcTierOptions",
     "cpu_offsets",
     "layer_index",
+    "offload_hash",
     "resolve_page_layout",
 ]
 
@@ -145,9 +155,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         from ...codec import KvtcCodec
 
         self.codec = KvtcCodec(self.cal, ratio=self.opts.ratio, device=self.device, window=self.opts.window)
-        self.cache = BlobCache(
-            int(self.opts.cpu_cache_gb * 1e9), int(self.opts.disk_cache_gb * 1e9), self.opts.disk_cache_dir
-        )
+        self.store = make_store(self.cal, self.opts, self.device, self.layout.tokens, float(self.codec.ratio))
         self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view[:]
         # the primary tier's rows as one uint8 tensor (no copy): [num_chunks, chunk bytes]
         self._primary: torch.Tensor | None = torch.frombuffer(self._flat, dtype=torch.uint8).view(
@@ -159,17 +167,9 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self._futures: set[Future] = set()
         self._stored_keys: list[OffloadKey] = []
         self._events = bool(getattr(offloading_spec.kv_events_config, "enable_kv_cache_events", False))
-        self.stats: dict[str, float] = {
-            "stored_chunks": 0,
-            "stored_raw_chunks": 0,
-            "raw_bytes": 0,
-            "blob_bytes": 0,
-            "store_failures": 0,
-            "loaded_chunks": 0,
-            "load_failures": 0,
-            "encode_seconds": 0.0,
-            "decode_seconds": 0.0,
-        }
+        self.keys = KeyBook()  # vLLM's keys of the blobs this tier put, and of those that left the store since
+        self.store.listeners.append(self.keys)
+        self._stats = TierStats(self.store)
         log.info(
             "kvtc secondary tier ready: %d layers, page layout %s, %d tokens per chunk, calibration %s, %s, "
             "device %s, host %.2f GB, disk %.2f GB",
@@ -212,27 +212,43 @@ class KvtcSecondaryTier(SecondaryTierManager):
         return cal
 
     # ------------------------------------------------------------------ scheduler-facing hooks (non-blocking)
+    def holds(self, key: OffloadKey) -> bool:
+        """Whether the tier holds chunk ``key`` (host or disk)."""
+        return self.store.match([offload_hash(key)]) == 1
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return LookupResult.HIT if key in self.cache else LookupResult.MISS
+        return LookupResult.HIT if self.holds(key) else LookupResult.MISS
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def touch(self, keys, req_context: ReqContext) -> None:
-        self.cache.touch(keys)
+        """Mark held chunks most recently used in the host tier (a zero-copy lease taken and given back)."""
+        for key in keys:
+            blob_id = self.store.blob_of(offload_hash(key))
+            lease = self.store.host.lease(blob_id) if blob_id is not None else None
+            if lease is not None:
+                lease.release()
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        job = _Job(job_metadata.job_id, keys, [int(c) for c in job_metadata.chunk_ids])
-        job.positions = [job_metadata.req_context.get_offload_key_position(k) for k in keys]
-        self._submit(self._store, job)
+        self._submit(self._store, job_metadata, positions=True)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        job = _Job(job_metadata.job_id, list(job_metadata.keys), [int(c) for c in job_metadata.chunk_ids])
-        self._submit(self._load, job)
+        self._submit(self._load, job_metadata, positions=False)
 
-    def _submit(self, fn, job: _Job) -> None:
-        fut = self._pool.submit(fn, job)
+    def _submit(self, fn, meta: TransferJob, positions: bool) -> None:
+        """Queue a job; a job that cannot even be queued (bad metadata, the tier shut down) is reported failed at
+        once: every job vLLM submits is reported exactly once by :meth:`get_finished_jobs`."""
+        try:
+            keys = list(meta.keys)
+            job = _Job(meta.job_id, keys, [int(c) for c in meta.chunk_ids])
+            if positions:
+                job.positions = [meta.req_context.get_offload_key_position(k) for k in keys]
+            fut = self._pool.submit(fn, job)
+        except Exception as e:  # noqa: BLE001 - reported as the job's failure
+            log.warning("kvtc tier: job %s not started (%s: %s); reported failed", meta.job_id, type(e).__name__, e)
+            self._finish(JobResult(meta.job_id, success=False, transfer_time=0.0, transfer_bytes=0))
+            return
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._retire)
@@ -260,7 +276,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 f.exception()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        removed = self.cache.take_removed()
+        removed = self.keys.take_removed()
         with self._lock:
             stored, self._stored_keys = self._stored_keys, []
         if not self._events:
@@ -273,7 +289,8 @@ class KvtcSecondaryTier(SecondaryTierManager):
         return out
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)  # every queued job still runs and reports
+        self.store.close()
         self._primary = None  # drop the tensor over the primary's memory, then the view, so vLLM can unmap it
         import gc
 
@@ -283,98 +300,138 @@ class KvtcSecondaryTier(SecondaryTierManager):
         except BufferError:
             log.warning("kvtc tier: the primary tier's memory is still referenced at shutdown")
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """The ``vllm:kvtc_*`` families KvtcConnector reports that the tier's store feeds (:mod:`.stats`)."""
+        return metric_definitions()
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        """The store's counter deltas since the last call and its gauges (:class:`.stats.TierStats`)."""
+        return self._stats.take()
+
     def snapshot(self) -> dict[str, Any]:
-        """Counters, sizes and fills (for tests, logs and benchmarks)."""
-        with self._lock:
-            s = dict(self.stats)
-        with self.cache.lock:
-            s.update(
-                host_blobs=len(self.cache.host),
-                host_bytes=self.cache.host_used,
-                disk_blobs=len(self.cache.disk),
-                disk_bytes=self.cache.disk_used,
-                **self.cache.stats,
-            )
-        s["ratio"] = s["raw_bytes"] / s["blob_bytes"] if s["blob_bytes"] else None
+        """The store's snapshot (:meth:`KvtcStore.snapshot`: the :class:`~dynamo_kvtc.tiers.stats.StoreStats`
+        counters and the tiers' contents; one chunk is one block) and ``ratio``, raw / stored bytes offloaded."""
+        s = self.store.snapshot()
+        s["ratio"] = s["offload_raw_bytes"] / s["offload_stored_bytes"] if s["offload_stored_bytes"] else None
         return s
 
     # ------------------------------------------------------------------ the work (pool threads)
     def _row(self, chunk_id: int) -> torch.Tensor:
-        assert self._primary is not None, "the kvtc tier was shut down"
+        if self._primary is None:
+            raise TierError("the kvtc tier was shut down")
+        if not 0 <= chunk_id < self._primary.shape[0]:
+            raise TierError(f"chunk id {chunk_id} outside the primary tier's {self._primary.shape[0]} chunks")
         return self._primary[chunk_id, : self.layout.bytes]
 
-    def _finish(self, result: JobResult, **counts: float) -> None:
+    def _finish(self, result: JobResult) -> None:
         with self._lock:
-            for k, v in counts.items():
-                self.stats[k] += v
             self._done.append(result)
 
     def _store(self, job: _Job) -> None:
+        """Encode and keep each chunk of a store job. A chunk that fails (any exception) is not stored, counted in
+        ``StoreStats.offload_errors`` and fails the job; the job is reported once, whatever happens."""
         t0 = time.perf_counter()
-        raw_bytes = blob_bytes = raw_chunks = stored = failed = 0
-        done_keys = []
-        for key, cid, end in zip(job.keys, job.chunk_ids, job.positions):
-            if key in self.cache:
-                continue
-            try:
-                k, v = self.layout.unpack(self._row(cid).to(self.device))
-                T = self.layout.tokens
-                raw = self.opts.ratio_policy == "raw" or end is None
-                start = 0 if end is None else int(end) - T
-                positions = torch.arange(start, start + T)
-                blob = self.codec.encode(k, v, positions, window=T if raw else None)
-            except (KvtcError, RuntimeError, ValueError) as e:
-                log.warning("kvtc tier: encoding a chunk failed (%s); it is not stored", e)
-                failed += 1
-                continue
-            if self.cache.put(key, blob):
-                done_keys.append(key)
-            stored += 1
-            raw_chunks += raw
-            raw_bytes += self.layout.bytes
-            blob_bytes += len(blob)
-        with self._lock:
-            self._stored_keys.extend(done_keys)
-        self._finish(
-            JobResult(job.job_id, success=True, transfer_time=time.perf_counter() - t0, transfer_bytes=blob_bytes),
-            stored_chunks=stored,
-            stored_raw_chunks=raw_chunks,
-            raw_bytes=raw_bytes,
-            blob_bytes=blob_bytes,
-            store_failures=failed,
-            encode_seconds=time.perf_counter() - t0,
+        done, stored = 0, []
+        try:
+            for i, key in enumerate(job.keys):
+                try:
+                    if self._store_chunk(key, job.chunk_ids[i], job.positions[i]):
+                        stored.append(key)
+                    done += 1
+                except Exception as e:  # noqa: BLE001 - any error is a chunk not stored, never a lost job
+                    self.store.stats.offload_errors[type(e).__name__] += 1
+                    log.warning(
+                        "kvtc tier: storing a chunk failed (%s: %s); it is not stored",
+                        type(e).__name__,
+                        e,
+                        exc_info=not isinstance(e, KvtcError),
+                    )
+        finally:
+            with self._lock:
+                self._stored_keys.extend(stored)
+            self._finish(self._result(job, done == len(job.keys), done, t0))
+
+    def _store_chunk(self, key: OffloadKey, chunk_id: int, end: int | None) -> bool:
+        """Encode one chunk and put its blob in the store; False if the store holds it already."""
+        h = offload_hash(key)
+        if self.store.match([h]):
+            return False
+        t0 = time.perf_counter()
+        k, v = self.layout.unpack(self._row(chunk_id).to(self.device))
+        T = self.layout.tokens
+        raw = self.opts.ratio_policy == "raw" or end is None
+        start = 0 if end is None else int(end) - T
+        blob = self.codec.encode(k, v, torch.arange(start, start + T), window=T if raw else None)
+        self.keys.add(h, key)  # before the put: an eviction it causes may already name it
+        blob_id = self.store.put_blob(
+            [h],
+            blob,
+            first_position=max(start, 0),
+            ratio=None if raw else float(self.codec.ratio),
+            raw_bytes=self.layout.bytes,
+            seconds=time.perf_counter() - t0,
         )
+        if blob_id is None:
+            raise TierFullError(f"a blob of {len(blob)} bytes fits in no tier")
+        return True
 
     def _load(self, job: _Job) -> None:
+        """Restore each chunk of a load job into its primary slot, in order, up to the first that fails (any
+        exception: a miss, vLLM recomputes from there); the job is reported once, whatever happens."""
         t0 = time.perf_counter()
         ok: list[OffloadKey] = []
-        nbytes = 0
-        for key, cid in zip(job.keys, job.chunk_ids):
-            blob = self.cache.get(key)
-            if blob is None:
-                break
-            try:
-                k, v = self.codec.decode(blob)
-                if k.shape[1] != self.layout.tokens:
-                    raise KvtcError(f"blob holds {k.shape[1]} tokens, a chunk {self.layout.tokens}")
-                data = self.layout.pack(k, v).cpu()
-            except (KvtcError, RuntimeError, ValueError) as e:
-                log.warning("kvtc tier: restoring a chunk failed (%s); vLLM recomputes it", e)
-                self.cache.forget(key)
-                break
-            self._row(cid).copy_(data)
-            ok.append(key)
-            nbytes += len(blob)
-        success = len(ok) == len(job.keys)
-        self._finish(
-            JobResult(
-                job.job_id,
-                success=success,
-                successful_keys=None if success else (tuple(ok) or None),
-                transfer_time=time.perf_counter() - t0,
-                transfer_bytes=nbytes,
-            ),
-            loaded_chunks=len(ok),
-            load_failures=0 if success else 1,
-            decode_seconds=time.perf_counter() - t0,
+        try:
+            for i, key in enumerate(job.keys):
+                try:
+                    self._load_chunk(key, job.chunk_ids[i])
+                except Exception as e:  # noqa: BLE001 - any error is a failed promotion, never a lost job
+                    log.warning(
+                        "kvtc tier: restoring a chunk failed (%s: %s); vLLM recomputes it",
+                        type(e).__name__,
+                        e,
+                        exc_info=not isinstance(e, KvtcError),
+                    )
+                    break
+                ok.append(key)
+        finally:
+            success = len(ok) == len(job.keys)
+            result = self._result(job, success, len(ok), t0)
+            result.successful_keys = None if success else (tuple(ok) or None)
+            self._finish(result)
+
+    def _load_chunk(self, key: OffloadKey, chunk_id: int) -> None:
+        """Restore one chunk through the store (its restorer: keys and CRCs checked, a corrupt blob dropped from
+        every tier, counted in StoreStats) into a [L, T, H, D] pair, then write it into primary slot ``chunk_id``."""
+        row = self._row(chunk_id)
+        fp, lay = self.cal.fingerprint, self.layout
+        shape = (fp.num_layers, lay.tokens, fp.num_kv_heads, fp.head_dim)
+        k = torch.empty(shape, dtype=lay.dtype, device=self.device)
+        v = torch.empty_like(k)
+        layers: set[int] = set()
+
+        def sink(layer: int, at: int, kl: torch.Tensor, vl: torch.Tensor) -> None:
+            if at != 0 or kl.shape[0] != lay.tokens:
+                raise TierError(f"blob holds {kl.shape[0]} tokens at {at}, a chunk {lay.tokens}")
+            k[layer].copy_(kl)
+            v[layer].copy_(vl)
+            layers.add(layer)
+
+        handle = self.store.start_onboard([offload_hash(key)], sink=sink)
+        if not handle.wait():
+            raise handle.error or TierError("restore failed")
+        if len(layers) != fp.num_layers:
+            raise TierError(f"the restore wrote {len(layers)} of {fp.num_layers} layers")
+        row.copy_(lay.pack(k, v).cpu())
+
+    def _result(self, job: _Job, success: bool, chunks: int, t0: float) -> JobResult:
+        """A job's report. ``transfer_bytes`` are the raw (primary-tier) bytes of the chunks it moved, as vLLM's own
+        tiers report them: vLLM's backpressure detector divides a store's latency by them, so the compressed size
+        (~1/16) would read as a tier ~16x slower than a raw one at the same latency. The compressed bytes are in
+        StoreStats (``offload_stored_bytes``)."""
+        return JobResult(
+            job.job_id,
+            success=success,
+            transfer_time=time.perf_counter() - t0,
+            transfer_bytes=chunks * self.block_size_bytes,
         )
