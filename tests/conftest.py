@@ -107,6 +107,19 @@ def synth_cal(synth):
 
 
 # ---------------------------------------------------------------------------------------------- real model
+@pytest.fixture(params=["deflate", "lzma"])
+def cpu_tag(request):
+    """A CPU entropy coder's tag: the built-in ``deflate`` and the tests' own ``lzma`` (registered meanwhile): the
+    tests that take it hold for any coder of the registry."""
+    from .lzma_coder import registered
+
+    if request.param == "deflate":
+        yield "deflate"
+    else:
+        with registered() as tag:
+            yield tag
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     pytest.importorskip("transformers")

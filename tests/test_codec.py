@@ -25,8 +25,8 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_roundtrip_shapes_dtype_segments(synth, synth_cal):
-    codec = KvtcCodec(synth_cal, ratio=8)
+def test_roundtrip_shapes_dtype_segments(synth, synth_cal, cpu_tag):
+    codec = KvtcCodec(synth_cal, ratio=8, tag=cpu_tag)
     k, v, pos = synth.sample(400, start=0)
     blob = codec.encode(k, v, pos)
     k2, v2 = codec.decode(blob)
@@ -42,8 +42,8 @@ def test_roundtrip_shapes_dtype_segments(synth, synth_cal):
     assert st["plan"]["k"]["bits_per_token"] <= st["plan"]["k"]["budget_bits"]
 
 
-def test_decode_layers_in_order_equal_decode(synth, synth_cal):
-    codec = KvtcCodec(synth_cal, ratio=16)
+def test_decode_layers_in_order_equal_decode(synth, synth_cal, cpu_tag):
+    codec = KvtcCodec(synth_cal, ratio=16, tag=cpu_tag)
     k, v, pos = synth.sample(300, start=1000)  # mid-sequence span: no sinks
     blob = codec.encode(k, v, pos)
     layers = list(codec.decode_layers(blob))
@@ -86,8 +86,8 @@ def test_short_span_stored_raw(synth, synth_cal):
     assert codec.stats(blob)["mode"] == "raw"
 
 
-def test_float32_and_float16_inputs(synth, synth_cal):
-    codec = KvtcCodec(synth_cal, ratio=8)
+def test_float32_and_float16_inputs(synth, synth_cal, cpu_tag):
+    codec = KvtcCodec(synth_cal, ratio=8, tag=cpu_tag)
     for dt in (torch.float16, torch.float32):
         k, v, pos = synth.sample(200, dtype=dt)
         k2, v2 = codec.decode(codec.encode(k, v, pos))
@@ -140,8 +140,8 @@ def test_wrong_calibration_refused(synth, synth_cal):
         synth_cal.check_model(make_fp(layers=6))
 
 
-def test_gpu_only_tag_refused_on_cpu(synth, synth_cal):
-    codec = KvtcCodec(synth_cal, ratio=8)
+def test_gpu_only_tag_refused_on_cpu(synth, synth_cal, cpu_tag):
+    codec = KvtcCodec(synth_cal, ratio=8, tag=cpu_tag)
     k, v, pos = synth.sample(200)
     blob = codec.encode(k, v, pos)
     h, recs = parse_blob(blob)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .. import settings
+from ..codec.entropy.registry import PORTABLE
 from ..errors import ConfigError
 from ..tiers.config import process_settings
 from . import gpu_timing as gt
@@ -61,7 +62,7 @@ from .shapes import SHAPES
 def _select_device(args, smoke: bool) -> torch.device:
     if smoke:  # DYN_KVTC_BENCH_SMOKE: a code check on a CPU machine; numbers meaningless
         gt.cuda, gt.PIN[0], dev = gt.CpuCuda(), False, torch.device("cpu")
-        args.tag = args.tag or "deflate"
+        args.tag = args.tag or PORTABLE
     elif not torch.cuda.is_available():
         raise ConfigError("bench gpu needs CUDA")
     else:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..codec.entropy.registry import PORTABLE
 from ..errors import ConfigError
 from ..tiers.config import process_settings
 from . import gpu_timing as gt
@@ -69,7 +70,7 @@ def accuracy_check(cal, args, src, dst, block_ids, fc, blobs, L, dev) -> dict[st
     kf, vf = seq_kv(dst, ids, L)
     T = k.shape[1]
     a, b = 4, T - 128
-    ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False, projection=projection())
+    ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag=PORTABLE, fused=False, projection=projection())
     pos = torch.arange(T)
     blob_ref = ref.encode(k, v, pos)
     kr, vr = ref.decode(blob_ref)
@@ -95,8 +96,10 @@ def accuracy_check(cal, args, src, dst, block_ids, fc, blobs, L, dev) -> dict[st
 
 # ============================================================================================ codec choice
 def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
-    """Deflate, GDeflate, ANS on the same batch: stored size, entropy-stage GB/s both ways, restore time."""
-    from ..codec.entropy import nvcomp_available
+    """Every nvCOMP entropy codec (Deflate, GDeflate, ANS) on the same batch: stored size, entropy-stage GB/s both
+    ways, restore time."""
+    from ..codec.entropy.nvcomp import nvcomp_available
+    from ..codec.entropy.registry import coder, nvcomp_tags
     from ..codec.gpu.fused import FusedCodec
     from ..codec.kvtc import KvtcCodec
 
@@ -105,7 +108,7 @@ def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
     if not nvcomp_available():
         out["error"] = "nvCOMP not available: only zlib Deflate on the host"
         return out
-    for tag in ("deflate", "gdeflate", "ans"):
+    for tag in nvcomp_tags():
         ref = KvtcCodec(cal, ratio=args.ratio, device=ctx["dev"], tag=tag, fused=False, projection=projection())
         fc = FusedCodec(ref)
         host = ctx["host_blobs"]
@@ -136,10 +139,10 @@ def codec_choice(ctx: dict, cal, args) -> dict[str, Any]:
             "restore_wall_ms": med(walls),
             "restore_all_layers_gpu_ms": med([d["decode_total_s"] for d in decs]) * 1e3,
             "nvcomp_decode_mode": fc.entropy.decode_mode,
-            "cpu_readable": tag == "deflate",
+            "cpu_readable": coder(tag).cpu,
         }
     t = out["tags"]
-    base = t["deflate"]["stored_bytes"]
+    base = t[PORTABLE]["stored_bytes"]
     ok = {k: v for k, v in t.items() if v["stored_bytes"] <= 1.05 * base}
     best = min(ok, key=lambda k: t[k]["restore_all_layers_gpu_ms"])
     out["rule"] = "fastest restore among codecs whose stored size is within 5% of Deflate's"
@@ -161,7 +164,7 @@ def coded_payload_bytes(cal, ratio, spans) -> int:
 def nvcomp_sync_check(ctx: dict) -> dict[str, Any]:
     """Queue ~1 s of GPU sleep, then a whole restore (open, every layer written): if the calls return long before the
     sleep ends, nothing on the restore path (nvCOMP included) synchronised the host with the stream."""
-    from ..codec.entropy import nvcomp_available
+    from ..codec.entropy.nvcomp import nvcomp_available
 
     fc, blobs, dest, targets, *_ = ctx["last"]
     if not nvcomp_available():
@@ -303,7 +306,7 @@ def green_curve(dev, cycle, stretch, sms_list) -> dict[str, Any]:
 # ============================================================================================ CPU path
 def cpu_path(cal, args, dev) -> dict[str, Any]:
     """Reference decode on 2 CPU threads (torch + zlib) of one blob, against a 2-thread fp32 GEMM floor."""
-    from ..codec import entropy
+    from ..codec.entropy import base as entropy
     from ..codec.kvtc import KvtcCodec
 
     fp = cal.fingerprint
@@ -330,10 +333,10 @@ def cpu_path(cal, args, dev) -> dict[str, Any]:
             raise ConfigError("cpu path expects a one-group calibration")
         k = torch.stack([apply_rope(xs[0][:, i], pos.to(dev), fp.rotary[i]) for i in range(L)]).to(torch.bfloat16)
         v = xs[1].permute(1, 0, 2, 3).to(torch.bfloat16)
-        gpu_ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag="deflate", fused=False, projection=projection())
+        gpu_ref = KvtcCodec(cal, ratio=args.ratio, device=dev, tag=PORTABLE, fused=False, projection=projection())
         blob = gpu_ref.encode(k, v, pos)  # Deflate: CPU-readable
         cpu = KvtcCodec(
-            cal, ratio=args.ratio, device="cpu", tag="deflate", fused=False, profile=True, projection=projection()
+            cal, ratio=args.ratio, device="cpu", tag=PORTABLE, fused=False, profile=True, projection=projection()
         )
         cpu.decode(blob)
         times, stages = [], []

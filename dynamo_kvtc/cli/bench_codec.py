@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..codec.entropy.registry import PORTABLE, tags
 from . import types
 
 HELP = "encode/decode throughput per stage, ratio and reconstruction error"
@@ -33,7 +34,7 @@ def add_inputs(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_inputs(p)
     p.add_argument("--ratios", type=types.ratios, default=None)
-    p.add_argument("--tag", default="deflate")
+    p.add_argument("--tag", default=PORTABLE, choices=tags(), help=f"entropy codec (default: {PORTABLE})")
     p.add_argument("--repeat", type=types.positive_int, default=3)
     p.add_argument("--json", dest="json_path", help="write results as JSON")
 

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         info = card(args.path)
     else:
         from ..codec.container import parse_blob
-        from ..codec.entropy_tags import GPU_ONLY_TAGS
+        from ..codec.entropy.registry import coder
         from ..tiers.disk_format import MAGIC, OLD_MAGICS, split_file
 
         data, info = args.path.read_bytes(), {}
@@ -34,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
         if "keys" in h:  # the blocks' 128-bit keys, as hex
             h["keys"] = [h["keys"][i : i + 16].hex() for i in range(0, len(h["keys"]), 16)]
         tags = sorted({r.tag for r in recs})
-        gpu_only = sorted(set(tags) & GPU_ONLY_TAGS)
+        gpu_only = [t for t in tags if not coder(t).cpu]
         info.update(
             header=h,
             sections=[{"name": r.name, "tag": r.tag, "raw": r.raw_len, "stored": r.stored_len} for r in recs],
             needs={
                 "entropy_codecs": tags,
                 "readable_on_cpu": not gpu_only,
-                "decoder": f"a GPU with nvCOMP ({', '.join(gpu_only)})" if gpu_only else "any (CPU zlib or GPU nvCOMP)",
+                "decoder": f"a GPU with nvCOMP ({', '.join(gpu_only)})" if gpu_only else "any (CPU or GPU)",
             },
         )
     print(json.dumps(info, indent=1, default=str))

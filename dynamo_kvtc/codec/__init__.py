@@ -16,10 +16,10 @@ _EXPORTS = {
     "BlobHeader": "container",
     "parse_blob": "container",
     "write_blob": "container",
-    "CHUNK_BYTES": "entropy_tags",
-    "GPU_ONLY_TAGS": "entropy_tags",
-    "TAGS": "entropy_tags",
-    "EntropyCoder": "entropy",
+    "CHUNK_BYTES": "entropy.base",
+    "GPU_ONLY_TAGS": "entropy.registry",
+    "TAGS": "entropy.registry",
+    "EntropyCoder": "entropy.sections",
     "BlobView": "blob",
     "Codec": "base",
     "EncodeSpan": "base",
@@ -91,8 +91,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from .base import Codec, EncodeSpan, PagedView, RestoreRun
     from .blob import BlobView
     from .container import FORMAT_VERSION, MAGIC, BlobHeader, parse_blob, write_blob
-    from .entropy import EntropyCoder
-    from .entropy_tags import CHUNK_BYTES, GPU_ONLY_TAGS, TAGS
+    from .entropy.base import CHUNK_BYTES
+    from .entropy.registry import GPU_ONLY_TAGS, TAGS
+    from .entropy.sections import EntropyCoder
     from .factory import make_codec
     from .kvtc import KvtcCodec
     from .model import BasisGroup, CalibrationLike, ModelFingerprint

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CorruptBlobError, DecodeError, InputError, WrongCalibrationError
 from .container import group_segments, parse_blob
-from .entropy import check_readable
+from .entropy.sections import check_readable
 from .model import DTYPES, ModelFingerprint
 from .sinks import sink_bytes
 

@@ -29,11 +29,12 @@ Parsing checks magic, version, flags, header length and CRC, unpacks msgpack wit
 type and range, and checks that the section table accounts for exactly the remaining bytes. Section CRCs are checked
 before anything is inflated. Any failure raises :class:`~dynamo_kvtc.errors.CorruptBlobError`.
 
-Decompressed-size limits, checked from the header alone before anything is allocated: a chunk's raw size is at most
-64 KiB; a ``store`` chunk's stored length equals its raw size; a ``deflate``/``gdeflate`` chunk's raw size is at most
-:data:`DEFLATE_MAX_RATIO` (1032, DEFLATE's ceiling) times its stored length, so a blob can never claim more raw bytes
-than its own size allows; the chunk count follows from the raw length arithmetically (no list is built for a hostile
-length).
+Decompressed-size limits, checked from the header alone before anything is allocated: a section's tag must name a
+registered entropy coder (:mod:`.entropy.registry`); a chunk's raw size is at most 64 KiB and its stored size at most
+:data:`~.entropy.base.MAX_STORED_CHUNK`; each chunk must pass its coder's bound (:meth:`~.entropy.base.Coder.fits`:
+a ``store`` chunk's stored length equals its raw size, a ``deflate``/``gdeflate`` chunk's raw size is at most 1032
+times its stored length, DEFLATE's ceiling), so a blob can never claim more raw bytes than its own size allows; the
+chunk count follows from the raw length arithmetically (no list is built for a hostile length).
 
 Writing: :class:`BlobHeader` is the header (every key but ``sections``); :func:`write_blob` assembles a blob from a
 header and its sections' stored chunks, :func:`frame_header` writes the prefix and header alone for writers that place
@@ -53,7 +54,8 @@ from typing import Any
 import msgpack
 
 from ..errors import CorruptBlobError, InputError
-from .entropy_tags import CHUNK_BYTES, TAGS
+from .entropy.base import CHUNK_BYTES, MAX_STORED_CHUNK
+from .entropy.registry import coder, known
 
 MAGIC = b"KVTC"
 FORMAT_VERSION = 1
@@ -62,8 +64,6 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TOKENS = 1 << 24
 MAX_LAYERS = 4096
 MAX_SECTION_RAW = 1 << 40
-DEFLATE_MAX_RATIO = 1032  # the most raw bytes one DEFLATE-coded byte can stand for (zlib FAQ; length 258 per ~2 bits)
-_BOUNDED_TAGS = ("deflate", "gdeflate")
 HEADER_KEYS = (
     "cal",
     "layers",
@@ -314,18 +314,16 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
     for row in table:
         _need(isinstance(row, list) and len(row) == 5, "section row")
         name, tag, raw_len, crc, chunks = row
-        _need(isinstance(name, str) and tag in TAGS, f"section {name!r} tag {tag!r}")
+        _need(isinstance(name, str) and known(tag), f"section {name!r} tag {tag!r}")
+        cod = coder(tag)
         _need(_is_int(raw_len) and 0 <= raw_len <= MAX_SECTION_RAW, f"section {name} raw length")
         _need(_is_int(crc) and 0 <= crc < (1 << 32), f"section {name} crc")
         n_chunks = -(-raw_len // CHUNK_BYTES)  # arithmetic: never build a list for a hostile raw length
         _need(isinstance(chunks, list) and len(chunks) == n_chunks, f"section {name} chunk count")
         for i, c in enumerate(chunks):
-            _need(_is_int(c) and 0 < c <= 2 * CHUNK_BYTES + 64, f"section {name} chunk length {c}")
+            _need(_is_int(c) and 0 < c <= MAX_STORED_CHUNK, f"section {name} chunk length {c}")
             raw_c = CHUNK_BYTES if i < n_chunks - 1 else raw_len - CHUNK_BYTES * (n_chunks - 1)
-            if tag == "store":
-                _need(c == raw_c, f"section {name}: stored chunk of {c} bytes, raw {raw_c}")
-            elif tag in _BOUNDED_TAGS:
-                _need(raw_c <= DEFLATE_MAX_RATIO * c, f"section {name}: {c} stored bytes cannot inflate to {raw_c}")
+            _need(cod.fits(c, raw_c), f"section {name}: {c} stored bytes cannot decode to {raw_c} ({tag})")
         rec = SectionRecord(name, tag, raw_len, crc, tuple(chunks), off)
         off += rec.stored_len
         recs.append(rec)

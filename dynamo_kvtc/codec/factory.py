@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from .base import Codec
-from .entropy import nvcomp_available
+from .entropy.nvcomp import nvcomp_available
+from .entropy.registry import PORTABLE
 from .model import CalibrationLike
 from .options import CodecOptions
 
@@ -31,9 +32,9 @@ def entropy_tag(device: str | torch.device, options: CodecOptions, *, portable: 
     whose blobs must be readable anywhere (``portable``: a store with a disk tier — a CPU worker, ``inspect``, a
     recovery script read its files) unless the options name a GPU codec; else the options' GPU codec (``ans``)."""
     if torch.device(device).type != "cuda" or not nvcomp_available():
-        return "deflate"
+        return PORTABLE
     if portable and options.gpu_entropy is None:
-        return "deflate"
+        return PORTABLE
     return options.gpu_tag
 
 
@@ -56,7 +57,7 @@ def make_codec(
     ``tag`` None: :func:`entropy_tag` (``portable`` as there)."""
     options = options or CodecOptions()
     if tag is None:
-        tag = entropy_tag(device, options, portable=portable) if shard is None else "deflate"
+        tag = entropy_tag(device, options, portable=portable) if shard is None else PORTABLE
     if shard is not None:
         from .sharded import ShardedKvtcCodec
 

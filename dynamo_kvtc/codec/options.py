@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .entropy.registry import nvcomp_tags
 
 FUSED_MODES = ("0", "1", "force")  # the reference path, the fused path on CUDA, the fused path on every device (tests)
 PROJECTIONS = ("auto", "fp16", "fp8")
-GPU_TAGS = ("deflate", "gdeflate", "ans")
+GPU_TAGS = nvcomp_tags()  # the entropy codecs a GPU writes with: the registry's nvCOMP coders (settings' choices)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class CodecOptions:
             raise ConfigError(f"fused must be one of {FUSED_MODES}, got {self.fused!r}")
         if self.projection not in PROJECTIONS:
             raise ConfigError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.gpu_entropy is not None and self.gpu_entropy not in GPU_TAGS:
-            raise ConfigError(f"gpu_entropy must be one of {GPU_TAGS}, got {self.gpu_entropy!r}")
+        if self.gpu_entropy is not None and self.gpu_entropy not in nvcomp_tags():
+            raise ConfigError(f"gpu_entropy must be one of {nvcomp_tags()}, got {self.gpu_entropy!r}")
 
     @property
     def gpu_tag(self) -> str:

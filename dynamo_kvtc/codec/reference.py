@@ -47,8 +47,8 @@ from .container import (
     section_chunks,
     write_blob,
 )
-from .entropy import EntropyCoder
-from .entropy_tags import TAGS
+from .entropy.registry import PORTABLE, coder
+from .entropy.sections import EntropyCoder
 from .fp8 import fake_e4m3
 from .model import DTYPES, BasisGroup, CalibrationLike, dtype_name, group_layer_ids
 from .options import PROJECTIONS
@@ -68,7 +68,7 @@ class CodecConfig:
     sinks: int = 4
     window: int = 128
     min_tokens: int = 16
-    tag: str = "deflate"
+    tag: str = PORTABLE
     projection: str = "auto"  # precision of the projection GEMMs: auto | fp16 | fp8 (the blob format is the same)
 
     def __post_init__(self) -> None:
@@ -78,8 +78,7 @@ class CodecConfig:
             raise ConfigError(f"window must be >= 0, got {self.window}")
         if self.min_tokens < 1:
             raise ConfigError(f"min_tokens must be >= 1, got {self.min_tokens}")
-        if self.tag not in TAGS:
-            raise ConfigError(f"unknown entropy codec tag {self.tag!r}; choose one of {TAGS}")
+        coder(self.tag, ConfigError)  # a registered entropy codec, or ConfigError naming the known ones
         if self.projection not in PROJECTIONS:
             raise ConfigError(f"unknown projection {self.projection!r}; choose one of {PROJECTIONS}")
 
@@ -135,7 +134,7 @@ class ReferenceCodec(Codec):
         sinks: int = 4,
         window: int = 128,
         min_tokens: int = 16,
-        tag: str = "deflate",
+        tag: str = PORTABLE,
         profile: bool = False,
         projection: str = "auto",
     ) -> None:

@@ -33,7 +33,8 @@ import torch
 from ..errors import ConfigError, InputError
 from .base import Codec
 from .container import check_section, runs_to_positions, section_chunks, write_blob
-from .entropy import EntropyCoder
+from .entropy.registry import PORTABLE
+from .entropy.sections import EntropyCoder
 from .model import DTYPES, CalibrationLike
 from .plan import decode_coefficients, encode_coefficients
 from .reference import ReferenceCodec
@@ -167,7 +168,7 @@ class ShardedKvtcCodec(Codec):
         sinks: int = 4,
         window: int = 128,
         min_tokens: int = 16,
-        tag: str = "deflate",
+        tag: str = PORTABLE,
         reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         fp = calibration.fingerprint

@@ -174,6 +174,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("handoff_memory", "str", "auto", "hand-off staging memory: `device` (prefill stages blobs in a NIXL-registered "
        "VRAM arena, decode READs into VRAM), `host` (DRAM both sides), `auto` (device where the worker has a GPU)",
        "process", read_by=RB_CONN, choices=("auto", "host", "device")),
+    # choices: the codec registry's nvCOMP coders (codec/entropy/registry.py nvcomp_tags(); test_entropy.py checks)
     _s("gpu_entropy", "str", "ans", "entropy codec of blobs written on GPUs: `ans` (fastest), `gdeflate`, `deflate` "
        "(readable on CPU-only nodes too). Unset, a store with a disk tier writes `deflate` so its files are readable "
        "anywhere", "process", read_by=RB_CODEC, choices=("deflate", "gdeflate", "ans")),

@@ -1,4 +1,5 @@
-"""Entropy coding of many sections' chunks in one call: nvCOMP on CUDA, zlib otherwise (the fused codec's stage 4)."""
+"""Entropy coding of many sections' chunks in one call: nvCOMP on CUDA, a coder's CPU path otherwise (the fused codec's
+stage 4)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 import torch
 
 from ...errors import CorruptBlobError, DecodeError, InputError
-from ..entropy import CHUNK_BYTES, NVCOMP_ALGO, deflate_chunk, inflate_chunk, map_chunks, nvcomp_available
+from ..entropy.base import CHUNK_BYTES, Coder
+from ..entropy.nvcomp import nvcomp_available, nvcomp_codec
+from ..entropy.registry import coder, known
 from .ops import align
 
 log = logging.getLogger(__name__)
@@ -27,8 +30,9 @@ class EncodeOut:
 
 
 class BatchEntropy:
-    """Chunks of many sections in one call: nvCOMP on CUDA (stream-ordered, preallocated outputs), zlib otherwise
-    (CPU devices and CUDA without nvCOMP; Deflate only). One nvCOMP ``Codec`` per thread, tag and stream."""
+    """Chunks of many sections in one call: nvCOMP on CUDA for a coder with an nvCOMP algorithm (stream-ordered,
+    preallocated outputs), the coder's CPU path otherwise (CPU devices, CUDA without nvCOMP, a CPU-only coder). One
+    nvCOMP ``Codec`` per thread, tag and stream."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -38,28 +42,27 @@ class BatchEntropy:
         self.decode_mode = ""  # which nvCOMP decode call worked last: "config", "out", "views"
 
     def _codec(self, tag: str):
-        from nvidia import nvcomp
-
         stream = torch.cuda.current_stream(self.device).cuda_stream
         key = (threading.get_ident(), tag, stream)
-        c = self._codecs.get(key)
-        if c is None:
-            kw: dict[str, Any] = {
-                "algorithm": NVCOMP_ALGO[tag],
-                "cuda_stream": stream,
-                "bitstream_kind": nvcomp.BitstreamKind.RAW,
-            }
-            if tag == "ans":
-                kw["data_type"] = "|u1"
-            else:
-                kw["algorithm_type"] = 0
-            c = self._codecs[key] = nvcomp.Codec(**kw)
-        return nvcomp, c, stream
+        got = self._codecs.get(key)
+        if got is None:
+            got = self._codecs[key] = nvcomp_codec(coder(tag), stream)
+        return got[0], got[1], stream
+
+    def _on_gpu(self, tag: str) -> bool:
+        """Whether ``tag``'s chunks go through nvCOMP here (else through its coder's CPU path)."""
+        return self.nvcomp and coder(tag).nvcomp is not None
+
+    def _cpu(self, tag: str) -> Coder:
+        c = coder(tag, InputError)
+        if not c.cpu:
+            raise InputError(f"entropy codec {tag!r} needs nvCOMP on a CUDA device")
+        return c
 
     def cap(self, tag: str) -> int:
         if tag not in self._caps:
             cap = 2 * CHUNK_BYTES + 4096
-            if self.nvcomp:
+            if self._on_gpu(tag):
                 try:
                     nvcomp, codec, stream = self._codec(tag)
                     probe = torch.zeros(CHUNK_BYTES, dtype=torch.uint8, device=self.device)
@@ -70,13 +73,14 @@ class BatchEntropy:
         return self._caps[tag]
 
     def usable(self, tag: str) -> bool:
-        return self.nvcomp or tag == "deflate"
+        """Whether chunks of ``tag`` can be coded here (nvCOMP, or the coder's CPU path)."""
+        return known(tag) and (self._on_gpu(tag) or coder(tag).cpu)
 
     # ------------------------------------------------------------------------------------ encode
     def encode(self, tag: str, src: torch.Tensor, offs: list[int], sizes: list[int]) -> EncodeOut:
         n = len(sizes)
         cap = self.cap(tag)
-        if self.nvcomp:
+        if self._on_gpu(tag):
             nvcomp, codec, stream = self._codec(tag)
             out = torch.empty(max(1, n) * cap, dtype=torch.uint8, device=self.device)
             if n == 0:
@@ -85,14 +89,14 @@ class BatchEntropy:
             outb = nvcomp.as_arrays(out, [i * cap for i in range(n)], [cap] * n, cuda_stream=stream)
             enc = codec.encode(batch, out=outb, compression_config=codec.compression_config(sizes))
             return EncodeOut(out, cap, lambda: [int(s) for s in enc.buffer_sizes], keep=(batch, outb, enc))
-        if tag != "deflate":
-            raise InputError(f"entropy codec {tag!r} needs nvCOMP on a CUDA device")
+        c = self._cpu(tag)
         host = src.cpu().numpy() if src.device.type != "cpu" else src.numpy()
-        comp = map_chunks(deflate_chunk, [memoryview(host[o : o + s]) for o, s in zip(offs, sizes)])
+        comp = c.encode([memoryview(host[o : o + s]) for o, s in zip(offs, sizes)])
+        cap = align(max([cap, *(len(x) for x in comp)]))  # a chunk past the format's limit: the caller refuses it
         buf = torch.zeros(max(1, n) * cap, dtype=torch.uint8)
-        for i, c in enumerate(comp):
-            buf[i * cap : i * cap + len(c)] = torch.frombuffer(bytearray(c), dtype=torch.uint8)
-        got = [len(c) for c in comp]
+        for i, x in enumerate(comp):
+            buf[i * cap : i * cap + len(x)] = torch.frombuffer(bytearray(x), dtype=torch.uint8)
+        got = [len(x) for x in comp]
         return EncodeOut(buf.to(self.device), cap, lambda: got)
 
     # ------------------------------------------------------------------------------------ decode
@@ -111,13 +115,14 @@ class BatchEntropy:
         decode never raises here: bytes not yet CRC-checked may be corrupt, and the restore reports that first."""
         if not sizes:
             return lambda: None
-        if self.nvcomp:
+        if self._on_gpu(tag):
             return self._nvcomp_decode(tag, src, offs, sizes, dst, dst_offs, dst_sizes)
-        if tag != "deflate":
-            raise InputError(f"entropy codec {tag!r} needs nvCOMP on a CUDA device")
-        host = src.cpu().numpy() if src.device.type != "cpu" else src.numpy()  # (zlib on the host: synchronises)
+        c = self._cpu(tag)
+        host = src.cpu().numpy() if src.device.type != "cpu" else src.numpy()  # (the CPU coder: synchronises)
         try:
-            outs = map_chunks(inflate_chunk, [(bytes(host[o : o + s]), n) for o, s, n in zip(offs, sizes, dst_sizes)])
+            outs = c.decode([bytes(host[o : o + s]) for o, s in zip(offs, sizes)], dst_sizes)
+            if [len(x) for x in outs] != list(dst_sizes):
+                raise CorruptBlobError("decoded chunk sizes differ from the header's")
         except DecodeError as e:  # reported by the check, like nvCOMP's: the caller's CRC verdict decides first
             err = CorruptBlobError(f"{tag} chunk did not inflate: {e}")
 

@@ -21,7 +21,7 @@ import torch
 
 from ...errors import InputError
 from ..container import SectionRecord, frame_header
-from ..entropy_tags import CHUNK_BYTES, chunk_sizes
+from ..entropy.base import CHUNK_BYTES, MAX_STORED_CHUNK, chunk_sizes
 from ..model import DTYPES, dtype_name
 from ..plan import iter_sections, pack_codes
 from ..quant import BITS
@@ -33,8 +33,6 @@ from .ops import ALIGN, FLAG_F16_OVERFLOW, FLAG_NONFINITE, align
 
 if TYPE_CHECKING:
     from .device import FusedDevice
-
-MAX_STORED_CHUNK = 2 * CHUNK_BYTES + 64  # what parse_blob accepts
 
 
 class F16Overflow(Exception):

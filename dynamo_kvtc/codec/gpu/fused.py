@@ -47,8 +47,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError, InputError
-from ..entropy import nvcomp_available
-from ..entropy_tags import GPU_ONLY_TAGS
+from ..entropy.nvcomp import nvcomp_available
 from ..model import DTYPES
 from .batch_entropy import BatchEntropy
 from .device import FusedDevice
@@ -89,7 +88,7 @@ class FusedCodec(FusedDevice):
             )
         if source.dtype not in DTYPES.values():
             raise InputError(f"KV dtype {source.dtype} not supported (bfloat16, float16, float32)")
-        if self.cfg.tag in GPU_ONLY_TAGS and not self.entropy.nvcomp:
+        if not self.entropy.usable(self.cfg.tag):
             raise ConfigError(
                 f"entropy codec {self.cfg.tag!r} is GPU-only (nvCOMP); it needs CUDA and nvidia-nvcomp-cu13"
             )

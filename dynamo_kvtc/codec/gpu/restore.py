@@ -40,7 +40,7 @@ import torch
 from ...errors import CorruptBlobError, InputError
 from ..blob import BlobView
 from ..container import MAX_HEADER_BYTES, PREFIX, runs_to_positions
-from ..entropy_tags import CHUNK_BYTES, chunk_sizes
+from ..entropy.base import CHUNK_BYTES, chunk_sizes
 from ..model import DTYPES
 from ..plan import iter_sections
 from ..sinks import decode_sinks

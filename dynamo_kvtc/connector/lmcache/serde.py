@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ...calibration.mla import is_mla_fingerprint
+from ...codec.entropy.registry import PORTABLE, coder
 from ...errors import ConfigError, DecodeError, KvtcError
 from ...logs import operator_logging
 
@@ -171,7 +172,8 @@ class KvtcChunkCoder:
             zeros = torch.zeros(key[0], dtype=dtype)
             stored = len(self._encode(zeros, None, tag="store"))  # sections' sizes are fixed by the plan
             chunks = stored // 65536 + 8 * self.cal.layer_groups + 8
-            b = PREFIX.size + stored + chunks * 64 + 1024  # zlib worst case: 5 B per 16 KiB block + headers
+            grow = coder(PORTABLE).max_expansion  # worst case of the entropy codec serialize writes, per chunk
+            b = PREFIX.size + stored + chunks * grow + 1024  # + headers
             self._bounds[key] = b
         return b
 
