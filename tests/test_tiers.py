@@ -64,7 +64,7 @@ def test_host_tier_lru_and_no_fragmentation_collapse():
         stored[f"b{i}"] = data
         assert host.used_bytes == sum(len(x) for x in stored.values()) <= host.capacity
     for k, v in stored.items():
-        assert host.get(k)[0] == v
+        assert host.copy(k) == v
     with pytest.raises(TierFullError):
         host.put("huge", b"x" * (host.capacity + 1))
 
@@ -81,11 +81,11 @@ def test_host_tier_large_blobs_copied_without_the_gil_are_exact():
     b = memoryview(big)[17 : 17 + 2 * GIL_FREE_COPY]
     host.put("a", a)
     host.put("b", b)
-    assert host.get("a")[0] == a and host.get("b")[0] == bytes(b)
+    assert host.copy("a") == a and host.copy("b") == bytes(b)
     host.discard("a")  # a hole of 3 MiB + 1 page before b, 3 MiB - 1 page after: the next blob takes both
     c = os.urandom(5 * GIL_FREE_COPY)
     host.put("c", c)
-    assert len(host.extents("c")) == 2 and host.get("c")[0] == c and host.get("b")[0] == bytes(b)
+    assert len(host.extents("c")) == 2 and host.copy("c") == c and host.copy("b") == bytes(b)
 
 
 def test_host_tier_keeps_blobs_contiguous_and_leases_pin_their_pages():
@@ -126,7 +126,7 @@ def test_host_tier_fragmented_arena_still_stores_and_reads_back():
         host.discard(f"p{i}")  # 8 free single pages, none adjacent
     data = os.urandom(4 * 1024)
     assert host.put("frag", data) == []
-    assert len(host.extents("frag")) == 4 and host.get("frag")[0] == data
+    assert len(host.extents("frag")) == 4 and host.copy("frag") == data
     lease = host.lease("frag")
     assert lease.view() is None and lease.tobytes() == data  # not contiguous: read as bytes
     lease.release()
@@ -149,14 +149,14 @@ def test_disk_roundtrip_restart_and_damage(tmp_path, nixl_files):
     d2 = DiskTier(tmp_path / "g3", 1 << 20, io=nixl_files)
     assert sorted(d2.ids()) == sorted(blobs) and not (tmp_path / "g3" / "leftover.tmp").exists()
     for k, v in blobs.items():
-        assert d2.get(k) == (v, {"n": k})
+        assert d2.copy(k) == v and d2.meta(k) == {"n": k}
     # a flipped byte is caught on read: never served, dropped
     f = tmp_path / "g3" / "id2.kvtc"
     raw = bytearray(f.read_bytes())
     raw[-10] ^= 0x40
     f.write_bytes(bytes(raw))
     with pytest.raises(TierError, match="corrupt"):
-        d2.get("id2")
+        d2.read("id2")
     assert "id2" not in d2 and not f.exists()
     # a truncated (torn) file is dropped at recovery
     g = tmp_path / "g3" / "id3.kvtc"
@@ -166,7 +166,7 @@ def test_disk_roundtrip_restart_and_damage(tmp_path, nixl_files):
     # a file deleted underneath is a miss, not a crash
     (tmp_path / "g3" / "id4.kvtc").unlink()
     with pytest.raises(TierError, match="missing"):
-        d3.get("id4")
+        d3.read("id4")
 
 
 def test_disk_capacity_evicts_lru(tmp_path, nixl_files):
@@ -197,7 +197,7 @@ def test_disk_enospc_on_small_tmpfs(tmp_path, nixl_files):
         d.put("fits", os.urandom(20_000), {})
         with pytest.raises(TierFullError, match="out of space"):
             d.put("too-big", os.urandom(200_000), {})
-        assert d.get("fits")[0] and "too-big" not in d
+        assert d.copy("fits") and "too-big" not in d
         assert not list((mnt / "g3").glob("*.tmp"))
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -472,8 +472,8 @@ def test_nixl_failures_become_tier_errors(tmp_path):
     good.put("x", os.urandom(5000), {})
     reader = DiskTier(tmp_path / "a", 1 << 20, io=ShortReadFiles())
     with pytest.raises(TierError, match="NIXL READ failed"):
-        reader.get("x")
-    assert "x" in reader and good.get("x")  # a failed transfer is a miss; the committed blob is kept
+        reader.read("x")
+    assert "x" in reader and good.copy("x")  # a failed transfer is a miss; the committed blob is kept
     writer = DiskTier(tmp_path / "b", 1 << 20, io=ClosedFdFiles())
     with pytest.raises(TierError, match="NIXL WRITE failed"):
         writer.put("y", os.urandom(5000), {})
@@ -633,7 +633,7 @@ def test_store_stats_are_typed_and_flatten_under_the_historical_keys(synth_cal):
 
     st = StoreStats()
     st.offload_blocks += 3
-    st.disk_write_errors["TierFullError"] += 2
+    st.tier("disk").write_errors["TierFullError"] += 2
     st.onboard_errors["DecodeError"] += 1
     st.time("encode", 0.5)
     flat = st.as_dict()

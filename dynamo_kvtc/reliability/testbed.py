@@ -220,7 +220,7 @@ class Expect:
                     runs.extend(store.export([h])[0])
         seen = set()
         for r in runs:
-            key = (r.meta.id, zlib.crc32(r.blob))
+            key = (r.meta.id, zlib.crc32(r.blob.host()))
             if key not in seen:
                 seen.add(key)
                 self.add_blob(r.blob, r.meta.hashes)
