@@ -43,9 +43,9 @@ class BlobTier:
     - ``discard(blob_id)``: forget a blob if held;
     - ``capacity`` / ``used_bytes``: bytes it may hold / holds; ``close()``: let go of what it holds open.
 
-    Membership, ``len``, :meth:`ids`, :meth:`meta` and :meth:`copy` are implemented here over ``_entries`` (an OrderedDict id ->
-    entry with a ``meta`` attribute, LRU order) under the re-entrant ``_lock``. A tier never knows about block
-    hashes, calibrations or other tiers: the store's index and placement do.
+    Membership, ``len``, :meth:`ids`, :meth:`meta` and :meth:`copy` are implemented here over ``_entries`` (an
+    OrderedDict id -> entry with a ``meta`` attribute, LRU order) under the re-entrant ``_lock``. A tier
+    never knows about block hashes, calibrations or other tiers: the store's index and placement do.
     """
 
     name: str = ""

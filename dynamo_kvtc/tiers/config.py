@@ -77,8 +77,9 @@ class TierConfig:
         p = self.pressure_high
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ConfigError(f"pressure_high must be in (0, 1], got {p!r}")
-        if not isinstance(self.tiers, tuple) or not all(isinstance(t, str) for t in self.tiers):
-            raise ConfigError(f"tiers must be a tuple of registered tier names, got {self.tiers!r}")
+        if isinstance(self.tiers, str) or not all(isinstance(t, str) for t in self.tiers):
+            raise ConfigError(f"tiers must be registered tier names, got {self.tiers!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
         if not isinstance(self.codec, CodecOptions):
             raise ConfigError(f"codec must be a CodecOptions, got {self.codec!r}")
         if self.disk_bytes and self.disk_dir is None:
