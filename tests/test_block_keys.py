@@ -14,6 +14,7 @@ import msgpack
 import pytest
 import torch
 
+from dynamo_kvtc.codec.blob import BlobView
 from dynamo_kvtc.codec.container import blob_keys, parse_blob, with_keys
 from dynamo_kvtc.errors import BadRecordError, BlobKeyError, ConfigError, CorruptBlobError, InputError
 from dynamo_kvtc.tiers import DiskTier, KvtcStore, TierConfig, disk_format
@@ -78,14 +79,14 @@ def test_keys_field_round_trips_and_leaves_the_blob_decodable(synth, synth_cal):
     assert h["keys"] == keys_to_bytes(keys) and [r.crc for r in recs] == [r.crc for r in plain_recs]
     for (la, ka, va), (lb, kb, vb) in zip(codec.decode_layers(blob), codec.decode_layers(keyed)):
         assert la == lb and torch.equal(ka, kb) and torch.equal(va, vb)  # the codec never reads the keys
-    check_blob_keys(keyed, 0, keys)
-    check_blob_keys(keyed, 3, keys[3:5])
+    check_blob_keys(BlobView.of(keyed), 0, keys)
+    check_blob_keys(BlobView.of(keyed), 3, keys[3:5])
     with pytest.raises(BlobKeyError, match="other blocks"):
-        check_blob_keys(keyed, 0, keys[1:3])  # the right keys at the wrong position
+        check_blob_keys(BlobView.of(keyed), 0, keys[1:3])  # the right keys at the wrong position
     with pytest.raises(BlobKeyError, match="other blocks"):
-        check_blob_keys(keyed, 7, keys[7:] + [5])  # past the blob's blocks
+        check_blob_keys(BlobView.of(keyed), 7, keys[7:] + [5])  # past the blob's blocks
     with pytest.raises(BlobKeyError, match="no block keys"):
-        check_blob_keys(blob, 0, keys)
+        check_blob_keys(BlobView.of(blob), 0, keys)
     with pytest.raises(InputError):
         with_keys(blob, b"\0" * 15)
     # a malformed keys field, or a binary value anywhere else, is a corrupt header

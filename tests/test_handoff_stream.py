@@ -305,7 +305,7 @@ def test_fetches_arrive_in_group_ranges_and_restore_exactly(world2, device):
             assert dst.stats.onboard_fused_batches == 2 * len(seqs)  # the fused restore read the ranges
             client.flush()
             assert srv.open_leases == 0 and client.quarantined_bytes == 0
-            host = srv.store.placement.host  # staged from its pages in place: every host-tier lease given back
+            host = srv.store.host  # staged from its pages in place: every host-tier lease given back
             assert host._entries and all(e.leases == 0 for e in host._entries.values())
     finally:
         close_store(dst)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dynamo_kvtc import KvtcCodec
+from dynamo_kvtc.codec.blob import BlobView
 from dynamo_kvtc.errors import ConfigError, TierError, TierFullError
 from dynamo_kvtc.tiers import (
     DiskTier,
@@ -29,6 +30,7 @@ from dynamo_kvtc.tiers.keys import router_hash
 from dynamo_kvtc.transport.nixl_io import NixlFiles
 
 from .conftest import offload_seq
+from .tier_plugins import MemTier
 
 BS = 16
 
@@ -64,7 +66,7 @@ def test_host_tier_lru_and_no_fragmentation_collapse():
         stored[f"b{i}"] = data
         assert host.used_bytes == sum(len(x) for x in stored.values()) <= host.capacity
     for k, v in stored.items():
-        assert host.get(k)[0] == v
+        assert host.copy(k) == v
     with pytest.raises(TierFullError):
         host.put("huge", b"x" * (host.capacity + 1))
 
@@ -81,11 +83,11 @@ def test_host_tier_large_blobs_copied_without_the_gil_are_exact():
     b = memoryview(big)[17 : 17 + 2 * GIL_FREE_COPY]
     host.put("a", a)
     host.put("b", b)
-    assert host.get("a")[0] == a and host.get("b")[0] == bytes(b)
+    assert host.copy("a") == a and host.copy("b") == bytes(b)
     host.discard("a")  # a hole of 3 MiB + 1 page before b, 3 MiB - 1 page after: the next blob takes both
     c = os.urandom(5 * GIL_FREE_COPY)
     host.put("c", c)
-    assert len(host.extents("c")) == 2 and host.get("c")[0] == c and host.get("b")[0] == bytes(b)
+    assert len(host.extents("c")) == 2 and host.copy("c") == c and host.copy("b") == bytes(b)
 
 
 def test_host_tier_keeps_blobs_contiguous_and_leases_pin_their_pages():
@@ -126,7 +128,7 @@ def test_host_tier_fragmented_arena_still_stores_and_reads_back():
         host.discard(f"p{i}")  # 8 free single pages, none adjacent
     data = os.urandom(4 * 1024)
     assert host.put("frag", data) == []
-    assert len(host.extents("frag")) == 4 and host.get("frag")[0] == data
+    assert len(host.extents("frag")) == 4 and host.copy("frag") == data
     lease = host.lease("frag")
     assert lease.view() is None and lease.tobytes() == data  # not contiguous: read as bytes
     lease.release()
@@ -149,14 +151,14 @@ def test_disk_roundtrip_restart_and_damage(tmp_path, nixl_files):
     d2 = DiskTier(tmp_path / "g3", 1 << 20, io=nixl_files)
     assert sorted(d2.ids()) == sorted(blobs) and not (tmp_path / "g3" / "leftover.tmp").exists()
     for k, v in blobs.items():
-        assert d2.get(k) == (v, {"n": k})
+        assert d2.copy(k) == v and d2.meta(k) == {"n": k}
     # a flipped byte is caught on read: never served, dropped
     f = tmp_path / "g3" / "id2.kvtc"
     raw = bytearray(f.read_bytes())
     raw[-10] ^= 0x40
     f.write_bytes(bytes(raw))
     with pytest.raises(TierError, match="corrupt"):
-        d2.get("id2")
+        d2.read("id2")
     assert "id2" not in d2 and not f.exists()
     # a truncated (torn) file is dropped at recovery
     g = tmp_path / "g3" / "id3.kvtc"
@@ -166,7 +168,7 @@ def test_disk_roundtrip_restart_and_damage(tmp_path, nixl_files):
     # a file deleted underneath is a miss, not a crash
     (tmp_path / "g3" / "id4.kvtc").unlink()
     with pytest.raises(TierError, match="missing"):
-        d3.get("id4")
+        d3.read("id4")
 
 
 def test_disk_capacity_evicts_lru(tmp_path, nixl_files):
@@ -197,7 +199,7 @@ def test_disk_enospc_on_small_tmpfs(tmp_path, nixl_files):
         d.put("fits", os.urandom(20_000), {})
         with pytest.raises(TierFullError, match="out of space"):
             d.put("too-big", os.urandom(200_000), {})
-        assert d.get("fits")[0] and "too-big" not in d
+        assert d.copy("fits") and "too-big" not in d
         assert not list((mnt / "g3").glob("*.tmp"))
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -250,8 +252,18 @@ def _tokens(n, seed):
     return [rng.randrange(1000) for _ in range(n)]
 
 
-def _store(cal, tmp_path=None, host=1 << 20, disk=0, **kw):
+# the store tests run over these chains: the host tier alone, host + disk, host + the tests' own ``mem`` tier
+# (tests/tier_plugins.py, registered with one line): the lower tier's name, or None
+LOWER = [None, "disk", "mem"]
+
+
+def _store(cal, tmp_path=None, host=1 << 20, disk=0, lower=None, **kw):
+    """A store over host (+ ``lower``: "disk" in ``tmp_path``, or the registered test tier "mem")."""
     kw.setdefault("disk_min_uses", 1)  # these tests follow every eviction to disk; admission has its own test
+    if lower == "mem":
+        kw["tiers"] = ("mem",)
+    elif lower == "disk" and not disk:
+        disk = 1 << 20
     cfg = TierConfig(
         host_bytes=host, disk_bytes=disk, disk_dir=tmp_path, ratio=8, min_tokens=32, page_bytes=1024, window=32, **kw
     )
@@ -273,8 +285,10 @@ class Collect:
             self.order.append(layer)
 
 
-async def test_offload_onboard_host_roundtrip_matches_codec(synth, synth_cal):
-    store = _store(synth_cal)
+@pytest.mark.parametrize("lower", LOWER)
+async def test_offload_onboard_host_roundtrip_matches_codec(tmp_path, synth, synth_cal, lower):
+    store = _store(synth_cal, tmp_path / "g3", lower=lower)
+    assert [t.name for t in store.tiers] == ["host", *([lower] if lower else [])]
     toks = _tokens(400, 0)
     k, v, _ = synth.sample(400)
     res = offload_seq(store, toks, k, v)
@@ -302,23 +316,28 @@ async def test_offload_onboard_host_roundtrip_matches_codec(synth, synth_cal):
     store.close()
 
 
-async def test_evict_demote_onboard_from_disk_and_restart(tmp_path, synth, synth_cal):
-    store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20)
+@pytest.mark.parametrize("lower", ["disk", "mem"])
+async def test_evict_demote_onboard_from_disk_and_restart(tmp_path, synth, synth_cal, lower):
+    store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, lower=lower)
     seqs = [(_tokens(256, s), *synth.sample(256)[:2]) for s in range(6)]
     for toks, k, v in seqs:
         offload_seq(store, toks, k, v)
     snap = store.snapshot()
-    assert snap["host_evictions"] > 0 and snap["disk_demotions"] == snap["host_evictions"]
-    assert snap["host_stored_bytes"] <= store.host.capacity
+    assert snap["host_evictions"] > 0 and snap[f"{lower}_demotions"] == snap["host_evictions"]
+    assert snap["host_stored_bytes"] <= store.host.capacity and snap[f"{lower}_blobs"] > 0
     toks, k, v = seqs[0]
     hashes = store.hashes(toks)
-    assert store.where(hashes[0]) == "disk"
+    assert store.where(hashes[0]) == lower
     sink = Collect(k.shape[0], 256, *k.shape[2:])
     h = store.start_onboard(hashes, sink=sink)
-    assert await h.done()
-    assert store.snapshot()["onboard_disk_hits"] >= 1 and store.where(hashes[0]) == "host"  # promoted
+    assert h.lane == "slow" and await h.done()
+    snap = store.snapshot()
+    assert snap[f"onboard_{lower}_hits"] >= 1 and store.where(hashes[0]) == "host"  # promoted
+    assert snap[f"onboard_{lower}_blocks"] == 16 and snap["onboard_host_blocks"] == 0
     assert (sink.k[:, 4:128].float() - k[:, 4:128].float()).norm() / k[:, 4:128].float().norm() < 0.2
     store.close()
+    if lower != "disk":
+        return
     # restart: a fresh store over the same directory restores what reached the disk
     store2 = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=1 << 20)
     on_disk = [s for s in seqs if store2.match(store2.hashes(s[0])) == 16]
@@ -357,19 +376,25 @@ async def test_disk_admission_writes_only_blobs_used_twice(tmp_path, synth, synt
     store.close()
 
 
-async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_cal):
-    store = _store(synth_cal, tmp_path / "g3", host=8 * 1024, disk=1 << 20)
+@pytest.mark.parametrize("lower", ["disk", "mem"])
+async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_cal, lower):
+    """A damaged blob in a lower tier: the disk tier's own CRC refuses it; the test tier serves the flipped bytes
+    and the codec's section CRCs refuse them. Either way nothing is written and the blob leaves every tier."""
+    store = _store(synth_cal, tmp_path / "g3", host=8 * 1024, lower=lower)
     toks, (k, v, _) = _tokens(256, 7), synth.sample(256)
     offload_seq(store, toks, k, v)
     for t in range(3):  # push it out of the host tier
         offload_seq(store, _tokens(256, 100 + t), *synth.sample(256)[:2])
     hashes = store.hashes(toks)
-    assert store.where(hashes[0]) == "disk"
+    assert store.where(hashes[0]) == lower
     blob_id = store.blob_of(hashes[0])
-    f = tmp_path / "g3" / f"{blob_id}.kvtc"
-    raw = bytearray(f.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    f.write_bytes(bytes(raw))
+    if lower == "mem":
+        store.placement.tier("mem").damage(blob_id)
+    else:
+        f = tmp_path / "g3" / f"{blob_id}.kvtc"
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
     sink = Collect(k.shape[0], 256, *k.shape[2:])
     h = store.start_onboard(hashes, sink=sink)
     assert not await h.done()
@@ -377,7 +402,8 @@ async def test_corrupt_disk_blob_is_a_miss_not_wrong_kv(tmp_path, synth, synth_c
         h.wait_layer(0, timeout=10)
     assert sink.order == []  # nothing was written
     assert store.match(hashes) == 0  # the bad blob is forgotten: next time the engine recomputes
-    assert store.snapshot()["blobs_dropped"] == 1
+    assert store.snapshot()["blobs_dropped"] == 1 and store.where(hashes[0]) is None
+    assert all(blob_id not in t for t in store.tiers)
     store.close()
 
 
@@ -427,8 +453,9 @@ async def test_filter_bypass_and_paged_offload(synth, synth_cal):
     paged.close()
 
 
-async def test_many_concurrent_offloads_and_onboards_bounded(tmp_path, synth, synth_cal):
-    store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=256 * 1024)
+@pytest.mark.parametrize("lower", ["disk", "mem"])
+async def test_many_concurrent_offloads_and_onboards_bounded(tmp_path, synth, synth_cal, lower):
+    store = _store(synth_cal, tmp_path / "g3", host=48 * 1024, disk=256 * 1024 * (lower == "disk"), lower=lower)
     seqs = [(_tokens(192, 500 + i), *synth.sample(192)[:2]) for i in range(24)]
     refs = {}
 
@@ -444,7 +471,8 @@ async def test_many_concurrent_offloads_and_onboards_bounded(tmp_path, synth, sy
 
     await asyncio.gather(*(cycle(i) for i in range(len(seqs))))
     snap = store.snapshot()
-    assert snap["host_stored_bytes"] <= store.host.capacity and store.disk.used_bytes <= store.disk.capacity
+    low = store.tiers[-1]
+    assert snap["host_stored_bytes"] <= store.host.capacity and low.used_bytes <= low.capacity and low.name == lower
     assert len(refs) >= len(seqs) // 2
     for restored, ref in refs.values():
         assert (restored[:, 4:].float() - ref[:, 4:].float()).norm() / ref[:, 4:].float().norm() < 0.25
@@ -472,20 +500,21 @@ def test_nixl_failures_become_tier_errors(tmp_path):
     good.put("x", os.urandom(5000), {})
     reader = DiskTier(tmp_path / "a", 1 << 20, io=ShortReadFiles())
     with pytest.raises(TierError, match="NIXL READ failed"):
-        reader.get("x")
-    assert "x" in reader and good.get("x")  # a failed transfer is a miss; the committed blob is kept
+        reader.read("x")
+    assert "x" in reader and good.copy("x")  # a failed transfer is a miss; the committed blob is kept
     writer = DiskTier(tmp_path / "b", 1 << 20, io=ClosedFdFiles())
     with pytest.raises(TierError, match="NIXL WRITE failed"):
         writer.put("y", os.urandom(5000), {})
     assert "y" not in writer and not list((tmp_path / "b").iterdir())  # nothing torn left behind
 
 
-async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synth_cal):
+@pytest.mark.parametrize("lower", ["disk", "mem"])
+async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synth_cal, lower):
     """export -> BlobRuns with metas; a second store restores them from that source (no tiers read) and keeps them;
     the index, host-tier extents, demotion and the idle wait through public names only."""
     from dynamo_kvtc.tiers import BlobRun
 
-    a = _store(synth_cal, tmp_path / "a", disk=1 << 20)
+    a = _store(synth_cal, tmp_path / "a", lower=lower)
     toks, (k, v, _) = _tokens(320, 21), synth.sample(320)
     fut = a.submit_offload(a.hashes(toks), toks, keys=k[:, :320], values=v[:, :320])
     assert a.wait_idle(30) and fut.done() and fut.result().stored_blocks == 20
@@ -497,7 +526,7 @@ async def test_export_to_a_peer_store_and_public_accessors(tmp_path, synth, synt
     bid = a.blob_of(hashes[0])
     assert a.index.meta(bid).hashes[0] == hashes[0] and hashes[0] in a.index and a.index.locate(hashes[0]) == (bid, 0)
     assert sum(n for _, n in a.host.extents(bid)) == a.index.meta(bid).stored_bytes
-    assert a.placement.demote(bid) and a.where(hashes[0]) == "disk" and not a.placement.demote(bid)
+    assert a.placement.demote(bid) and a.where(hashes[0]) == lower and not a.placement.demote(bid)
 
     b = _store(synth_cal)
     sink = Collect(k.shape[0], 18 * BS, *k.shape[2:])
@@ -633,14 +662,60 @@ def test_store_stats_are_typed_and_flatten_under_the_historical_keys(synth_cal):
 
     st = StoreStats()
     st.offload_blocks += 3
-    st.disk_write_errors["TierFullError"] += 2
+    st.tier("disk").write_errors["TierFullError"] += 2
     st.onboard_errors["DecodeError"] += 1
     st.time("encode", 0.5)
     flat = st.as_dict()
     assert flat["offload_blocks"] == 3 and flat["disk_write_error_TierFullError"] == 2
     assert st.faults() == {"onboard_error_DecodeError": 1, "disk_write_error_TierFullError": 2}
     assert "timings" not in flat and list(st.timings) == [("encode", 0.5)] and st.onboard_from("peer") == 0
+    for key in ("onboard_host_blocks", "onboard_disk_hits", "host_evictions", "disk_demotions", "disk_demoted_blocks",
+                "disk_admission_dropped", "disk_recovered_blobs", "disk_foreign_blobs", "disk_bad_records"):
+        assert flat[key] == 0  # every store reports the built-in tiers' counters, under today's names
+    st.tier("mem").hits += 1  # another tier's counters: keyed by its name, flattened the same way
+    assert st.as_dict()["onboard_mem_hits"] == 1 and st.sources == ("host", "disk", "mem", "peer")
     fp = synth_cal.fingerprint
     per_token = 2 * fp.num_layers * fp.num_kv_heads * fp.head_dim
     assert fp.raw_bytes_per_token(torch.bfloat16) == 2 * per_token == fp.raw_bytes_per_token("float16")
     assert fp.raw_bytes_per_token(torch.float32) == 4 * per_token
+
+
+# ---------------------------------------------------------------------------------------------- the tier chain
+def test_tier_registry_builds_the_configured_chain(tmp_path, synth_cal):
+    """The chain comes from the registry: host always first, disk when configured, a registered tier when named;
+    an unknown name or a kind whose class names another tier is refused."""
+    from dynamo_kvtc.tiers.registry import TierKind, build_chain, names, register
+
+    assert names()[:3] == ("host", "disk", "mem")
+    cfg = TierConfig(host_bytes=1 << 20, page_bytes=1024, disk_bytes=1 << 20, disk_dir=tmp_path / "g3", tiers=("mem",))
+    chain = build_chain(cfg)
+    assert [type(t) for t in chain] == [HostTier, DiskTier, MemTier]
+    chain[1].close()
+    assert [t.name for t in build_chain(TierConfig(host_bytes=1 << 20, page_bytes=1024))] == ["host"]
+    with pytest.raises(ConfigError, match="unknown tiers"):
+        build_chain(TierConfig(host_bytes=1 << 20, page_bytes=1024, tiers=("nope",)))
+    with pytest.raises(ConfigError, match="whose name is"):
+        register(TierKind("other", MemTier, lambda cfg: None))
+    with pytest.raises(ConfigError, match="not in the table"):
+        register(TierKind("mem", MemTier, lambda cfg: None, ("no_such_setting",)))
+
+
+def test_tiers_keep_one_contract(tmp_path, nixl_files):
+    """Host, disk and the tests' tier answer the same calls the same way: put hands back Evicted records (bytes
+    only when kept), read a BlobView (None when absent), discard forgets."""
+    tiers = [HostTier(8 * 1024, page_bytes=1024, pinned=False), DiskTier(tmp_path / "g3", 9000, io=nixl_files),
+             MemTier(8 * 1024)]
+    for tier in tiers:
+        a, b, c = os.urandom(3000), os.urandom(3000), os.urandom(3000)
+        assert tier.put("a", a, {"n": 1}) == [] and tier.put("b", b, {"n": 2}) == []
+        assert tier.read("zz") is None and tier.meta("a") == {"n": 1}
+        view = tier.read("a")  # a is now the most recently used: b is the victim
+        assert view.tobytes() == a and len(view) == 3000
+        view.release()
+        (ev,) = tier.put("c", c, {"n": 3})
+        assert ev.blob_id == "b" and bytes(BlobView.of(ev.blob).host()) == b and ev.meta == {"n": 2}, tier.name
+        (ev,) = tier.put("d", os.urandom(3000), {}, keep_evicted=False)
+        assert ev.blob_id == "a" and not ev.blob
+        tier.discard("c")
+        assert sorted(tier.ids()) == ["d"] and tier.copy("c") is None
+        tier.close()

@@ -79,7 +79,7 @@ def test_two_ranks_save_together_and_skip_together(synth, synth_cal):
             hashes[4:], toks[4 * BS :], first_block=4, parent=hashes[3], keys=kr[:, 4 * BS :], values=vr[:, 4 * BS :]
         ).result(60)
         runs, _ = store.export(hashes[:2])
-        out = {"a": a, "b": b, "c": c, "blob": bytes(memoryview(runs[0].blob)), "stats": store.stats}
+        out = {"a": a, "b": b, "c": c, "blob": runs[0].blob.tobytes(), "stats": store.stats}
         out["held"] = [store.where(h) for h in hashes]
         store.close()
         return out

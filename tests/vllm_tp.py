@@ -86,10 +86,10 @@ def _compare(vllm_worker) -> dict:
         r = w.restores[-1]
         out.update(_restored_vs_original(w, w.originals))
         runs, _ = w.store.export(r["hashes"])
-        out["blob_sha"] = [hashlib.sha256(bytes(memoryview(run.blob))).hexdigest() for run in runs]
+        out["blob_sha"] = [hashlib.sha256(run.blob.tobytes()).hexdigest() for run in runs]
         heads = w.store.default_codec().heads
         plain = KvtcCodec(w.store.cal, w.store.policy.default, fused=False, projection="fp16")
-        kd, vd = (torch.cat(t, 1) for t in zip(*(plain.decode(bytes(memoryview(run.blob))) for run in runs)))
+        kd, vd = (torch.cat(t, 1) for t in zip(*(plain.decode(run.blob.tobytes()) for run in runs)))
         k, v = (t.cpu() for t in w.store.kv.gather(r["block_ids"]))  # (a GPU engine's cache: to the host)
         out["plain_heads"] = int(kd.shape[2])
         out["rel_vs_plain_k"] = _rel(k, kd[:, : k.shape[1], heads])

@@ -119,7 +119,7 @@ class TierBench:
         specs, at = [], 0
         bs = self.args.block_size
         for r in runs:
-            buf[at : at + len(r.blob)] = torch.frombuffer(bytearray(r.blob), dtype=torch.uint8)
+            buf[at : at + len(r.blob)] = torch.frombuffer(bytearray(r.blob.host()), dtype=torch.uint8)
             specs.append((RestoreRun(BlobView(buf, at, len(r.blob)), r.first * bs, r.count * bs), r.at * bs))
             at += len(r.blob)
         codec = store.default_codec()

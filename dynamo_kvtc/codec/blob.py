@@ -11,6 +11,8 @@ reads only BlobViews:
   plain bytes-like blob), and :meth:`BlobView.host_view`, the host bytes without waiting or copying (None in device
   memory);
 - :meth:`BlobView.wait_for`: block until bytes ``[0, end)`` landed (at once for a landed blob);
+- :meth:`BlobView.header`: the bytes holding the blob's prefix and header (of a blob still landing or in device
+  memory only those, once they landed); :meth:`BlobView.tobytes`: a copy of the whole blob;
 - :meth:`BlobView.consumed`: the reader is done with the bytes (a receive buffer may be reused once the device
   finished with them); :meth:`BlobView.release`: the owner's memory may go back (a host tier lease's pages).
 
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from .container import MAX_HEADER_BYTES, PREFIX
 
 
 class BlobView:
@@ -106,6 +109,25 @@ class BlobView:
             self._host = memoryview(src.cpu().numpy().tobytes() if src is not None else bytes(self._mv))
             self.consumed(None)
         return self._host
+
+    def header(self) -> bytes | memoryview:
+        """The bytes holding the blob's prefix and header: all of a landed host blob (no copy); of a blob still
+        landing (a peer's, range by range) or in device memory, only the prefix and header, once they landed."""
+        if not (self.arriving or self.on_device):
+            return self.host()
+
+        def read(n: int) -> bytes:
+            self.wait_for(n)
+            mv = self.host_view()
+            return bytes(mv[:n]) if mv is not None else self.slice()[:n].cpu().numpy().tobytes()
+
+        n = min(self.nbytes, PREFIX.size)
+        hlen = PREFIX.unpack_from(read(n), 0)[3] if n == PREFIX.size else 0
+        return read(min(self.nbytes, PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1)))
+
+    def tobytes(self) -> bytes:
+        """A copy of the whole blob (waits for every byte)."""
+        return bytes(self.host())
 
     def release(self) -> None:
         """Give the memory holding the blob back to its owner (once; later calls do nothing)."""

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..tiers.stats import SOURCES
+from ..tiers.stats import BUILT_IN, PEER
 
-TIERS = ("host", "disk")
+SOURCES = (*BUILT_IN, PEER)  # the ``tier`` labels without a store; a store reports its own (StoreStats.sources)
 
 # name -> (help, label): the counter families of both exporters (``_total`` is added by Prometheus)
 COUNTERS: dict[str, tuple[str, str | None]] = {
@@ -70,7 +70,7 @@ def connector_counters(worker: Any = None, store: Any = None) -> ConnectorCounte
         out.offload_blocks = float(st.offload_blocks)
         out.offload_raw_bytes = float(st.offload_raw_bytes)
         out.offload_stored_bytes = float(st.offload_stored_bytes)
-        out.onboard_blocks = {t: float(st.onboard_from(t)) for t in SOURCES}
+        out.onboard_blocks = {t: float(st.onboard_from(t)) for t in st.sources}
         faults = {**st.faults(), "blobs_dropped": st.blobs_dropped}
         out.fallbacks.update({k: float(v) for k, v in faults.items() if v})
     return out
@@ -172,15 +172,16 @@ class _SnapshotCollector:
         raw = _gauge("tier_raw_bytes", labels=["tier"], doc="Uncompressed bytes of the KV held per tier")
         stored = _gauge("tier_stored_bytes", labels=["tier"], doc="Compressed bytes held per tier")
         ratio = _gauge("tier_ratio", labels=["tier"], doc="Raw / stored bytes held per tier")
-        for t in TIERS:
+        tiers = tuple(st.tiers)  # every registered tier, by name (counters keyed by it), the first tier first
+        for t in tiers:
             blocks.add_metric([t], s.get(f"{t}_blocks", 0))
             raw.add_metric([t], s.get(f"{t}_raw_bytes", 0))
             stored.add_metric([t], s.get(f"{t}_stored_bytes", 0))
             st_bytes = s.get(f"{t}_stored_bytes", 0)
             ratio.add_metric([t], s.get(f"{t}_raw_bytes", 0) / st_bytes if st_bytes else 0.0)
         yield from (blocks, raw, stored, ratio)
-        total_raw = sum(s.get(f"{t}_raw_bytes", 0) for t in TIERS)
-        total_stored = sum(s.get(f"{t}_stored_bytes", 0) for t in TIERS)
+        total_raw = sum(s.get(f"{t}_raw_bytes", 0) for t in tiers)
+        total_stored = sum(s.get(f"{t}_stored_bytes", 0) for t in tiers)
         yield _gauge(
             "effective_ratio",
             total_raw / total_stored if total_stored else 0.0,
@@ -189,20 +190,19 @@ class _SnapshotCollector:
         yield _gauge("policy_ratio", policy_ratio(self.m.store))
         yield _gauge("host_fill", s.get("host_fill", 0.0))
         off = _counter("offload_blocks")
-        off.add_metric(["host"], c.offload_blocks)
-        off.add_metric(["disk"], st.disk_demoted_blocks)
+        for t in tiers:  # the first tier: the encoded blocks; a lower one: those demoted into it
+            off.add_metric([t], c.offload_blocks if t == tiers[0] else st.tier(t).demoted_blocks)
         yield off
         on = _counter("onboard_blocks")
-        for t in SOURCES:
-            on.add_metric([t], c.onboard_blocks.get(t, 0.0))
+        for t, n in c.onboard_blocks.items():
+            on.add_metric([t], n)
         yield on
         hits = _counter("onboard_blob_hits", ["tier"], "Blobs read for restores, by tier")
-        hits.add_metric(["host"], st.onboard_host_hits)
-        hits.add_metric(["disk"], st.onboard_disk_hits)
-        yield hits
         ev = _counter("evictions", ["tier"], "Blobs evicted, by tier")
-        ev.add_metric(["host"], st.host_evictions)
-        ev.add_metric(["disk"], st.disk_evictions)
+        for t in tiers:
+            hits.add_metric([t], st.tier(t).hits)
+            ev.add_metric([t], st.tier(t).evictions)
+        yield hits
         yield ev
         ob = _counter("offload_bytes")
         ob.add_metric(["raw"], c.offload_raw_bytes)
@@ -222,8 +222,8 @@ class _SnapshotCollector:
         tier = _gauge(
             "tier_hit_rate", labels=["tier"], doc="Tokens restored from each source / prompt tokens looked up"
         )
-        for t in SOURCES:
-            tier.add_metric([t], c.onboard_blocks.get(t, 0.0) * bs / looked if looked else 0.0)
+        for t, n in c.onboard_blocks.items():
+            tier.add_metric([t], n * bs / looked if looked else 0.0)
         yield tier
 
 

@@ -74,7 +74,7 @@ def scenario_calibration(world: World, ledger: Ledger) -> None:
             ledger.problem(kind, f"{served} blocks of another calibration offered after a restart")
         else:
             ledger.add(kind, faults_detected=1, recomputes=len(committed))
-        ledger.detail(kind, foreign_blobs_not_adopted=store_b.stats.disk_foreign_blobs)
+        ledger.detail(kind, foreign_blobs_not_adopted=store_b.stats.tier("disk").foreign_blobs)
         close_store(store_b)
         store_b = None
         # a forged index record: a blob of calibration A whose disk metadata claims calibration B

@@ -101,7 +101,7 @@ def scenario_disk_files(world: World, ledger: Ledger, rounds: int) -> None:
                 _, res = offload(world, store, toks)
                 new = committed_blobs(store, res.blobs)
                 for bid, (hashes, _) in new.items():
-                    expect.add_blob(store.disk.get(bid)[0], hashes)
+                    expect.add_blob(store.disk.copy(bid), hashes)
                 committed.update(new)
             at_rest = rng.random() < 0.5
             if at_rest:
@@ -164,13 +164,13 @@ def scenario_enospc(world: World, ledger: Ledger, fills: int) -> None:
             try:
                 for s in range(60):
                     toks = world.tokens(("enospc", fill, s), rng.randint(4, 10) * BS)
-                    before = store.stats.disk_write_errors["TierFullError"]
+                    before = store.stats.tier("disk").write_errors["TierFullError"]
                     hashes, res = offload(world, store, toks)
                     new = committed_blobs(store, res.blobs)
                     for bid, (h, _) in new.items():
-                        expect.add_blob(store.disk.get(bid)[0], h)
+                        expect.add_blob(store.disk.copy(bid), h)
                     committed.update(new)
-                    if store.stats.disk_write_errors["TierFullError"] > before:
+                    if store.stats.tier("disk").write_errors["TierFullError"] > before:
                         refused += 1
                         ledger.add(kind, faults_injected=1)
                         clean = not list(d.glob("*.tmp")) and store.disk.used_bytes == sum(

@@ -47,7 +47,7 @@ def scenario_host_flips(world: World, ledger: Ledger, rounds: int) -> None:
                     break
                 left -= n
             store.host.arena[at] ^= 1 << rng.randrange(8)
-            hlen = struct.unpack_from("<I", store.host.get(target)[0], 8)[0]
+            hlen = struct.unpack_from("<I", store.host.copy(target), 8)[0]
             region = "blob_prefix" if off < 16 else ("blob_header" if off < 16 + hlen else "blob_sections")
             ledger.add(kind, faults_injected=1)
             ledger.detail(kind, **{region: 1})

@@ -180,12 +180,12 @@ def scenario_nixl_disk(world: World, ledger: Ledger, rounds: int, ops: Sequence[
             op = ops[(r // len(modes)) % len(ops)]
             ledger.detail(kind, **{f"{op}:{mode}": 1})
             if op == "WRITE":
-                before = sum(store.stats.disk_write_errors.values())
+                before = sum(store.stats.tier("disk").write_errors.values())
                 agent.arm(mode, None if mode == "descs_none" else "WRITE")
                 hashes, res = offload(world, store, world.tokens(("nixl", r), rng.randint(4, 12) * BS))
                 agent.disarm()
                 ledger.add(kind, faults_injected=1)
-                refused = sum(store.stats.disk_write_errors.values()) > before
+                refused = sum(store.stats.tier("disk").write_errors.values()) > before
                 new = committed_blobs(store, res.blobs)
                 out = restore(world, store, hashes)
                 if out.ok:

@@ -220,10 +220,10 @@ class Expect:
                     runs.extend(store.export([h])[0])
         seen = set()
         for r in runs:
-            key = (r.meta.id, zlib.crc32(r.blob))
+            key = (r.meta.id, zlib.crc32(r.blob.host()))
             if key not in seen:
                 seen.add(key)
-                self.add_blob(r.blob, r.meta.hashes)
+                self.add_blob(r.blob.host(), r.meta.hashes)
 
     def record(self, hashes: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Lossy, concurrent use: remember what was served; :meth:`check_recorded` judges it once every blob written

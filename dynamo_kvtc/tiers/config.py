@@ -69,6 +69,7 @@ class TierConfig:
     codec: CodecOptions = field(default_factory=CodecOptions)  # how the codec runs (process-wide, environment only)
     offload_queue_bytes: int = _d("offload_queue_gb")  # K/V copies the offload queue may hold (over: save skipped)
     codec_sms: int = _d("codec_sms")  # SMs of the codec streams' green context; 0: all, at the lowest priority
+    tiers: tuple[str, ...] = ()  # registered tiers beyond host and disk to chain (tiers/registry.py), in order
 
     def __post_init__(self) -> None:
         for name, key in _TABLE.items():  # bounds, choices and types: the table's rule, through settings.check
@@ -76,6 +77,9 @@ class TierConfig:
         p = self.pressure_high
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
             raise ConfigError(f"pressure_high must be in (0, 1], got {p!r}")
+        if isinstance(self.tiers, str) or not all(isinstance(t, str) for t in self.tiers):
+            raise ConfigError(f"tiers must be registered tier names, got {self.tiers!r}")
+        object.__setattr__(self, "tiers", tuple(self.tiers))
         if not isinstance(self.codec, CodecOptions):
             raise ConfigError(f"codec must be a CodecOptions, got {self.codec!r}")
         if self.disk_bytes and self.disk_dir is None:

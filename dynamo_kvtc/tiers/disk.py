@@ -43,10 +43,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..codec.blob import BlobView
 from ..errors import ConfigError, TierError, TierFullError, TransferError
 from ..transport.channel import pack
 from ..transport.nixl_io import NixlFiles
-from .base import BlobTier
+from .base import BlobTier, Evicted
 from .disk_dir import CLOEXEC, NOFOLLOW, NONBLOCK, lock_dir, open_dir, unlock_dir
 from .disk_format import BLOB_ID, MAGIC, MAX_META, PREFIX, SUFFIX, DamagedFile, check_magic, parse_record
 
@@ -60,8 +61,10 @@ class _Entry(NamedTuple):
 
 
 class DiskTier(BlobTier):
-    """Committed blob files in one directory, LRU. Owns the directory (its lock), the files and their entries; it
-    never serves bytes it has not verified and never deletes a file it could not prove damaged."""
+    """The ``disk`` tier: committed blob files in one directory, LRU. Owns the directory (its lock), the files and their
+    entries; it never serves bytes it has not verified and never deletes a file it could not prove damaged."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -213,12 +216,14 @@ class DiskTier(BlobTier):
             log.warning("disk tier: cannot delete %s: %s", name, e)
 
     # ------------------------------------------------------------------ put / get / delete
-    def put(self, blob_id: str, blob: bytes, meta: Any) -> list[str]:
-        """Commit a blob durably; evicts least-recently-used blobs to stay under capacity. Returns evicted ids.
+    def put(self, blob_id: str, blob: Any, meta: Any, *, keep_evicted: bool = True) -> list[Evicted]:
+        """Commit a blob (a BlobView or bytes-like) durably; evicts least-recently-used blobs to stay under capacity
+        and returns them (their bytes read back first only with ``keep_evicted``; None when that read failed).
 
         Raises TierFullError (capacity or ENOSPC) or TierError (I/O, NIXL); then nothing of the blob is left behind
         and every previously committed blob is untouched."""
         name = self._name(blob_id)
+        blob = BlobView.of(blob).host()
         crc = zlib.crc32(blob)
         try:
             mbytes = pack({"id": blob_id, "len": len(blob), "crc": crc, "meta": meta})
@@ -229,7 +234,7 @@ class DiskTier(BlobTier):
         size = PREFIX.size + len(mbytes) + len(blob)
         if size > self.capacity:
             raise TierFullError(f"blob of {size} bytes exceeds the disk tier ({self.capacity} bytes)")
-        evicted: list[str] = []
+        evicted: list[Evicted] = []
         with self._lock:
             if blob_id in self._entries:
                 self._entries.move_to_end(blob_id)
@@ -238,8 +243,8 @@ class DiskTier(BlobTier):
                 return evicted
             while self.used_bytes + sum(self._pending.values()) + size > self.capacity and self._entries:
                 old = next(iter(self._entries))
+                evicted.append(Evicted(old, self._victim(old) if keep_evicted else None, self._entries[old].meta))
                 self.delete(old)
-                evicted.append(old)
             self._pending[blob_id] = size
         tmp = f"{blob_id}.tmp"
         try:
@@ -290,9 +295,17 @@ class DiskTier(BlobTier):
                 raise TierFullError(f"disk tier out of space writing {size} bytes: {e}") from e
             raise TierError(f"disk tier write of {blob_id} failed: {e}") from e
 
-    def get(self, blob_id: str) -> tuple[memoryview, Any]:
-        """Read and verify a blob: its bytes (a read-only view of the buffer NIXL read the file into: no copy) and
-        its meta.
+    def _victim(self, blob_id: str) -> BlobView | None:
+        """An eviction victim's bytes for the next tier (None when they cannot be read)."""
+        try:
+            return self.read(blob_id)
+        except TierError as e:
+            log.warning("disk tier: eviction victim %s not handed on: %s", blob_id, e)
+            return None
+
+    def read(self, blob_id: str) -> BlobView | None:
+        """Read and verify a blob: a view of the buffer NIXL read the file into (no copy), or None when the tier does
+        not hold it.
 
         A missing, torn or corrupted file raises TierError and is forgotten (a damaged one deleted); a failed NIXL
         transfer or I/O error raises TransferError (a TierError) and keeps the committed file for the next try."""
@@ -300,7 +313,7 @@ class DiskTier(BlobTier):
         with self._lock:
             entry = self._entries.get(blob_id)
             if entry is None:
-                raise TierError(f"blob {blob_id} is not on disk")
+                return None
             self._entries.move_to_end(blob_id)
         try:
             fd = self._open_ro(name)
@@ -327,7 +340,7 @@ class DiskTier(BlobTier):
         finally:
             os.close(fd)
         try:
-            return self._verify(data, blob_id, entry)
+            return BlobView(self._verify(data, blob_id, entry))
         except TierError as e:
             first = e
         # The bytes NIXL delivered do not verify. Before deleting anything, read the file again with a plain pread:
@@ -352,7 +365,7 @@ class DiskTier(BlobTier):
             return os.open(name, os.O_RDONLY | NOFOLLOW | CLOEXEC | NONBLOCK, dir_fd=dfd)
 
     @staticmethod
-    def _verify(data: bytes | memoryview, blob_id: str, entry: _Entry) -> tuple[memoryview, Any]:
+    def _verify(data: bytes | memoryview, blob_id: str, entry: _Entry) -> memoryview:
         try:
             magic, mlen, mcrc = PREFIX.unpack_from(data, 0)
             mbytes = data[PREFIX.size : PREFIX.size + mlen]
@@ -366,7 +379,7 @@ class DiskTier(BlobTier):
             raise TierError("not the blob committed under this id")
         if zlib.crc32(blob) != entry.crc:
             raise TierError("blob checksum mismatch")
-        return blob, m["meta"]
+        return blob
 
     def _forget(self, blob_id: str, why: str, delete: bool = False) -> None:
         log.warning("disk tier: dropping blob %s: %s", blob_id, why)

@@ -28,7 +28,7 @@ import torch
 
 from ..codec.blob import BlobView
 from ..errors import ConfigError, TierError, TierFullError
-from .base import BlobTier
+from .base import BlobTier, Evicted
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,12 @@ def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
 
 
 class HostTier(BlobTier):
-    """Compressed blobs in one page arena, LRU. Owns the arena, its free page runs and the entries; it never decides
-    what happens to an evicted blob (``put`` hands victims back) and never interprets a blob's bytes. A blob is kept
-    in one contiguous run of pages when one is free (so restores copy it to the device in one piece, zero-copy through
-    :meth:`lease`), else in a few pieces."""
+    """The ``host`` tier: compressed blobs in one page arena, LRU. Owns the arena, its free page runs and the
+    entries; it never decides what happens to an evicted blob (``put`` hands victims back) and never interprets a
+    blob's bytes. A blob is kept in one contiguous run of pages when one is free (so restores copy it to the device
+    in one piece, zero-copy through :meth:`lease` / :meth:`read`), else in a few pieces."""
+
+    name = "host"
 
     def __init__(self, capacity_bytes: int, page_bytes: int = 16384, pinned: bool | None = None) -> None:
         for name, v in (("capacity_bytes", capacity_bytes), ("page_bytes", page_bytes)):
@@ -194,18 +196,16 @@ class HostTier(BlobTier):
         return max(1, -(-nbytes // self.page))
 
     # ------------------------------------------------------------------ operations
-    def put(
-        self, blob_id: str, data: bytes | bytearray | memoryview, meta: Any = None, *, keep_evicted: bool = True
-    ) -> list[tuple[str, bytes, Any]]:
-        """Store a blob; evict least-recently-used blobs (never a leased one) to make room and return them
-        (id, bytes, meta; the bytes are empty unless ``keep_evicted``: a caller with nowhere to put them saves the
+    def put(self, blob_id: str, blob: Any, meta: Any = None, *, keep_evicted: bool = True) -> list[Evicted]:
+        """Store a blob (a BlobView or bytes-like); evict least-recently-used blobs (never a leased one) to make room
+        and return them (their bytes are empty unless ``keep_evicted``: a caller with nowhere to put them saves the
         copy). All-or-nothing: TierFullError leaves the tier as it was."""
-        data = memoryview(data).cast("B")
+        data = BlobView.of(blob).host()
         src = np.frombuffer(data, dtype=np.uint8)  # a view: the one copy is into the arena
         need = self.pages_for(len(data))
         if need > self.num_pages:
             raise TierFullError(f"blob of {len(data)} bytes exceeds the host tier ({self.capacity} bytes)")
-        evicted: list[tuple[str, bytes, Any]] = []
+        evicted: list[Evicted] = []
         with self._lock:
             if blob_id in self._entries:
                 self._entries.move_to_end(blob_id)
@@ -222,7 +222,8 @@ class HostTier(BlobTier):
                 raise TierFullError(f"host tier: {need} pages needed, {free} can be freed (the rest is being read)")
             try:
                 evicted = [
-                    (v, self._read(self._entries[v]) if keep_evicted else b"", self._entries[v].meta) for v in victims
+                    Evicted(v, self._read(self._entries[v]) if keep_evicted else b"", self._entries[v].meta)
+                    for v in victims
                 ]
             except MemoryError as e:
                 raise TierFullError("no memory to hand eviction victims on; host tier unchanged") from e
@@ -283,23 +284,21 @@ class HostTier(BlobTier):
             e.leases += 1
             return HostLease(self, e, self._extents(e))
 
-    def get(self, blob_id: str) -> tuple[bytes, Any] | None:
-        """The blob's bytes and meta (marks it most recently used), or None."""
-        with self._lock:
-            e = self._entries.get(blob_id)
-            if e is None:
-                return None
-            self._entries.move_to_end(blob_id)
-            return self._read(e), e.meta
+    def read(self, blob_id: str) -> BlobView | None:
+        """A held blob read in place under a lease (marks it most recently used; see :meth:`HostLease.blob`), or
+        None. The view's ``release()`` gives the pages back."""
+        lease = self.lease(blob_id)
+        return None if lease is None else lease.blob()
 
-    def pop(self, blob_id: str) -> tuple[bytes, Any] | None:
+    def pop(self, blob_id: str) -> Evicted | None:
+        """Take a blob out of the tier (its bytes copied out), or None if it is not held."""
         with self._lock:
             e = self._entries.pop(blob_id, None)
             if e is None:
                 return None
             data = self._read(e)
             self._release(e)
-            return data, e.meta
+            return Evicted(blob_id, data, e.meta)
 
     def discard(self, blob_id: str) -> None:
         with self._lock:

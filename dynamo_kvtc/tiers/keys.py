@@ -30,12 +30,15 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgpack
 
-from ..codec.container import MAX_HEADER_BYTES, PREFIX, blob_keys, with_keys
+from ..codec.container import blob_keys, with_keys
 from ..errors import BlobKeyError
+
+if TYPE_CHECKING:
+    from ..codec.blob import BlobView
 
 KEY_BITS = 128
 KEY_BYTES = KEY_BITS // 8
@@ -155,30 +158,12 @@ def keyed_blob(blob: bytes | memoryview, keys: Sequence[int]) -> bytes:
     return with_keys(blob, keys_to_bytes(keys))
 
 
-def _head(blob: Any) -> bytes | memoryview:
-    """The bytes of ``blob`` that hold its prefix and header: all of a landed host blob (no copy); of a blob still
-    landing (a peer's, range by range) or in device memory, only the prefix and header, once they landed."""
-    if not hasattr(blob, "host"):
-        return blob
-    if not (blob.arriving or blob.on_device):
-        return blob.host()
-
-    def read(n: int) -> bytes:
-        blob.wait_for(n)
-        mv = blob.host_view()
-        return bytes(mv[:n]) if mv is not None else blob.slice()[:n].cpu().numpy().tobytes()
-
-    n = min(len(blob), PREFIX.size)
-    hlen = PREFIX.unpack_from(read(n), 0)[3] if n == PREFIX.size else 0
-    return read(min(len(blob), PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1)))
-
-
-def check_blob_keys(blob: Any, first: int, wanted: Sequence[int]) -> None:
-    """Raise :class:`~dynamo_kvtc.errors.BlobKeyError` unless blocks ``first .. first + len(wanted)`` of ``blob``
-    (bytes, or a :class:`~dynamo_kvtc.codec.blob.BlobView`: host, device, or a peer's still landing — then only its
-    header is waited for) carry exactly the keys ``wanted`` (its header's ``keys`` field); a blob without keys is
-    refused the same way. CorruptBlobError when the header does not parse."""
-    stored = blob_keys(_head(blob))
+def check_blob_keys(blob: BlobView, first: int, wanted: Sequence[int]) -> None:
+    """Raise :class:`~dynamo_kvtc.errors.BlobKeyError` unless blocks ``first .. first + len(wanted)`` of ``blob`` (a
+    :class:`~dynamo_kvtc.codec.blob.BlobView`: host, device, or a peer's still landing — then only its header is waited
+    for, :meth:`~dynamo_kvtc.codec.blob.BlobView.header`) carry exactly the keys ``wanted`` (its header's ``keys``
+    field); a blob without keys is refused the same way. CorruptBlobError when the header does not parse."""
+    stored = blob_keys(blob.header())
     if stored is None:
         raise BlobKeyError("blob carries no block keys (written by an older version); refused")
     got = stored[first * KEY_BYTES : (first + len(wanted)) * KEY_BYTES]

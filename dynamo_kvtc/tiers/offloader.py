@@ -190,7 +190,7 @@ class Offloader:
     def _choice(self, start: int, end: int, keys: Any) -> tuple[float, bool]:
         """(ratio, raw) for blocks ``start:end`` of a save: the policy's ratio at the host tier's fill, and whether
         ``ratio_policy`` stores them raw."""
-        host = self.placement.host
+        host = self.placement.first  # the host tier (a chain always starts with it)
         raw = self.cfg.ratio_policy == "raw" or (
             self.cfg.ratio_policy == "raw_first"
             and self.policy.room_for_raw(host.fill, self._raw_bytes(end - start, keys) / max(1, host.capacity))

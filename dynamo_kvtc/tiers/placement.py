@@ -1,14 +1,17 @@
-"""Where blobs live: into the host tier, host -> disk on eviction, disk -> host on a read, and out of every tier."""
+"""Where blobs live: an ordered chain of tiers (first = fastest): into the first, a tier's victims down the chain, a
+hit further down promoted back into the first, and out of every tier."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from ..codec.blob import BlobView
 from ..errors import BadRecordError, TierError, TierFullError
+from .base import BlobTier
 from .blobs import BlobMeta
-from .disk import DiskTier
-from .host import HostLease, HostTier
 from .index import BlockIndex
 from .stats import StoreStats
 
@@ -16,165 +19,195 @@ log = logging.getLogger(__name__)
 
 
 class Placement:
-    """Moves blobs between the host tier and the (optional) disk tier, keeping the block index in step.
+    """Moves blobs along a chain of :class:`~dynamo_kvtc.tiers.base.BlobTier` s (fastest first), keeping the block
+    index in step.
 
-    A new or promoted blob goes into the host tier; the host's least-recently-used victims are demoted to disk, or
-    dropped (unindexed) without one. Disk admission: a victim is written to disk only once it was used ``min_uses``
-    times (its offload counts once, every read for a restore or a peer once; a blob that was on disk before is
-    admitted again), so one-off prompts do not spend SSD writes (``disk_admission_dropped``). A blob that cannot be
-    used is dropped from every tier. The transit lock covers a put and the demotions it causes, so a reader that
-    misses a blob in both tiers waits for the move and looks once more. Owns that lock and the use counts: ``host``
-    and ``disk`` are the store's tiers (``host`` may be replaced). It never encodes or decodes, and never decides
-    what to store."""
+    A new or promoted blob goes into the first tier; a tier's least-recently-used victims go to the next tier, or are
+    dropped (unindexed) off the end of the chain. Admission (``min_uses``, by tier name): a victim is written into a
+    tier only once it was used that many times (its offload counts once, every read for a restore or a peer once; a
+    blob that was in that tier before is admitted again), so one-off prompts do not spend SSD writes
+    (``<tier>_admission_dropped``). A read walks the chain and promotes a hit into the first tier. A blob that cannot
+    be used is dropped from every tier. The transit lock covers a put and the moves it causes, so a reader that misses
+    a blob in every tier waits for the move and looks once more. Owns that lock and the use counts; a blob leaving the
+    chain is reported through one hook, ``on_gone(blob_id)`` (the index's ``remove``). Tiers keep a blob's meta as
+    the plain map :meth:`BlobMeta.to_dict` gives. It never encodes or decodes, and never decides what to store."""
 
     def __init__(
-        self, index: BlockIndex, host: HostTier, disk: DiskTier | None, stats: StoreStats, min_uses: int = 1
+        self,
+        index: BlockIndex,
+        tiers: Sequence[BlobTier],
+        stats: StoreStats,
+        min_uses: Mapping[str, int] | None = None,
+        on_gone: Callable[[str], None] | None = None,
     ) -> None:
+        if not tiers:
+            raise TierError("a placement needs at least one tier")
         self.index = index
-        self.min_uses = min_uses
-        self._uses: dict[str, int] = {}  # blob id -> uses, for disk admission
-        self.host = host
-        self.disk = disk
+        self.tiers = list(tiers)
+        self.min_uses = dict(min_uses or {})
+        self.on_gone = on_gone or index.remove
+        self._uses: dict[str, int] = {}  # blob id -> uses, for admission
         self.stats = stats
+        for t in self.tiers:
+            stats.tier(t.name)
         self._transit = threading.RLock()
 
-    def adopt_disk(self, cal_id: str, block_size: int) -> None:
-        """Index blobs that survived a restart (only those of this calibration and block size)."""
-        n = 0
-        for blob_id in self.disk.ids():
-            try:
-                meta = BlobMeta.from_dict(self.disk.meta(blob_id))
-                if meta.id != blob_id:
-                    raise BadRecordError(f"metadata names blob {meta.id!r}")
-            except BadRecordError as e:  # a record of the wrong shape or types: dropped, counted, never raised
-                log.warning("kvtc disk tier: dropping blob %s at start-up: %s", blob_id, e)
-                self.stats.disk_bad_records += 1
-                self.disk.delete(blob_id)
-                continue
-            if meta.cal != cal_id or meta.block_size != block_size:
-                self.stats.disk_foreign_blobs += 1
-                continue
-            self.index.add(meta)
-            self._uses[blob_id] = self.min_uses  # it was admitted to disk before the restart
-            n += 1
-        self.stats.disk_recovered_blobs += n
+    @property
+    def first(self) -> BlobTier:
+        """The fastest tier (new and promoted blobs go here)."""
+        return self.tiers[0]
+
+    @first.setter
+    def first(self, tier: BlobTier) -> None:  # tests replace the first tier with an empty one
+        self.tiers[0] = tier
+
+    def tier(self, name: str) -> BlobTier | None:
+        """The chain's tier of that name, or None."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def _admits(self, i: int) -> int:
+        return self.min_uses.get(self.tiers[i].name, 1)
+
+    def _gone(self, blob_id: str) -> None:
+        self._uses.pop(blob_id, None)
+        self.on_gone(blob_id)
+
+    def adopt(self, cal_id: str, block_size: int) -> None:
+        """Index blobs the tiers held at start (a restart's disk files; only this calibration and block size)."""
+        for i, tier in enumerate(self.tiers):
+            st = self.stats.tier(tier.name)
+            for blob_id in tier.ids():
+                try:
+                    meta = BlobMeta.from_dict(tier.meta(blob_id))
+                    if meta.id != blob_id:
+                        raise BadRecordError(f"metadata names blob {meta.id!r}")
+                except BadRecordError as e:  # a record of the wrong shape or types: dropped, counted, never raised
+                    log.warning("kvtc %s tier: dropping blob %s at start-up: %s", tier.name, blob_id, e)
+                    st.bad_records += 1
+                    tier.discard(blob_id)
+                    continue
+                if meta.cal != cal_id or meta.block_size != block_size:
+                    st.foreign_blobs += 1
+                    continue
+                self.index.add(meta)
+                self._uses[blob_id] = self._admits(i)  # it was admitted to this tier before the restart
+                st.recovered_blobs += 1
 
     def where(self, blob_id: str) -> str | None:
-        if blob_id in self.host:
-            return "host"
-        return "disk" if self.disk is not None and blob_id in self.disk else None
+        """The name of the fastest tier holding the blob, or None."""
+        return next((t.name for t in self.tiers if blob_id in t), None)
 
     # ------------------------------------------------------------------ writes
-    def put(self, meta: BlobMeta, blob: bytes) -> None:
-        """Index a blob and keep it in the host tier (straight to disk if larger than the whole host tier). Raises
-        TierFullError when it fits nowhere (then it is not indexed)."""
-        with self._transit:  # LRU victims leave the host tier before they reach disk: a reader waits for both
+    def put(self, meta: BlobMeta, blob: Any) -> None:
+        """Index a blob (a BlobView or bytes-like) and keep it in the first tier (further down if larger than the
+        whole first tier). Raises TierFullError when it fits nowhere (then it is not indexed)."""
+        with self._transit:  # victims leave a tier before they reach the next: a reader waits for both
             self.index.add(meta)
             self._uses[meta.id] = self._uses.get(meta.id, 0) + 1
+            rec = meta.to_dict()
             try:
-                evicted = self.host.put(meta.id, blob, meta, keep_evicted=self.disk is not None)
+                self._store(0, meta.id, blob, rec)
             except TierFullError:
-                if self.disk is None:
-                    self.index.remove(meta.id)
+                if len(self.tiers) == 1:
+                    self._gone(meta.id)
                     raise
-                self._evict(meta.id, blob, meta)  # larger than the whole host tier: straight to disk
-                return
-            for old_id, data, old_meta in evicted:
-                self.stats.host_evictions += 1
-                self._evict(old_id, data, old_meta)
+                self._spill(1, meta.id, blob, rec)  # larger than the whole first tier: straight down
 
-    def _evict(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
-        """A blob leaving the host tier: to disk if admitted, else out of the tiers."""
-        if self.disk is not None and self._uses.get(blob_id, 0) < self.min_uses:
-            self.stats.disk_admission_dropped += 1
-            self._uses.pop(blob_id, None)
-            self.index.remove(blob_id)
+    def _store(self, i: int, blob_id: str, blob: Any, rec: dict) -> None:
+        """Put into tier i; its victims go down the chain."""
+        evicted = self.tiers[i].put(blob_id, blob, rec, keep_evicted=i + 1 < len(self.tiers))
+        st = self.stats.tier(self.tiers[i].name)
+        for ev in evicted:
+            st.evictions += 1
+            self._spill(i + 1, ev.blob_id, ev.blob, ev.meta)
+
+    def _spill(self, i: int, blob_id: str, blob: Any, rec: Any, admit: bool = True) -> None:
+        """A blob leaving tier i - 1: into tier i if admitted, else out of the chain."""
+        if i >= len(self.tiers) or blob is None:
+            self._gone(blob_id)
             return
-        self._demote(blob_id, data, meta)
+        tier = self.tiers[i]
+        st = self.stats.tier(tier.name)
+        if admit and self._uses.get(blob_id, 0) < self._admits(i):
+            st.admission_dropped += 1
+            self._gone(blob_id)
+            return
+        try:
+            self._store(i, blob_id, blob, rec)
+        except TierError as e:
+            log.warning("kvtc: demotion of %s to the %s tier failed (%s); dropping it", blob_id, tier.name, e)
+            st.write_errors[type(e).__name__] += 1
+            self._gone(blob_id)
+            return
+        self._uses[blob_id] = max(self._uses.get(blob_id, 0), self._admits(i))  # in this tier once: admitted again
+        st.demotions += 1
+        st.demoted_blocks += len(rec["hashes"])
 
     def demote(self, blob_id: str) -> bool:
-        """Move one blob out of the host tier to disk now (dropped without a disk tier, as an LRU victim is);
-        False if the host tier does not hold it."""
+        """Move one blob out of the first tier to the next now (dropped at the end of the chain, as a victim is);
+        False if the first tier does not hold it."""
         with self._transit:
-            got = self.host.pop(blob_id)
-            if got is None:
+            first = self.first
+            rec = first.meta(blob_id)
+            view = first.read(blob_id)
+            if view is None:
                 return False
-            self._demote(blob_id, got[0], got[1])
+            try:
+                data = view.tobytes()
+            finally:
+                view.release()
+            first.discard(blob_id)
+            self._spill(1, blob_id, data, rec, admit=False)
             return True
 
-    def _demote(self, blob_id: str, data: bytes, meta: BlobMeta) -> None:
-        if self.disk is None:
-            self._uses.pop(blob_id, None)
-            self.index.remove(blob_id)
-            return
-        try:
-            for gone in self.disk.put(blob_id, data, meta.to_dict()):
-                self.stats.disk_evictions += 1
-                self._uses.pop(gone, None)
-                self.index.remove(gone)
-            self._uses[blob_id] = max(self._uses.get(blob_id, 0), self.min_uses)  # on disk once: admitted again
-            self.stats.disk_demotions += 1
-            self.stats.disk_demoted_blocks += len(meta.hashes)
-        except TierError as e:
-            log.warning("kvtc: demotion of %s to disk failed (%s); dropping it", blob_id, e)
-            self.stats.disk_write_errors[type(e).__name__] += 1
-            self._uses.pop(blob_id, None)
-            self.index.remove(blob_id)
-
     def drop(self, blob_id: str, why: BaseException) -> None:
-        """Forget an unusable blob everywhere (host, disk file, index)."""
+        """Forget an unusable blob everywhere (every tier, the index)."""
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
         self.stats.blobs_dropped += 1
-        self.host.discard(blob_id)
-        if self.disk is not None and blob_id in self.disk:
-            self.disk.discard(blob_id)
-        self._uses.pop(blob_id, None)
-        self.index.remove(blob_id)
+        for tier in self.tiers:
+            tier.discard(blob_id)
+        self._gone(blob_id)
 
     # ------------------------------------------------------------------ reads
-    def read(self, blob_id: str) -> HostLease | memoryview | bytes:
-        """Like :meth:`fetch`, but without copies: a host-resident blob comes back as a :class:`HostLease` (read in
-        place; the caller releases it once its device copy is done) — also right after a disk hit promoted it — and
-        a disk hit that could not be promoted as a view of the buffer it was read into."""
-        lease = self.host.lease(blob_id)
-        if lease is not None:
-            self._count_host_hit(blob_id)
-            return lease
-        blob = self._from_disk(blob_id)
-        if blob is None:
-            return self.fetch(blob_id)  # between tiers right now: fetch waits for the move and looks again
-        lease = self.host.lease(blob_id)  # promoted (or, without room in memory, only the bytes)
-        return blob if lease is None else lease
-
-    def fetch(self, blob_id: str, _retry: bool = False) -> bytes:
-        """A blob's bytes from the host tier, else from disk (then promoted to the host tier). TierError if no tier
-        holds it; TransferError (a TierError) when a disk read failed but the file is kept."""
-        got = self.host.get(blob_id)
-        if got is not None:
-            self._count_host_hit(blob_id)
-            return got[0]
-        blob = self._from_disk(blob_id)
-        if blob is not None:
-            return bytes(blob)
+    def read(self, blob_id: str, _retry: bool = False) -> BlobView:
+        """The blob as a view, without copies: walks the chain; a hit below the first tier is promoted into it and
+        then read from there (a host-tier lease: read in place, the caller calls ``release()`` once its device copy
+        is done), or, without room, returned as the lower tier read it. TierError if no tier holds it;
+        TransferError (a TierError) when a read failed but the entry is kept."""
+        for i, tier in enumerate(self.tiers):
+            view = tier.read(blob_id)
+            if view is None:
+                continue
+            self.stats.tier(tier.name).hits += 1
+            if i == 0:
+                self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
+                return view
+            return self._promote(tier, blob_id, view)
         if not _retry:
-            with self._transit:  # it may be between host and disk right now: look once more after the move
+            with self._transit:  # it may be between two tiers right now: look once more after the move
                 pass
-            return self.fetch(blob_id, _retry=True)
+            return self.read(blob_id, _retry=True)
         raise TierError(f"blob {blob_id} vanished from every tier")
 
-    def _count_host_hit(self, blob_id: str) -> None:
-        self.stats.onboard_host_hits += 1
-        self._uses[blob_id] = self._uses.get(blob_id, 0) + 1
-
-    def _from_disk(self, blob_id: str) -> memoryview | None:
-        """Read a blob from disk and promote it into the host tier (the next turn finds it in memory); None when the
-        disk tier does not hold it."""
-        if self.disk is None or blob_id not in self.disk:
-            return None
-        blob, meta = self.disk.get(blob_id)
-        self.stats.onboard_disk_hits += 1
+    def _promote(self, tier: BlobTier, blob_id: str, view: BlobView) -> BlobView:
+        """A hit in a lower tier: into the first tier (the next turn finds it there), read back from there."""
         try:
-            self.put(BlobMeta.from_dict(meta), blob)
+            rec = tier.meta(blob_id)
+            meta = BlobMeta.from_dict(rec) if rec is not None else self.index.meta(blob_id)
+            if meta is not None:
+                self.put(meta, view)
         except TierError:
             pass
-        return blob
+        got = self.first.read(blob_id)
+        if got is None:
+            return view
+        view.release()
+        return got
+
+    def fetch(self, blob_id: str) -> bytes:
+        """A copy of a blob's bytes (as :meth:`read`, then copied and released)."""
+        view = self.read(blob_id)
+        try:
+            return view.tobytes()
+        finally:
+            view.release()

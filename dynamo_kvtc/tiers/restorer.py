@@ -1,7 +1,8 @@
 """Onboard: blobs (from the tiers or a peer) -> verified -> restored layer by layer into engine blocks or a sink, on two
-lanes (a worker thread and CUDA stream each: host hits on one, disk and peer restores on the other, so a slow blob
-never queues a host hit behind it); each layer signalled on its own, so attention on layer 0 can start early, and
-every layer's writes gated by the handle's cancel flag, so a restore its caller gave up on writes nothing more."""
+lanes (a worker thread and CUDA stream each: hits in the first tier (host) on one, restores from lower tiers and peers
+on the other, so a slow blob never queues a host hit behind it); each layer signalled on its own, so attention on layer
+0 can start early, and every layer's writes gated by the handle's cancel flag, so a restore its caller gave up on writes
+nothing more."""
 
 from __future__ import annotations
 
@@ -22,18 +23,17 @@ from ..codec.base import Codec, PagedView, RestoreRun
 from ..codec.blob import BlobView
 from ..errors import DecodeError, KvtcError, TierError, TransferError
 from .blobs import BlobRun, Sink
-from .host import HostLease
 from .index import BlockIndex
 from .keys import check_blob_keys
 from .layout import PagedKV
 from .placement import Placement
-from .stats import StoreStats
+from .stats import PEER, StoreStats
 from .streams import codec_stream
 
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
-LANES = ("host", "slow")  # host hits | disk and peer restores (and disk prefetches)
+SLOW = "slow"  # the lane of restores from lower tiers and peers (and prefetches); the other is the first tier's
 
 
 class OnboardHandle:
@@ -61,7 +61,7 @@ class OnboardHandle:
         self.future: Future | None = None
         self.bytes_read = 0  # compressed bytes fetched from the tiers for this restore
         self.raw_bytes = 0  # uncompressed bytes of the KV it restores (the engine's dtype)
-        self.leases: list[Any] = []  # host pages read in place by this restore (released by the restorer)
+        self.leases: list[BlobView] = []  # blobs this restore read from the tiers (released by the restorer)
         self.lane = "host"  # the restorer's lane it runs on
         self.stream: Any = None  # the lane's CUDA stream its writes are queued on (None on the CPU)
         self._gate = threading.Lock()  # held by the producer around each layer's writes, by cancel() to stop them
@@ -147,14 +147,13 @@ class OnboardHandle:
 
 
 class Restorer:
-    """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers.
-
-    Owns the two onboard lanes (:data:`LANES`: a thread and a CUDA stream each; a restore whose blobs are all in host
-    memory runs on ``host``, any other and disk prefetches on ``slow``). Blobs come from the tiers (through
-    :class:`Placement`, which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration
-    are then kept here too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first
-    layer is written, a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle,
-    never raised into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
+    """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers. Owns the two onboard
+    lanes (:attr:`lanes`: a thread and a CUDA stream each; a restore whose blobs are all in the first tier runs on that
+    tier's lane, ``host``; any other and prefetches on ``slow``). Blobs come from the tiers (through :class:`Placement`,
+    which promotes hits in lower tiers) or from a ``source`` (a peer's runs, whose blobs of this calibration are then
+    kept here too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first layer is
+    written, a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never
+    raised into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
 
     def __init__(
         self,
@@ -173,27 +172,29 @@ class Restorer:
         self.block_size, self.device = block_size, device
         self.num_layers = cal.fingerprint.num_layers
         self.stats = stats
-        self._pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvtc-onboard-{lane}") for lane in LANES}
-        self._streams = {lane: codec_stream(device, codec_sms) for lane in LANES}  # codec_sms: green context's SMs
+        self.lanes = (placement.first.name, SLOW)
+        self._pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvtc-onboard-{lane}") for lane in self.lanes}
+        self._streams = {lane: codec_stream(device, codec_sms) for lane in self.lanes}  # codec_sms: green context's SMs
 
     @property
     def stream(self) -> Any:
-        """The host lane's CUDA stream (None on the CPU)."""
-        return self._streams["host"]
+        """The first tier's lane's CUDA stream (None on the CPU)."""
+        return self._streams[self.lanes[0]]
 
     def close(self) -> None:
         for pool in self._pools.values():
             pool.shutdown(wait=True)
 
     def lane_of(self, hashes: Sequence[int], source: Source | None) -> str:
-        """``host`` when every blob covering ``hashes`` is in host memory now, else ``slow`` (disk, peer, unknown)."""
+        """The first tier's lane (``host``) when every blob covering ``hashes`` is in that tier now, else ``slow``
+        (a lower tier, a peer, unknown)."""
         if source is not None:
-            return "slow"
-        host = self.placement.host
+            return SLOW
+        first = self.placement.first
         try:
-            return "host" if all(r.blob_id in host for r in self.index.plan(hashes)) else "slow"
+            return first.name if all(r.blob_id in first for r in self.index.plan(hashes)) else SLOW
         except KvtcError:
-            return "slow"  # the restore itself reports why
+            return SLOW  # the restore itself reports why
 
     def start(
         self,
@@ -215,28 +216,29 @@ class Restorer:
         handle.future = self._pools[handle.lane].submit(self._restore, handle, list(hashes), dst, sink, source)
         return handle
 
-    def submit(self, fn: Callable[[], Any], lane: str = "slow") -> Future:
+    def submit(self, fn: Callable[[], Any], lane: str = SLOW) -> Future:
         """Run ``fn`` on an onboard lane (after the restores queued there before it)."""
         return self._pools[lane].submit(fn)
 
     # ------------------------------------------------------------------ reads for others
-    def export(self, hashes: Sequence[int], lease: bool = False) -> tuple[list[BlobRun], list[HostLease]]:
-        """The runs of blobs covering ``hashes``, each with its meta (for a peer), and the host leases they hold.
+    def export(self, hashes: Sequence[int], lease: bool = False) -> tuple[list[BlobRun], list[BlobView]]:
+        """The runs of blobs covering ``hashes``, each with its meta (for a peer), and the views they hold.
 
-        ``lease=False``: every blob is a copy, no leases. ``lease=True``: no copies: host-resident blobs come as views
-        of the host tier's (pinned) pages under a lease, so a peer's staging is one DMA per blob; the caller releases
-        the leases once done."""
+        ``lease=False``: every blob is a copy, nothing held. ``lease=True``: no copies: the blobs are the tiers' views
+        (host-resident ones the host tier's (pinned) pages under a lease, so a peer's staging is one DMA per blob);
+        the caller calls ``release()`` on each held view once done."""
         runs: list[BlobRun] = []
-        held: list[HostLease] = []
+        held: list[BlobView] = []
         try:
             for r in self.index.plan(hashes):
                 meta = self.index.meta(r.blob_id)
                 if meta is None:
                     raise TierError(f"blob {r.blob_id} left the tiers while being exported")
-                got = self.placement.read(r.blob_id) if lease else self.placement.fetch(r.blob_id)
-                if isinstance(got, HostLease):
+                if lease:
+                    got = self.placement.read(r.blob_id)
                     held.append(got)
-                    got = got.blob()
+                else:
+                    got = BlobView(self.placement.fetch(r.blob_id))
                 runs.append(replace(r, blob=got, meta=meta))
                 check_blob_keys(got, r.first, hashes[r.at : r.at + r.count])  # a peer gets only what it asked for
         except BaseException:
@@ -246,13 +248,14 @@ class Restorer:
         return runs, held
 
     def prefetch(self, hashes: Sequence[int]) -> int:
-        """Promote disk-resident blobs of the matched prefix of ``hashes`` into the host tier; returns blobs moved."""
+        """Promote blobs of the matched prefix of ``hashes`` held in lower tiers into the first tier; returns blobs
+        moved."""
         moved = 0
         place = self.placement
         for r in self.index.plan(hashes[: self.index.match(hashes)]):
-            if r.blob_id not in place.host and place.disk is not None and r.blob_id in place.disk:
+            if place.where(r.blob_id) not in (None, place.first.name):
                 try:
-                    place.fetch(r.blob_id)
+                    place.read(r.blob_id).release()
                     moved += 1
                 except TransferError:
                     pass  # transient: the blob stays on disk
@@ -266,7 +269,7 @@ class Restorer:
             decoder = self.decoder()
             if source is not None:
                 runs, ids = self._from_source(handle, hashes, source), None
-                tiers: Counter[str] = Counter({"peer": len(hashes)})
+                tiers: Counter[str] = Counter({PEER: len(hashes)})
             else:
                 runs, tiers = self._from_tiers(handle, hashes)
                 ids = [r.blob_id for r in runs]
@@ -280,9 +283,11 @@ class Restorer:
             handle.raw_bytes = len(hashes) * self.block_size * self.cal.fingerprint.raw_bytes_per_token(dtype)
             st = self.stats
             st.onboard_blocks += len(hashes)
-            st.onboard_host_blocks += tiers["host"]
-            st.onboard_disk_blocks += tiers["disk"]
-            st.onboard_peer_blocks += tiers["peer"]
+            for name, n in tiers.items():
+                if name == PEER:
+                    st.onboard_peer_blocks += n
+                else:
+                    st.tier(name).blocks += n
             st.onboards += 1
             if source is not None:
                 self._adopt(runs)
@@ -321,24 +326,21 @@ class Restorer:
         return runs
 
     def _from_tiers(self, handle: OnboardHandle, hashes: list[int]) -> tuple[list[BlobRun], Counter[str]]:
-        """The runs covering ``hashes``, read; host-resident blobs are leased (read in place) and recorded in
-        ``handle.leases`` for the caller to release once the device has copied them."""
+        """The runs covering ``hashes``, read (host-resident blobs under a lease, read in place) and recorded in
+        ``handle.leases`` for the caller to release once the device has copied them; blocks by tier read from."""
         runs = []
         tiers: Counter[str] = Counter()
+        place = self.placement
         for r in self.index.plan(hashes):
-            tiers["host" if r.blob_id in self.placement.host else "disk"] += r.count
+            tiers[place.where(r.blob_id) or place.tiers[-1].name] += r.count
             try:
-                got = self.placement.read(r.blob_id)
+                blob = place.read(r.blob_id)
             except TransferError:
                 raise  # a failed read of an intact file: a miss now, the blob stays for the next try
             except TierError as e:
                 self.placement.drop(r.blob_id, e)
                 raise
-            if isinstance(got, HostLease):
-                handle.leases.append(got)
-                blob = got.blob()
-            else:
-                blob = BlobView.of(got)
+            handle.leases.append(blob)
             handle.bytes_read += len(blob)
             runs.append(replace(r, blob=blob))
             try:  # the blob must answer for exactly the keys asked for: else a counted miss, never served

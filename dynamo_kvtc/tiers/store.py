@@ -17,11 +17,12 @@
   bytes are used — on the fused path the writes are gated on the device by that verdict, which the restore reports
   when it ends, so a restore counts only once it finished.
 
-The parts: :class:`~.index.BlockIndex` (hash -> blob), :class:`~.host.HostTier` / :class:`~.disk.DiskTier` (one
-:class:`~.base.BlobTier` face), :class:`~.placement.Placement` (moves between tiers), :class:`~.offloader.Offloader`
-and :class:`~.restorer.Restorer` (the two workers), :class:`~dynamo_kvtc.codec.base.Codec` (fused or reference
-codec path, chosen once by :func:`~dynamo_kvtc.codec.factory.make_codec`). The public methods are thread-safe calls
-keyed by block hashes (:meth:`KvtcStore.hashes` gives a sequence's); an engine may call from other threads.
+The parts: :class:`~.index.BlockIndex` (hash -> blob), a chain of :class:`~.base.BlobTier` s built from the registry
+(:mod:`.registry`: :class:`~.host.HostTier`, then :class:`~.disk.DiskTier` when configured, then any other registered
+kind the config names), :class:`~.placement.Placement` (moves along the chain), :class:`~.offloader.Offloader` and
+:class:`~.restorer.Restorer` (the two workers), :class:`~dynamo_kvtc.codec.base.Codec` (fused or reference codec path,
+chosen once by :func:`~dynamo_kvtc.codec.factory.make_codec`). The public methods are thread-safe calls keyed by block
+hashes (:meth:`KvtcStore.hashes` gives a sequence's); an engine may call from other threads.
 """
 
 from __future__ import annotations
@@ -38,18 +39,21 @@ import torch
 
 from ..codec import fp8
 from ..codec.base import Codec, EncodeSpan, RestoreRun
+from ..codec.blob import BlobView
 from ..codec.factory import Shard, entropy_tag, make_codec
 from ..errors import TierError, TierFullError
 from .admission import OffloadFilter, RatioPolicy
+from .base import BlobTier
 from .blobs import BlobMeta, BlobRun, OffloadRequest, OffloadResult, Sink
 from .config import TierConfig
 from .disk import DiskTier
-from .host import HostLease, HostTier
+from .host import HostTier
 from .index import BlockIndex
 from .keys import keyed_blob, sequence_hashes
 from .layout import PagedKV
 from .offloader import Offloader
 from .placement import Placement
+from .registry import admission, build_chain, names
 from .restorer import OnboardHandle, Restorer, Source
 from .stats import StoreStats
 
@@ -63,7 +67,8 @@ class KvtcStore:
 
     Owns the parts listed in the module docstring, the codecs per ratio, the parts' :class:`StoreStats` (``stats``),
     and wires them together; the work itself happens in the parts. It never hands out a part's private state:
-    readers use :attr:`index` (a :class:`BlockIndex`), :attr:`host`, :attr:`disk` and the methods below."""
+    readers use :attr:`index` (a :class:`BlockIndex`), :attr:`tiers` (the chain, fastest first; :attr:`host` the
+    first, :attr:`disk` the disk tier or None) and the methods below."""
 
     def __init__(
         self,
@@ -88,16 +93,14 @@ class KvtcStore:
         self.num_layers = calibration.fingerprint.num_layers
         self.policy = RatioPolicy(calibration.ratios, self.cfg.ratio, self.cfg.max_ratio, self.cfg.pressure_high)
         self.filter = OffloadFilter(self.cfg.min_frequency)
-        host = HostTier(self.cfg.host_bytes, self.cfg.page_bytes)
-        if disk is None and self.cfg.disk_bytes:
-            disk = DiskTier(
-                self.cfg.disk_dir, self.cfg.disk_bytes, fsync=self.cfg.fsync, timeout_s=self.cfg.nixl_timeout_s
-            )
+        chain = build_chain(self.cfg, {} if disk is None else {"disk": disk})
         self._codecs: dict[float, Codec] = {}
         self._codecs_lock = threading.Lock()
         self.stats = StoreStats()  # the parts' counters and timings, read by the metrics
+        for name in names():  # every registered tier reports its counters (zeros when not in this chain)
+            self.stats.tier(name)
         self.index = BlockIndex(self.stats)
-        self.placement = Placement(self.index, host, disk, self.stats, self.cfg.disk_min_uses)
+        self.placement = Placement(self.index, chain, self.stats, admission(self.cfg), on_gone=self.index.remove)
         common = dict(cal=calibration, kv=kv, index=self.index, placement=self.placement, block_size=block_size)
         common.update(device=self.device, stats=self.stats)
         self.offloader = Offloader(
@@ -109,21 +112,25 @@ class KvtcStore:
             **common,
         )
         self.restorer = Restorer(decoder=self.default_codec, codec_sms=self.cfg.codec_sms, **common)
-        if disk is not None:
-            self.placement.adopt_disk(calibration.id, block_size)
+        self.placement.adopt(calibration.id, block_size)  # what the tiers held at start (a restart's disk files)
 
     # ------------------------------------------------------------------ parts
     @property
+    def tiers(self) -> list[BlobTier]:
+        """The chain of tiers, fastest first."""
+        return self.placement.tiers
+
+    @property
     def host(self) -> HostTier:
-        return self.placement.host
+        return self.placement.first
 
     @host.setter
     def host(self, tier: HostTier) -> None:  # tests replace the host tier with an empty one
-        self.placement.host = tier
+        self.placement.first = tier
 
     @property
     def disk(self) -> DiskTier | None:
-        return self.placement.disk
+        return self.placement.tier("disk")
 
     @property
     def kv(self) -> PagedKV | None:
@@ -159,7 +166,7 @@ class KvtcStore:
     def _tag(self) -> str:
         """Entropy codec of new blobs (:func:`~dynamo_kvtc.codec.factory.entropy_tag`): a store with a disk tier
         writes blobs readable anywhere unless the codec options name a GPU codec."""
-        return entropy_tag(self.device, self.cfg.codec, portable=self.disk is not None)
+        return entropy_tag(self.device, self.cfg.codec, portable=len(self.tiers) > 1)
 
     def warm_up(self) -> float:
         """Pay first-use costs now, at start-up, not on the first offload or restore: build the codec of every ratio
@@ -205,19 +212,19 @@ class KvtcStore:
     def close(self) -> None:
         self.offloader.close()
         self.restorer.close()
-        if self.disk is not None and hasattr(self.disk, "close"):
-            self.disk.close()  # releases the directory for the next process
+        for tier in self.tiers:
+            tier.close()  # the disk tier releases its directory for the next process
 
     # ------------------------------------------------------------------ lookup
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
         return sequence_hashes(token_ids, self.block_size)
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``hashes`` either tier holds."""
+        """How many leading blocks of ``hashes`` the tiers hold."""
         return self.index.match(hashes)
 
     def match_tiers(self, hashes: Sequence[int]) -> tuple[int, int]:
-        """(leading blocks either tier can restore, leading blocks of those held in host memory)."""
+        """(leading blocks the tiers can restore, leading blocks of those held in the first tier, host memory)."""
         host = self.host
         n, n_host = self.index.match_tiers(hashes, host.__contains__)
         held = min((g.tokens for g in self.cal.groups if g.tokens), default=0)
@@ -245,7 +252,7 @@ class KvtcStore:
         return done
 
     def where(self, h: int) -> str | None:
-        """The tier holding block ``h``: "host", "disk" or None."""
+        """The name of the fastest tier holding block ``h`` ("host", "disk", ...) or None."""
         e = self.index.locate(h)
         return None if e is None else self.placement.where(e[0])
 
@@ -356,25 +363,27 @@ class KvtcStore:
         carry a meta of this calibration are kept in the host tier too."""
         return self.restorer.start(hashes, dst_blocks, sink=sink, source=source)
 
-    def export(self, hashes: Sequence[int], *, lease: bool = False) -> tuple[list[BlobRun], list[HostLease]]:
-        """Blobs covering ``hashes``, for a peer: (:class:`BlobRun` s with their ``meta`` set, host leases). Without
-        ``lease`` every blob is a copy and there are no leases; with it host-resident blobs are views of their pinned
-        pages, under leases the caller releases once it has copied them (the hand-off server's staging)."""
+    def export(self, hashes: Sequence[int], *, lease: bool = False) -> tuple[list[BlobRun], list[BlobView]]:
+        """Blobs covering ``hashes``, for a peer: (:class:`BlobRun` s with their ``meta`` set, views held). Without
+        ``lease`` every blob is a copy and nothing is held; with it the blobs are the tiers' views (host-resident ones
+        their pinned pages under a lease), which the caller releases once it has copied them (the hand-off server's
+        staging)."""
         return self.restorer.export(hashes, lease)
 
     def prefetch(self, hashes: Sequence[int]) -> Future:
-        """Promote disk-resident blobs of ``hashes`` into the host tier ahead of an onboard, on the slow onboard lane;
-        a Future of the number of blobs moved."""
+        """Promote blobs of ``hashes`` held in lower tiers (disk) into the host tier ahead of an onboard, on the slow
+        onboard lane; a Future of the number of blobs moved."""
         return self.restorer.submit(lambda: self.restorer.prefetch(hashes))
 
     # ------------------------------------------------------------------ stats
     def snapshot(self) -> dict[str, Any]:
         metas = self.index.metas()
-        host, disk = self.host, self.disk
-        host_blobs = [m for m in metas if m.id in host]
-        disk_blobs = [m for m in metas if disk is not None and m.id in disk]
+        host = self.host
         out: dict[str, Any] = self.stats.as_dict()
-        for name, blobs in (("host", host_blobs), ("disk", disk_blobs)):
+        chain = {t.name: t for t in self.tiers}
+        for name in self.stats.tiers:  # every registered tier, as the stats (zeros for one not in the chain)
+            tier = chain.get(name)
+            blobs = [m for m in metas if tier is not None and m.id in tier]
             out[f"{name}_blobs"] = len(blobs)
             out[f"{name}_blocks"] = sum(len(m.hashes) for m in blobs)
             out[f"{name}_raw_bytes"] = sum(m.raw_bytes for m in blobs)
@@ -383,7 +392,7 @@ class KvtcStore:
         budget = self.offloader.budget
         out["offload_queue_bytes"], out["offload_queue_peak_bytes"] = budget.held, budget.peak
         out["host_fill"] = host.fill
-        if disk is not None:
-            out["disk_capacity_bytes"] = disk.capacity
-            out["disk_used_bytes"] = disk.used_bytes
+        for tier in self.tiers[1:]:
+            out[f"{tier.name}_capacity_bytes"] = tier.capacity
+            out[f"{tier.name}_used_bytes"] = tier.used_bytes
         return out
