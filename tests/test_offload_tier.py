@@ -195,7 +195,8 @@ def test_the_tiers_blobs_count_in_the_same_store_stats_and_metrics_as_kvtc_conne
         raw = rig.tier.layout.bytes
         assert (st.offload_blocks, st.offload_raw_bytes, st.offload_raw) == (2, 2 * raw, 0)
         assert 2 * raw / st.offload_stored_bytes > 8
-        assert (st.onboards, st.onboard_blocks, st.onboard_host_blocks, st.onboard_host_hits) == (1, 1, 1, 1)
+        host = st.tier("host")
+        assert (st.onboards, st.onboard_blocks, host.blocks, host.hits) == (1, 1, 1, 1)
         reg = CollectorRegistry()
         KvtcMetrics(rig.tier.store, registry=reg)
         get = reg.get_sample_value
