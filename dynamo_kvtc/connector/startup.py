@@ -21,6 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
@@ -160,6 +162,21 @@ def served_config(model: str, tools: Any = None) -> Any | None:
     except Exception as e:  # noqa: BLE001 - any failure: the fingerprint check is skipped, with this warning
         log.warning("kvtc: cannot read model %r's config (%s); its calibration is not checked against it", model, e)
         return None
+
+
+def check_device(way: str, device: str) -> None:
+    """Refuse ``device: cuda`` where CUDA is absent (the vLLM tier and the LMCache serde)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{settings.origin(way, 'device')}: 'cuda' requested but CUDA is not available here")
+
+
+def torch_device(device: str, tensor: torch.Tensor | None = None) -> torch.device:
+    """The device of ``device: auto|cpu|cuda`` (``auto``: ``tensor``'s GPU when it has one, else CUDA when present)."""
+    if device != "auto":
+        return torch.device(device)
+    if tensor is not None and tensor.device.type == "cuda":
+        return tensor.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _ratio(cal: Calibration, path: Path, ratio: float | str, policy: str, model: str | None) -> float:

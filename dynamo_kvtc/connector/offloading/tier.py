@@ -15,14 +15,16 @@ too: ``{"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offlo
 
 Everything here runs in the scheduler process, as vLLM requires of secondary tiers: ``submit_store`` and
 ``submit_load`` queue a job and return; a small thread pool reads the chunk out of the primary tier's memory view,
-encodes it with :class:`~dynamo_kvtc.codec.KvtcCodec` (on the GPU when one is present, else on the CPU) and keeps the
-blob in a byte-budgeted LRU host tier whose victims move to an optional disk tier; a promotion decodes the blob and
-writes the chunk back into the primary slot vLLM allocated. Positions (for the keys' RoPE) come from vLLM's
-per-request record of each chunk's end token; a chunk without one is stored raw. A failed or missing blob is a failed
-promotion: vLLM recomputes those tokens.
+encodes it with the codec of :func:`~dynamo_kvtc.codec.factory.make_codec` (on the GPU when one is present, else on
+the CPU) and keeps the blob in a byte-budgeted LRU host tier whose victims move to an optional disk tier; a promotion
+decodes the blob and writes the chunk back into the primary slot vLLM allocated. Positions (for the keys' RoPE) come
+from vLLM's per-request record of each chunk's end token; a chunk without one is stored raw. A failed or missing blob
+is a failed promotion: vLLM recomputes those tokens.
 
-Tier options: :mod:`.offload_options` (each validated there; an error names the key); chunk layouts:
-:mod:`.offload_layout`; the blob store: :mod:`.offload_store` (their public names are re-exported here).
+Tier options: :mod:`.options` (the settings table's ``vllm_tier`` rows; an error names the key); the start-up
+checks (calibration, the served model's family and fingerprint, ``ratio: auto``, the plan, the codec) are the three
+ways in's one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`; chunk layouts: :mod:`.layout`; the blob
+store: :mod:`.store`.
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -48,27 +49,31 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ...calibration.mla import is_mla_fingerprint
 from ...errors import ConfigError, KvtcError
+from ..startup import CodecSpec, Opened, open_tier, served_config
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
-from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
+from .options import WAY, KvtcTierOptions
 from .store import BlobCache
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # the moved names stay importable from here (tests, docs and vLLM's module_path name this module)
-    "DEVICES",
-    "PAGE_LAYOUTS",
-    "RATIO_POLICIES",
-    "TIER_TYPE",
-    "BlobCache",
-    "ChunkLayout",
-    "KvtcSecondaryTier",
-    "KvtcTierOptions",
-    "cpu_offsets",
-    "layer_index",
-    "resolve_page_layout",
-]
+__all__ = ["KvtcSecondaryTier", "open_calibration"]
+
+
+def open_calibration(opts: KvtcTierOptions, cfg: Any, device: torch.device) -> Opened:
+    """The tier's start-up (:func:`~dynamo_kvtc.connector.startup.open_tier`) for vLLM's ``OffloadingConfig``
+    ``cfg``: the served model (its config read from ``cfg.model.name``) checked against the calibration, MLA refused
+    (the tier reads K/V pages), the codec built on ``device``; a refusal stops the engine naming the option."""
+    return open_tier(
+        WAY,
+        calibration=opts.calibration,
+        model=cfg.model.name,
+        ratio=opts.ratio,
+        policy=opts.ratio_policy,
+        hf_config=served_config(cfg.model.name),
+        serves_mla=False,
+        codec=CodecSpec(device, window=opts.chunk_window, tag="deflate"),
+    ).raise_for(WAY)
 
 
 # --------------------------------------------------------------------------------------------------------- the tier
@@ -95,7 +100,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.opts = KvtcTierOptions.from_config(options)
-        self.locality = Locality(self.opts.locality) if self.opts.locality else None
+        self.locality = Locality(self.opts.locality.upper()) if self.opts.locality else None
         cfg = offloading_spec.config
         if len(cfg.groups) != 1:
             raise ConfigError(f"the kvtc tier needs one KV cache group (got {len(cfg.groups)}: hybrid models)")
@@ -105,12 +110,9 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 "workers (tensor/pipeline parallel): use KvtcConnector for TP"
             )
         self.device = self.opts.torch_device
-        self.cal = self._calibration(cfg)
+        opened = open_calibration(self.opts, cfg, self.device)
+        self.cal, self.codec, self.ratio = opened.calibration, opened.codec, opened.ratio
         fp = self.cal.fingerprint
-        if is_mla_fingerprint(fp):
-            raise ConfigError(
-                "the kvtc tier reads K/V pages; MLA models are served through KvtcConnector (docs/models.md)"
-            )
         dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else torch_dtype(fp.dtype)
         if dtype.is_floating_point is False or dtype.itemsize == 1:
             raise ConfigError(f"the kvtc tier encodes 16/32-bit float KV caches, not {dtype}")
@@ -140,12 +142,8 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 f"{self.layout.elem} bytes make {self.layout.bytes}: calibration {self.cal.id[:12]} is not for "
                 "this model"
             )
-        from ...codec import KvtcCodec
-
-        self.codec = KvtcCodec(self.cal, ratio=self.opts.ratio, device=self.device, window=self.opts.window)
-        self.cache = BlobCache(
-            int(self.opts.cpu_cache_gb * 1e9), int(self.opts.disk_cache_gb * 1e9), self.opts.disk_cache_dir
-        )
+        disk_dir = str(self.opts.disk_dir) if self.opts.disk_dir is not None else None
+        self.cache = BlobCache(self.opts.host_bytes, self.opts.disk_bytes, disk_dir)
         self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view[:]
         # the primary tier's rows as one uint8 tensor (no copy): [num_chunks, chunk bytes]
         self._primary: torch.Tensor | None = torch.frombuffer(self._flat, dtype=torch.uint8).view(
@@ -170,44 +168,16 @@ class KvtcSecondaryTier(SecondaryTierManager):
         }
         log.info(
             "kvtc secondary tier ready: %d layers, page layout %s, %d tokens per chunk, calibration %s, %s, "
-            "device %s, host %.2f GB, disk %.2f GB",
+            "device %s, host %.2f GiB, disk %.2f GiB",
             len(layers),
             kind,
             self.layout.tokens,
             self.cal.id[:12],
-            "raw (lossless)" if self.opts.ratio_policy == "raw" else f"ratio {self.opts.ratio:g}",
+            "raw (lossless)" if self.opts.ratio_policy == "raw" else f"ratio {self.ratio:g}",
             self.device,
-            self.opts.cpu_cache_gb,
-            self.opts.disk_cache_gb,
+            self.opts.host_bytes / (1 << 30),
+            self.opts.disk_bytes / (1 << 30),
         )
-
-    def _calibration(self, cfg: Any):
-        from ...calibration.artifact import Calibration
-        from ...calibration.catalog import find_calibration
-
-        path = self.opts.calibration
-        if path is None:
-            found = find_calibration(cfg.model.name)
-            if found is None:
-                raise option_error(
-                    "calibration",
-                    f"no calibration found for model {cfg.model.name!r}: set it, or put one in calibrations/<model "
-                    "folder name> or $DYN_KVTC_CALIBRATIONS/<name> (`dynamo-kvtc calibrate`)",
-                )
-            path = str(found)
-        if not (Path(path) / "calibration.json").is_file():
-            raise option_error("calibration", f"{path} has no calibration.json")
-        cal = Calibration.load(path)
-        if self.opts.ratio == "auto":  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
-            from ...calibration.verdict import safe_ratio
-
-            try:
-                self.opts = replace(self.opts, ratio=safe_ratio(path, cal.id, cal.ratios, cfg.model.name))
-            except KvtcError as e:
-                raise option_error("ratio", str(e)) from None
-        if self.opts.ratio_policy == "fixed" and float(self.opts.ratio) not in [float(r) for r in cal.ratios]:
-            raise option_error("ratio", f"{self.opts.ratio:g} has no plan in calibration {path} ({cal.ratios})")
-        return cal
 
     # ------------------------------------------------------------------ scheduler-facing hooks (non-blocking)
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
