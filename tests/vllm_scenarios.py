@@ -141,9 +141,10 @@ def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
     # the lossless run finds its calibration through $DYN_KVTC_CALIBRATIONS (the lookup rule), the 16x run is given it
     llm = _engine(LOSSLESS, calibrations=tmp / "cals") if lossless else _engine({"metrics_port": 0})
     w = worker_of(llm)
-    from dynamo_kvtc.connector.vllm.worker import resolve_calibration  # what the worker ran at start-up
+    from dynamo_kvtc.connector.startup import calibration_dir  # what the worker's start-up ran
 
-    out = {"calibration_found": str(resolve_calibration(w.cfg, w.model, 0, 1)), "calibration_set": w.cfg.calibration}
+    found = calibration_dir(w.cfg.calibration, w.model, "extra")
+    out = {"calibration_found": str(found), "calibration_set": w.cfg.calibration}
     out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
     if w.metrics_port is not None:  # what Prometheus would scrape from this worker
         with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
