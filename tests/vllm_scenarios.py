@@ -289,8 +289,9 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------------------------- issue 13 (connector)
 def _multi_engine(tmp: Path, extra: dict, **llm_kw):
-    """KvtcConnector inside vLLM's MultiConnector, beside vLLM's ExampleConnector (CPU, safetensors files), with the
-    top-level kv_load_failure_policy left at vLLM's default ("fail")."""
+    """KvtcConnector inside vLLM's MultiConnector, beside vLLM's ExampleConnector (CPU, safetensors files), with
+    ``kv_load_failure_policy: recompute`` at the top level, as docs/deployment.md tells operators (a child cannot set
+    the wrapper's; without it the connector restores nothing: tests/test_connector_safety.py)."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of the engine's own paged cache on CPU (as the demo)
@@ -310,7 +311,10 @@ def _multi_engine(tmp: Path, extra: dict, **llm_kw):
         "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-storage")},
     }
     kvc = KVTransferConfig(
-        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [kvtc, example]}
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"connectors": [kvtc, example]},
     )
     return _llm(kvc, disable_log_stats=False, **llm_kw)
 
@@ -363,8 +367,8 @@ def _two_turns_corrupting(llm, w) -> dict:
 
 
 def scenario_multi_fault(tmp: Path) -> dict:
-    """Inside MultiConnector: the top-level policy becomes recompute, a corrupt blob is a recompute (the request
-    completes with the reference reply), and the connector's stats reach the engine's own metrics."""
+    """Inside MultiConnector with the top-level policy recompute: the connector serves, a corrupt blob is a recompute
+    (the request completes with the reference reply), and the connector's stats reach the engine's own metrics."""
     llm = _multi_engine(tmp, LOSSLESS)
     top = llm.llm_engine.vllm_config.kv_transfer_config
     w = _kvtc_child(llm)
