@@ -122,7 +122,7 @@ class ModelFingerprint:
 
 
 def _say(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(list(v)) if isinstance(v, tuple) else str(v)
+    return repr(v) if isinstance(v, str) else str(v)
 
 
 def _rotary_mismatches(a: tuple[RotaryConfig, ...], b: tuple[RotaryConfig, ...], skip_head_dim: bool) -> list[str]:

@@ -27,7 +27,7 @@ from .. import settings
 from ..calibration.artifact import Calibration
 from ..calibration.catalog import find_calibration, normalise_model_name
 from ..calibration.mla import is_mla_fingerprint
-from ..calibration.models import EMBEDDED, cache_dir, fingerprint_of
+from ..calibration.models import fingerprint_of
 from ..calibration.tensor_parallel import TP_MANIFEST, check_tp_manifest
 from ..calibration.verdict import safe_ratio
 from ..codec.base import Codec
@@ -146,22 +146,6 @@ def joint_shard(
             "workers), and none could be used: give each rank its own calibration (rank<r>/) instead"
         )
     return Shard(tp_rank, layout, tp.collective)
-
-
-def served_config(model: str, tools: Any = None) -> Any | None:
-    """The served model's Hugging Face config from the name the engine was given (a directory, an embedded name
-    already converted, or a hub id in the local cache); None, logged, when it cannot be read here."""
-    from transformers import AutoConfig
-
-    p = Path(model).expanduser()
-    where = str(p) if p.is_dir() else model
-    if model in EMBEDDED and (cache_dir(tools) / "models" / model / "config.json").is_file():
-        where = str(cache_dir(tools) / "models" / model)
-    try:
-        return AutoConfig.from_pretrained(where)
-    except Exception as e:  # noqa: BLE001 - any failure: the fingerprint check is skipped, with this warning
-        log.warning("kvtc: cannot read model %r's config (%s); its calibration is not checked against it", model, e)
-        return None
 
 
 def check_device(way: str, device: str) -> None:

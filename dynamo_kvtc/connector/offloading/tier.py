@@ -49,8 +49,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from ...calibration.models import EMBEDDED, cache_dir
 from ...errors import ConfigError, KvtcError
-from ..startup import CodecSpec, Opened, open_tier, served_config
+from ..startup import CodecSpec, Opened, open_tier
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
 from .options import WAY, KvtcTierOptions
 from .store import BlobCache
@@ -58,6 +59,23 @@ from .store import BlobCache
 log = logging.getLogger(__name__)
 
 __all__ = ["KvtcSecondaryTier", "open_calibration"]
+
+
+def served_config(model: str) -> Any | None:
+    """The served model's Hugging Face config through vLLM's own reader, from the name the engine was given (a
+    directory, an embedded name already converted, or a hub id in the local cache); None, logged, when it cannot be
+    read here (the calibration is then checked against the engine's chunk size only)."""
+    from vllm.transformers_utils.config import get_config
+
+    where = model
+    if model in EMBEDDED and (cache_dir() / "models" / model / "config.json").is_file():
+        where = str(cache_dir() / "models" / model)
+    try:
+        return get_config(where, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any failure: the fingerprint check is skipped, with this warning
+        log.warning("kvtc tier: cannot read model %r's config (%s); its calibration is not checked against it", model,
+                    e)  # fmt: skip
+        return None
 
 
 def open_calibration(opts: KvtcTierOptions, cfg: Any, device: torch.device) -> Opened:
