@@ -35,10 +35,10 @@ from ..codec.factory import Shard, make_codec
 from ..codec.model import ModelFingerprint
 from ..codec.options import CodecOptions
 from ..errors import ConfigError, KvtcError, TierError
+from ..tiers.config import AUTO
 from .support import Family, decide
 
 log = logging.getLogger(__name__)
-AUTO = "auto"
 
 
 class Refusal(KvtcError):
