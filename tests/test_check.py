@@ -190,21 +190,22 @@ def test_ratio_setting_takes_auto():
 
 def test_offload_tier_ratio_auto(checked, cal_dir, tmp_path):
     pytest.importorskip("vllm")
-    from dynamo_kvtc.connector.offloading.tier import KvtcSecondaryTier
+    from dynamo_kvtc.connector.offloading.tier import open_calibration
 
     assert KvtcTierOptions.from_config({"ratio": "AUTO"}).ratio == "auto"
-    with pytest.raises(ConfigError, match="ratio: must be a number"):
+    with pytest.raises(ConfigError, match=r"ratio='fast' is invalid: expected a number or 'auto'"):
         KvtcTierOptions.from_config({"ratio": "fast"})
     write_verdict(cal_dir, checked.verdict() | {"safe_ratio": 64.0})
-    cfg = SimpleNamespace(model=SimpleNamespace(name="smollm2-135m-instruct"))
-    tier = SimpleNamespace(opts=KvtcTierOptions.from_config({"ratio": "auto", "calibration": str(cal_dir)}))
-    KvtcSecondaryTier._calibration(tier, cfg)
-    assert tier.opts.ratio == 64.0
+    cfg = SimpleNamespace(model=SimpleNamespace(name="smollm2-135m-instruct"))  # what the tier reads of vLLM's config
+    opts = KvtcTierOptions.from_config({"ratio": "auto", "calibration": str(cal_dir)})
+    opened = open_calibration(opts, cfg, torch.device("cpu"))
+    assert opened.ratio == 64.0 and opened.codec.ratio == 64.0
+    assert opened.fingerprint is not None  # the served model's config was read: the calibration was checked
     bare = tmp_path / "bare"
     shutil.copytree(cal_dir, bare, ignore=shutil.ignore_patterns(CHECK_FILE))
-    tier = SimpleNamespace(opts=KvtcTierOptions.from_config({"ratio": "auto", "calibration": str(bare)}))
+    opts = KvtcTierOptions.from_config({"ratio": "auto", "calibration": str(bare)})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[type=kvtc\]\.ratio: .*dynamo-kvtc check .* --write"):
-        KvtcSecondaryTier._calibration(tier, cfg)
+        open_calibration(opts, cfg, torch.device("cpu"))
 
 
 def test_check_arguments():

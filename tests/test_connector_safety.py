@@ -1,5 +1,6 @@
 """Issue 13's connector contracts that need no engine: TP sizing, the host-memory warning, FP8 refused at start-up,
-metrics of a disabled worker, the failure policy set on an enclosing MultiConnector config, vLLM's stats round trip.
+metrics of a disabled worker, the failure policy (set on the engine's config alone; inside MultiConnector the worker
+restores nothing unless the top-level config recomputes), vLLM's stats round trip.
 """
 
 from __future__ import annotations
@@ -184,49 +185,101 @@ def test_stats_reach_vllm_prometheus_series():
 
 
 # ---------------------------------------------------------------------------------------------- failure policy
-def test_failure_policy_is_set_on_the_enclosing_multiconnector_config():
+def _vllm_config(top: dict, engine: bool = True):
+    """A real VllmConfig of SmolLM2 (its local config) with the --kv-transfer-config ``top``."""
+    from vllm.config import KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    from dynamo_kvtc.calibration.models import resolve_model
+
+    model = ModelConfig(model=str(resolve_model("smollm2-135m-instruct")))
+    sched = SchedulerConfig(max_model_len=2048, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True)
+    return VllmConfig(model_config=model, kv_transfer_config=KVTransferConfig(**top), scheduler_config=sched)
+
+
+KVTC = {"kv_connector": "KvtcConnector", "kv_connector_module_path": "dynamo_kvtc.connector.vllm", "kv_role": "kv_both"}
+
+
+def _multi(policy: str | None, tmp_path: Path) -> dict:
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}}  # fmt: skip
+    kvtc = {**KVTC, "kv_connector_extra_config": {"cpu_cache_gb": 0.01, "metrics_port": 0}}
+    top = {"kv_connector": "MultiConnector", "kv_role": "kv_both"}
+    top["kv_connector_extra_config"] = {"connectors": [kvtc, example]}
+    return top | ({"kv_load_failure_policy": policy} if policy else {})
+
+
+def test_failure_policy_is_set_on_the_engine_config_when_alone():
+    """Alone, the config the connector is given is the engine's: its scheduler half sets recompute there, which
+    is what vLLM's scheduler reads right after building the connector."""
     pytest.importorskip("vllm")
-    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from dynamo_kvtc.connector.vllm.connector import enclosing_transfer_configs, ensure_failure_policy
+    from dynamo_kvtc.connector.vllm import KvtcConnector
 
-    child = {"kv_connector": "KvtcConnector", "kv_connector_module_path": "dynamo_kvtc.connector.vllm"}
-    top = KVTransferConfig(
-        kv_connector="MultiConnector",
-        kv_role="kv_both",
-        kv_connector_extra_config={"connectors": [{"kv_connector": "ExampleConnector"}, child]},
-    )
-    own = KVTransferConfig(**child, kv_role="kv_both", engine_id=top.engine_id)  # what MultiConnector builds
-    unrelated = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    vc = _vllm_config({**KVTC, "kv_connector_extra_config": {"cpu_cache_gb": 0.01}})
+    assert vc.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default: a failed load fails the request
+    c = KvtcConnector(vc, KVConnectorRole.SCHEDULER)
+    try:
+        assert vc.kv_transfer_config.kv_load_failure_policy == "recompute" and c.refuse_loads is False
+    finally:
+        c.shutdown()
 
-    def scheduler_builds(kv_transfer_config):  # the frames above the connector: the scheduler's local, Multi's
-        other = unrelated  # noqa: F841 - a config of another engine on the stack is left alone
-        return enclosing_transfer_configs(own)
 
-    found = scheduler_builds(top)
-    assert len(found) == 1 and found[0] is top
-    assert top.kv_load_failure_policy == "fail"  # vLLM's default: a failed load fails the request
-    assert ensure_failure_policy(own, "recompute", found)
-    assert top.kv_load_failure_policy == "recompute" and own.kv_load_failure_policy == "recompute"
-    assert unrelated.kv_load_failure_policy == "fail"
-    assert enclosing_transfer_configs(own) == []  # alone: nothing encloses it
-    fail_own = KVTransferConfig(**child, kv_role="kv_both", engine_id=top.engine_id)
-    assert ensure_failure_policy(fail_own, "fail", [top])  # load_failure_policy "fail" is the connector's own choice
-    assert fail_own.kv_load_failure_policy == "fail" and top.kv_load_failure_policy == "recompute"  # wrapper kept
+@pytest.mark.parametrize("top_policy", [None, "recompute"])
+def test_inside_multiconnector_the_top_level_policy_decides_whether_the_worker_restores(top_policy, tmp_path, caplog):
+    """Inside vLLM's MultiConnector (beside ExampleConnector) the child's config is a copy vLLM's scheduler never
+    reads. The worker half reads the engine's top-level config (vLLM's current config while it builds the workers'
+    connectors) and, when its policy would fail a request on a failed restore, disables itself with one line naming
+    the setting: every lookup a miss, so nothing is ever loaded. With recompute at the top level it serves."""
+    pytest.importorskip("vllm")
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from dynamo_kvtc.calibration.catalog import find_calibration
+
+    vc = _vllm_config(_multi(top_policy, tmp_path))
+    with set_current_vllm_config(vc):  # as vLLM's worker does while it builds the connectors
+        multi = MultiConnector(vc, KVConnectorRole.WORKER, None)
+    child = next(c for c in multi._connectors if getattr(c, "worker", None) is not None)
+    w = child.worker
+    cal = find_calibration("smollm2-135m-instruct")
+    w.cfg = ConnectorConfig.from_sources({"calibration": str(cal), "cpu_cache_gb": 0.01, "metrics_port": 0}, env={})
+    bs = child.block_size  # CPU layout [blocks, KV heads, block size, 2 x head_dim]
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 3, bs, 128, dtype=torch.bfloat16) for i in range(30)}
+    try:
+        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
+            w.register_kv_caches(caches)
+        assert vc.kv_transfer_config.kv_load_failure_policy == (top_policy or "fail")  # the wrapper's, untouched
+        if top_policy is None:
+            assert w.store is None and w.disabled_reason == "failure_policy"
+            errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            assert len(errors) == 1 and "MultiConnector" in errors[0] and "kv_load_failure_policy" in errors[0]
+            assert "'fail'" in errors[0] and "top level" in errors[0]
+            assert w.match([1, 2, 3]) == (0, 0)  # every lookup a miss: vLLM never plans a load that could fail
+        else:
+            assert w.disabled is None, w.disabled
+            assert w.store is not None
+    finally:
+        multi.shutdown()
 
 
 def test_failure_policy_that_cannot_be_set_is_reported():
     pytest.importorskip("vllm")
-    from dynamo_kvtc.connector.vllm.connector import ensure_failure_policy
+    from dynamo_kvtc.connector.vllm.connector import failure_policy_refusal, set_failure_policy
 
-    class FrozenTop:  # a wrapper config that refuses changes (a frozen dataclass would)
-        kv_connector = "SomeWrapper"
+    class Frozen:  # a config that refuses changes (a frozen dataclass would)
+        kv_connector = "KvtcConnector"
         kv_load_failure_policy = "fail"
 
         def __setattr__(self, name, value):
             raise AttributeError("frozen")
 
+    assert set_failure_policy(Frozen(), "recompute") is False  # the scheduler half then restores nothing
     own = SimpleNamespace(kv_connector="KvtcConnector", kv_load_failure_policy="fail")
-    assert ensure_failure_policy(own, "recompute", [FrozenTop()]) is False  # the connector then restores nothing
-    assert own.kv_load_failure_policy == "recompute"
-    assert ensure_failure_policy(own, "recompute", []) is True
+    assert set_failure_policy(own, "recompute") is True and own.kv_load_failure_policy == "recompute"
+    assert failure_policy_refusal(own, own, "recompute") is None  # alone: the scheduler half set it
+    assert failure_policy_refusal(own, None, "recompute") is None  # vLLM does not say: warned, served
+    wrapper = SimpleNamespace(kv_connector="PdConnector", kv_load_failure_policy="fail")
+    assert "PdConnector" in failure_policy_refusal(own, wrapper, "recompute")
+    assert failure_policy_refusal(own, wrapper, "fail") is None  # load_failure_policy fail: the operator's choice

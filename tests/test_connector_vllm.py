@@ -184,9 +184,10 @@ def test_tier_blocks_reach_vllms_kv_event_stream(scenario):
 
 # ---------------------------------------------------------------------------------------------- issue 13 (connector)
 def test_corrupt_blob_inside_multiconnector_is_a_recompute(scenario):
-    """KvtcConnector as a child of vLLM's MultiConnector (beside ExampleConnector), the top-level policy left at
-    vLLM's default "fail": the connector sets it to recompute, a corrupt blob costs a recompute and the request
-    completes with the reference reply; the connector's stats reach the engine's own Prometheus metrics."""
+    """KvtcConnector as a child of vLLM's MultiConnector (beside ExampleConnector), with the top-level policy
+    recompute as docs/deployment.md says: the connector serves (its worker checked the engine's top-level policy), a
+    corrupt blob costs a recompute and the request completes with the reference reply; the connector's stats reach
+    the engine's own Prometheus metrics. (Without it the worker restores nothing: test_connector_safety.py.)"""
     r = scenario("multi-fault")
     assert r["top_level_connector"] == "MultiConnector"
     assert r["top_level_policy"] == "recompute" and r["scheduler_recomputes"] is True

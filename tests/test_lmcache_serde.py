@@ -37,20 +37,23 @@ def chunk(synth, tokens: int = 256, start: int = 0) -> tuple[torch.Tensor, torch
 
 def test_options_errors_name_the_key(cal_dir, tmp_path):
     assert SerdeOptions.from_kwargs({"calibration": cal_dir}).ratio == 16
-    cases = {
+    cases = {  # a bad value: `<option>=<value> is invalid: ...`; a rule of the serde: `<option>: ...`
         "calibration": {},
         "ratio_policy": {"calibration": cal_dir, "ratio_policy": "lossless"},
         "max_workers": {"calibration": cal_dir, "max_workers": 0},
         "device": {"calibration": cal_dir, "device": "tpu"},
-        "bits": {"calibration": cal_dir, "bits": 4},
     }
     for key, kw in cases.items():
-        with pytest.raises(ConfigError, match=rf"serde\[type=kvtc\]\.{key}:"):
+        with pytest.raises(ConfigError, match=rf"^serde\[type=kvtc\]\.{key}[=:]"):
             SerdeOptions.from_kwargs(kw)
+    with pytest.raises(ConfigError, match=r"unknown serde\[type=kvtc\] keys: \['bits'\]"):
+        SerdeOptions.from_kwargs({"calibration": cal_dir, "bits": 4})
     with pytest.raises(ConfigError, match=r"\.calibration: .* has no calibration.json"):
-        SerdeOptions.from_kwargs({"calibration": str(tmp_path)})
+        KvtcChunkCoder(SerdeOptions.from_kwargs({"calibration": str(tmp_path)}))
     with pytest.raises(ConfigError, match=r"\.ratio: 12 has no plan"):
         KvtcChunkCoder(SerdeOptions.from_kwargs({"calibration": cal_dir, "ratio": 12}))
+    with pytest.raises(ConfigError, match=r"\.ratio: ratio auto needs an accuracy verdict .*dynamo-kvtc check"):
+        KvtcChunkCoder(SerdeOptions.from_kwargs({"calibration": cal_dir, "ratio": "auto"}))  # no check.json
 
 
 def test_raw_policy_is_bit_exact_and_within_its_bound(cal_dir, synth):

@@ -20,12 +20,8 @@ from .conftest import ENGINE_ENV, cpu_avx512
 
 pytest.importorskip("vllm")
 
-from dynamo_kvtc.connector.offloading.tier import (  # noqa: E402
-    ChunkLayout,
-    KvtcTierOptions,
-    cpu_offsets,
-    layer_index,
-)
+from dynamo_kvtc.connector.offloading.layout import ChunkLayout, cpu_offsets, layer_index  # noqa: E402
+from dynamo_kvtc.connector.offloading.options import KvtcTierOptions  # noqa: E402
 from dynamo_kvtc.errors import ConfigError  # noqa: E402
 
 from . import example_layout  # noqa: E402, F401 - registers the tests' own layout, token_minor
@@ -37,21 +33,54 @@ ROOT = HERE.parent
 # ----------------------------------------------------------------------------------------------- options
 def test_options_defaults_and_errors_name_the_key(tmp_path):
     o = KvtcTierOptions.from_config({"ratio": 32, "cpu_cache_gb": 2, "threads": 1})
-    assert (o.ratio, o.cpu_cache_gb, o.threads, o.ratio_policy) == (32.0, 2.0, 1, "fixed")
+    assert (o.ratio, o.host_bytes, o.threads, o.ratio_policy) == (32.0, 2 << 30, 1, "fixed")
     cases = {
-        "ratio_polcy": {"ratio_polcy": "raw"},
         "ratio": {"ratio": "sixteen"},
         "ratio_policy": {"ratio_policy": "lossless"},
-        "window": {"window": 1.5},
+        "chunk_window": {"chunk_window": 1.5},
         "cpu_cache_gb": {"cpu_cache_gb": 0},
         "disk_cache_dir": {"disk_cache_gb": 10},
         "page_layout": {"page_layout": "flash"},  # registered, but a block's K and V are not one page
         "threads": {"threads": 0},
         "device": {"device": "tpu"},
     }
-    for key, cfg in cases.items():
-        with pytest.raises(ConfigError, match=rf"secondary_tiers\[type=kvtc\]\.{key}:"):
+    for key, cfg in cases.items():  # a bad value: `<option>=<value> is invalid: ...`, a rule of the tier: `<option>: `
+        with pytest.raises(ConfigError, match=rf"^secondary_tiers\[type=kvtc\]\.{key}[=:]"):
             KvtcTierOptions.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"unknown secondary_tiers\[type=kvtc\] keys: \['ratio_polcy'\]"):
+        KvtcTierOptions.from_config({"ratio_polcy": "raw"})
+
+
+def test_tier_refuses_a_calibration_of_another_rope_theta(tmp_path):
+    """The tier's start-up (the ways in's one start-up) checks the calibration against the served model's config:
+    a calibration made with another RoPE theta is refused naming the field and both values, and nothing else."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from dynamo_kvtc.calibration.artifact import Calibration
+    from dynamo_kvtc.calibration.models import fingerprint_of
+    from dynamo_kvtc.calibration.synthetic import synthetic_calibration
+    from dynamo_kvtc.connector.offloading.tier import open_calibration
+
+    shape = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
+                 architectures=["LlamaForCausalLM"])  # fmt: skip
+    groups = synthetic_calibration(4, 2, 64, ratios=(16,), rank=256, dp_rows=512).groups
+    Calibration(fingerprint_of(LlamaConfig(rope_theta=10000.0, **shape)), groups).save(tmp_path / "cal")
+    LlamaConfig(rope_theta=1000000.0, **shape).save_pretrained(tmp_path / "other")
+    LlamaConfig(rope_theta=10000.0, **shape).save_pretrained(tmp_path / "same")
+    opts = KvtcTierOptions.from_config({"calibration": str(tmp_path / "cal")})
+
+    def served(model: str):
+        return SimpleNamespace(model=SimpleNamespace(name=str(tmp_path / model)))
+
+    with pytest.raises(ConfigError) as e:
+        open_calibration(opts, served("other"), torch.device("cpu"))
+    msg = str(e.value)
+    assert msg.startswith("secondary_tiers[type=kvtc].calibration: calibration for ") and "\n" not in msg
+    assert msg.endswith("(calibration vs model): rope theta 10000.0 vs 1000000.0"), msg  # one field, both values
+    opened = open_calibration(opts, served("same"), torch.device("cpu"))  # its own model: served
+    assert opened.ratio == 16.0 and opened.codec.ratio == 16.0 and opened.family.key == "dense"
 
 
 def test_layer_index_of_vllm_layer_names():

@@ -34,12 +34,61 @@ def test_every_variable_the_package_names_is_in_the_table():
 
 
 def test_table_is_consistent():
-    assert len(settings.BY_KEY) == len(settings.SETTINGS) == len(settings.BY_ENV)
+    assert len(settings.BY_KEY) == len(settings.SETTINGS)
+    assert set(settings.BY_ENV) == {s.env for s in settings.SETTINGS if "env" in s.ways}
     for s in settings.SETTINGS:
         assert s.env == "DYN_KVTC_" + s.key.upper() and s.doc
         assert s.choices == () or s.type == "str"
+        assert s.ways and set(s.ways) <= set(settings.WAYS)
+        assert ("env" in s.ways) == (s.scope != "option") and s.extra == (s.scope in ("tier", "connector"))
         if s.default is not None:
             settings.default(s.key)  # every default passes its own checks
+        for way, choices in s.way_choices:
+            assert way in s.ways and set(choices) < set(s.choices)
+
+
+def test_each_way_in_reads_its_rows_of_the_table_with_the_table_defaults():
+    """The vLLM tier's and the LMCache serde's option classes are front-ends over the table: their fields are exactly
+    the rows those ways in read, with the table's (one) defaults; KvtcConnector's are the extra-config rows."""
+    from dynamo_kvtc.connector.lmcache.serde import SerdeOptions
+    from dynamo_kvtc.connector.offloading.options import KvtcTierOptions
+
+    for way, cls in (("vllm_tier", KvtcTierOptions), ("lmcache_serde", SerdeOptions)):
+        rows = [s for s in settings.SETTINGS if way in s.ways]
+        defaults = {f.name: f.default for f in fields(cls)}
+        assert set(defaults) == {s.field for s in rows}, way
+        for s in rows:
+            if s.key != "calibration" or way == "vllm_tier":  # the serde's calibration is required (no default)
+                assert defaults[s.field] == settings.default(s.key), (way, s.key)
+    extra = {s.key for s in settings.SETTINGS if s.extra}
+    tier_fields = {f.name for f in fields(TierConfig)}
+    conn_fields = {f.name for f in fields(ConnectorConfig)}
+    assert {settings.BY_KEY[k].field for k in extra} <= tier_fields | conn_fields
+    # one default per setting across the ways in (where the tier and the serde had their own, the table's won)
+    opts = KvtcTierOptions.from_config({})
+    assert opts.host_bytes == TierConfig().host_bytes == 1 << 30 and opts.ratio == TierConfig().ratio == 16
+    assert opts.chunk_window == 0 and TierConfig().window == 128  # two settings: a sequence's tail, every chunk's
+
+
+def test_read_options_is_the_one_validator_of_the_other_ways_in():
+    got = settings.read_options("vllm_tier", {"ratio": "auto", "cpu_cache_gb": "0.5", "locality": "LOCAL"})
+    assert got["ratio"] == "auto" and got["cpu_cache_gb"] == 1 << 29 and got["locality"] == "local"
+    assert got["chunk_window"] == 0 and got["threads"] == 2  # unset: the table's defaults
+    with pytest.raises(ConfigError, match=r"unknown secondary_tiers\[type=kvtc\] keys: \['window'\] \(did you mean "
+                       r"'chunk_window'\?\)"):  # fmt: skip
+        settings.read_options("vllm_tier", {"window": 64})
+    with pytest.raises(ConfigError, match=r"unknown serde\[type=kvtc\] keys: \['threads'\]"):
+        settings.read_options("lmcache_serde", {"threads": 2})  # the serde's is max_workers
+    with pytest.raises(ConfigError) as e:
+        settings.read_options("vllm_tier", {"ratio_policy": "raw_first"})  # the table has it, the tier implements not
+    assert str(e.value) == (
+        "secondary_tiers[type=kvtc].ratio_policy='raw_first' is invalid: ratio_policy must be one of 'fixed' or 'raw' "
+        "(vLLM tier)"
+    )
+    assert settings.parse("ratio_policy", "raw_first", from_extra=True) == "raw_first"  # KvtcConnector implements it
+    with pytest.raises(ConfigError) as e:
+        settings.read_options("lmcache_serde", {"ratio": "fast"})
+    assert str(e.value) == "serde[type=kvtc].ratio='fast' is invalid: expected a number or 'auto'"
 
 
 def test_config_dataclasses_cover_their_scopes_and_take_the_table_defaults():
@@ -71,7 +120,10 @@ def test_configuration_doc_is_the_generated_table():
     text = DOC.read_text(encoding="utf-8")
     assert reference.documented_table(text) == reference.markdown_table()
     for s in settings.SETTINGS:
-        assert f"`{s.env}`" in reference.markdown_table()
+        assert (f"`{s.env}`" if "env" in s.ways else f"| `{s.key}` | - |") in reference.markdown_table()
+    rows = {ln.split(" | ")[0]: ln for ln in reference.markdown_table().splitlines() if ln.startswith("| `")}
+    assert " | KvtcConnector, vLLM tier, LMCache serde | " in rows["| `ratio`"]  # the "read by" column
+    assert " | vLLM tier | " in rows["| `page_layout`"] and " | KvtcConnector | " in rows["| `window`"]
 
 
 def test_check_command_fails_on_a_stale_doc_and_write_repairs_it(tmp_path):

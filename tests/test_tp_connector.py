@@ -17,9 +17,8 @@ import torch.distributed as dist
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc.calibration.tensor_parallel import TP_MANIFEST, head_layout, sharded_codec, write_tp_manifest
 from dynamo_kvtc.codec.factory import Shard
-from dynamo_kvtc.connector.config import ConnectorConfig
-from dynamo_kvtc.connector.vllm.tensor_parallel import Agreement, GlooCollective, TpGroup, agree_start, joint_shard
-from dynamo_kvtc.connector.vllm.worker import resolve_calibration
+from dynamo_kvtc.connector.startup import calibration_dir, joint_shard
+from dynamo_kvtc.connector.vllm.tensor_parallel import Agreement, GlooCollective, TpGroup, agree_start
 from dynamo_kvtc.errors import ConfigError, InputError, TierError
 from dynamo_kvtc.tiers import KvtcStore, TierConfig
 from dynamo_kvtc.tiers.keys import sequence_hashes
@@ -139,10 +138,9 @@ def test_joint_calibration_is_chosen_and_checked(synth_cal, tmp_path):
     synth_cal.save(d)
     (d / "rank1").mkdir()
     synth_cal.save(d / "rank1")  # a per-rank calibration beside it
-    cfg = ConnectorConfig(calibration=str(d))
-    assert resolve_calibration(cfg, "m", 1, 2) == d / "rank1"  # no tp.json: the per-rank one
+    assert calibration_dir(d, "m", "extra", 1, 2) == d / "rank1"  # no tp.json: the per-rank one
     write_tp_manifest(d, 2)
-    assert resolve_calibration(cfg, "m", 1, 2) == d  # tp.json: the joint one
+    assert calibration_dir(d, "m", "extra", 1, 2) == d  # tp.json: the joint one
     fp = synth_cal.fingerprint
     assert joint_shard(d, synth_cal, fp, H, 0, 1, None) is None  # tp 1: the plain codec
     with pytest.raises(TierError, match="torch.distributed"):

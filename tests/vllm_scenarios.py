@@ -141,9 +141,10 @@ def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
     # the lossless run finds its calibration through $DYN_KVTC_CALIBRATIONS (the lookup rule), the 16x run is given it
     llm = _engine(LOSSLESS, calibrations=tmp / "cals") if lossless else _engine({"metrics_port": 0})
     w = worker_of(llm)
-    from dynamo_kvtc.connector.vllm.worker import resolve_calibration  # what the worker ran at start-up
+    from dynamo_kvtc.connector.startup import calibration_dir  # what the worker's start-up ran
 
-    out = {"calibration_found": str(resolve_calibration(w.cfg, w.model, 0, 1)), "calibration_set": w.cfg.calibration}
+    found = calibration_dir(w.cfg.calibration, w.model, "extra")
+    out = {"calibration_found": str(found), "calibration_set": w.cfg.calibration}
     out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
     if w.metrics_port is not None:  # what Prometheus would scrape from this worker
         with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
@@ -288,8 +289,9 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------------------------- issue 13 (connector)
 def _multi_engine(tmp: Path, extra: dict, **llm_kw):
-    """KvtcConnector inside vLLM's MultiConnector, beside vLLM's ExampleConnector (CPU, safetensors files), with the
-    top-level kv_load_failure_policy left at vLLM's default ("fail")."""
+    """KvtcConnector inside vLLM's MultiConnector, beside vLLM's ExampleConnector (CPU, safetensors files), with
+    ``kv_load_failure_policy: recompute`` at the top level, as docs/deployment.md tells operators (a child cannot set
+    the wrapper's; without it the connector restores nothing: tests/test_connector_safety.py)."""
     import os
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of the engine's own paged cache on CPU (as the demo)
@@ -309,7 +311,10 @@ def _multi_engine(tmp: Path, extra: dict, **llm_kw):
         "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example-storage")},
     }
     kvc = KVTransferConfig(
-        kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={"connectors": [kvtc, example]}
+        kv_connector="MultiConnector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"connectors": [kvtc, example]},
     )
     return _llm(kvc, disable_log_stats=False, **llm_kw)
 
@@ -362,8 +367,8 @@ def _two_turns_corrupting(llm, w) -> dict:
 
 
 def scenario_multi_fault(tmp: Path) -> dict:
-    """Inside MultiConnector: the top-level policy becomes recompute, a corrupt blob is a recompute (the request
-    completes with the reference reply), and the connector's stats reach the engine's own metrics."""
+    """Inside MultiConnector with the top-level policy recompute: the connector serves, a corrupt blob is a recompute
+    (the request completes with the reference reply), and the connector's stats reach the engine's own metrics."""
     llm = _multi_engine(tmp, LOSSLESS)
     top = llm.llm_engine.vllm_config.kv_transfer_config
     w = _kvtc_child(llm)

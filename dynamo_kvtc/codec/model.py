@@ -10,7 +10,7 @@ object that has ``id``, ``fingerprint``, ``groups`` and ``ratios`` (:class:`Cali
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 import torch
@@ -96,22 +96,20 @@ class ModelFingerprint:
             raise CalibrationError(f"malformed model fingerprint: {e}") from e
 
     def mismatches(self, other: ModelFingerprint, *, strict: bool = True) -> list[str]:
-        """Human-readable differences that make a calibration unusable for ``other``."""
-        keys = ["architecture", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_size", "windows"]
-        if strict:
-            keys += ["tokenizer"]
+        """The differences that make a calibration (``self``) unusable for ``other``, each as ``"<field> <ours> vs
+        <theirs>"`` (``"num_layers 6 vs 4"``, ``"rope theta 1000000.0 vs 10000.0"``). A difference another one
+        implies is left out: per-layer RoPE and windows when the layer counts differ, RoPE's head_dim when head_dim
+        does."""
+        keys = ["architecture", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_size"]
+        keys += ["windows"] if self.num_layers == other.num_layers else []
+        keys += ["tokenizer"] if strict else []
         out = []
         for k in keys:
             a, b = getattr(self, k), getattr(other, k)
             if a != b and not (k in ("tokenizer", "windows") and (not a or not b)):
-                out.append(f"{k}: calibration has {a!r}, model has {b!r}")
-        if self.rotary != other.rotary:
-            diff = (
-                next(i for i, (a, b) in enumerate(zip(self.rotary, other.rotary)) if a != b)
-                if len(self.rotary) == len(other.rotary)
-                else 0
-            )
-            out.append(f"rotary config differs (first at layer {diff})")
+                out.append(f"{k} {_say(a)} vs {_say(b)}")
+        if self.num_layers == other.num_layers and self.rotary != other.rotary:
+            out += _rotary_mismatches(self.rotary, other.rotary, skip_head_dim=self.head_dim != other.head_dim)
         return out
 
     def check_matches(self, other: ModelFingerprint) -> None:
@@ -119,8 +117,28 @@ class ModelFingerprint:
         if problems:
             raise CalibrationMismatchError(
                 f"calibration for {self.model_name or self.architecture} does not fit "
-                f"{other.model_name or other.architecture}: " + "; ".join(problems)
+                f"{other.model_name or other.architecture} (calibration vs model): " + "; ".join(problems)
             )
+
+
+def _say(v: Any) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def _rotary_mismatches(a: tuple[RotaryConfig, ...], b: tuple[RotaryConfig, ...], skip_head_dim: bool) -> list[str]:
+    """Per RoPE field that differs (``rope theta 1000000.0 vs 10000.0``), at which layers when not at all of them."""
+    out = []
+    for f in fields(RotaryConfig):
+        if not f.compare or (skip_head_dim and f.name == "head_dim"):
+            continue
+        layers = [i for i, (x, y) in enumerate(zip(a, b)) if getattr(x, f.name) != getattr(y, f.name)]
+        if layers:
+            x, y = getattr(a[layers[0]], f.name), getattr(b[layers[0]], f.name)
+            where = "" if len(layers) == len(a) else f" (layer {layers[0]}" + (
+                f" and {len(layers) - 1} more)" if len(layers) > 1 else ")"
+            )
+            out.append(f"rope {f.name.replace('_', ' ')} {_say(x)} vs {_say(y)}{where}")
+    return out
 
 
 @dataclass

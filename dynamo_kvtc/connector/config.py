@@ -23,8 +23,6 @@ from ..errors import ConfigError
 from ..tiers.config import PROCESS_KEYS as TIER_PROCESS_KEYS
 from ..tiers.config import TierConfig
 
-TRANSFER_MODES = settings.BY_KEY["transfer"].choices  # "" (off), "prefill", "decode"
-LOAD_FAILURE_POLICIES = settings.BY_KEY["load_failure_policy"].choices
 HANDOFF_KEYS = (
     "handoff_choice", "handoff_memory", "link_gbps", "handoff_restore_gbs", "nixl_progress_us", "transfer_secret"
 )

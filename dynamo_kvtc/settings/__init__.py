@@ -9,6 +9,15 @@ who reads it:
 - ``process``: a process-wide knob, environment only. A serving process parses these at start-up into its config
   objects too (``TierConfig.codec``/``codec_sms``, the hand-off's ``ConnectorConfig`` fields) and passes them down;
   the offline tools' paths and switches are :func:`tool_settings`. Nothing else reads the environment.
+- ``option``: an option of the other ways in only (the vLLM ``kvtc`` tier's ``secondary_tiers`` entry, the LMCache
+  ``kvtc`` serde's ``serde`` config), neither an extra-config key nor a variable.
+
+Each row also says which **ways in** read it (``ways``, :data:`WAYS`): ``extra`` (KvtcConnector's
+``kv_connector_extra_config``), ``vllm_tier`` (the vLLM tier's entry), ``lmcache_serde`` (the LMCache serde's config)
+and ``env`` (the ``DYN_KVTC_*`` variable). A setting the three read has one default for all of them. The tier's and
+the serde's option parsers are front-ends over this table (:func:`read_options`): the same parser, bounds, choices
+(``way_choices`` narrows them where a way in implements fewer) and error wording, naming the option where it was
+written (:func:`origin`).
 
 Tier and connector settings come from ``kv_connector_extra_config`` (wins) or the environment. Every raw value goes
 through :func:`parse`, which returns the typed value or raises :class:`~dynamo_kvtc.errors.ConfigError` naming the
@@ -34,12 +43,19 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .row import SCOPES, TYPES, WAYS, Setting  # noqa: F401 - the package exports the row's words too
 
 log = logging.getLogger(__name__)
 GB = 1 << 30
 PREFIX = "DYN_KVTC_"
-SCOPES = ("tier", "connector", "process")
-TYPES = ("gb", "float", "int", "bool", "path", "str")
+WAY_LABELS = {"extra": "KvtcConnector", "vllm_tier": "vLLM tier", "lmcache_serde": "LMCache serde", "env": "env"}
+_ORIGINS = {  # how an error names where a value was written
+    "extra": "kv_connector_extra_config.{key}",
+    "vllm_tier": "secondary_tiers[type=kvtc].{key}",
+    "lmcache_serde": "serde[type=kvtc].{key}",
+}
+_ENTRIES = {"extra": "kv_connector_extra_config keys for KvtcConnector", "vllm_tier": "secondary_tiers[type=kvtc] keys",
+            "lmcache_serde": "serde[type=kvtc] keys"}  # fmt: skip
 PORT = "a port number (0-65535)"
 RB_CONN = "`ConnectorConfig` (hand-off)"  # what parses a process-wide setting at start-up and passes it down
 RB_CODEC = "`TierConfig.codec`"
@@ -49,40 +65,6 @@ RB_LOOKUP = "`tool_settings()` (offline tools; the worker's calibration lookup)"
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One ``DYN_KVTC_*`` setting: how to read it, check it and document it. Holds no value; never reads anything."""
-
-    key: str  # the kv_connector_extra_config key (tier/connector scope) and the name for env_value()
-    type: str  # gb (a size in GB, the field holds bytes) | float | int | bool | path | str
-    default: Any  # in the user's unit (GB for sizes); None: unset
-    doc: str
-    scope: str  # tier | connector | process
-    field: str = ""  # the config dataclass field (default: the key)
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False  # value must be > lo rather than >= lo
-    choices: tuple[str, ...] = ()  # allowed values of a str setting ("" = unset)
-    rule: str = ""  # how to say the bounds, where the derived wording would be unclear ("a port number")
-    default_doc: str = ""  # how to show the default where the value alone says too little
-    env: str = ""  # the environment variable (default: DYN_KVTC_<KEY>)
-    read_by: str = ""  # process scope: what parses it at start-up and carries it (the reference table says so)
-    words: tuple[str, ...] = ()  # words a number setting takes besides numbers (``ratio: auto``), kept as the word
-
-    def __post_init__(self) -> None:
-        if self.type not in TYPES or self.scope not in SCOPES:
-            raise ConfigError(f"setting {self.key}: bad type {self.type!r} or scope {self.scope!r}")
-        if (self.scope == "process") != bool(self.read_by):
-            raise ConfigError(f"setting {self.key}: a process-wide setting, and only one, names what reads it")
-        object.__setattr__(self, "field", self.field or self.key)
-        object.__setattr__(self, "env", self.env or "DYN_KVTC_" + self.key.upper())
-
-    @property
-    def extra(self) -> bool:
-        """Whether kv_connector_extra_config may set it (process-wide knobs are environment-only)."""
-        return self.scope != "process"
-
-
 def _s(key: str, type: str, default: Any, doc: str, scope: str, **kw: Any) -> Setting:
     return Setting(key, type, default, doc, scope, **kw)
 
@@ -90,17 +72,17 @@ def _s(key: str, type: str, default: Any, doc: str, scope: str, **kw: Any) -> Se
 SETTINGS: tuple[Setting, ...] = (
     # -- tiers (TierConfig fields) ---------------------------------------------------------------------------------
     _s("cpu_cache_gb", "gb", 1, "compressed host tier size, total across the TP group (each rank allocates "
-       "cpu_cache_gb / TP in one arena at start-up)", "tier",
-       field="host_bytes", lo=0, hi=1 << 20),
+       "cpu_cache_gb / TP in one arena at start-up; the vLLM tier: the budget of its blob LRU, > 0)", "tier",
+       field="host_bytes", lo=0, hi=1 << 20, ways=("vllm_tier",)),
     _s("disk_cache_gb", "gb", 0, "compressed disk tier size, total across the TP group (each rank disk_cache_gb / TP "
        "in `disk_cache_dir/rank<r>`; 0 = none; needs `disk_cache_dir`)", "tier",
-       field="disk_bytes", lo=0, hi=1 << 20),
+       field="disk_bytes", lo=0, hi=1 << 20, ways=("vllm_tier",)),
     _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700)", "tier", field="disk_dir",
-       default_doc="none"),
+       default_doc="none", ways=("vllm_tier",)),
     _s("ratio", "float", 16, "default compression ratio (a plan of the calibration); `auto`: the largest ratio within "
        "the accuracy budget of the calibration's check verdict (`dynamo-kvtc check CAL --model M --write`; without "
-       "one the connector refuses to start and the engine serves without it)", "tier", lo=0, lo_open=True,
-       words=("auto",)),
+       "one the connector refuses to start and the engine serves without it; the vLLM tier and the LMCache serde "
+       "refuse to start)", "tier", lo=0, lo_open=True, words=("auto",), ways=("vllm_tier", "lmcache_serde")),
     _s("max_ratio", "float", None, "accuracy floor: never compress harder, even under pressure", "tier", lo=0,
        lo_open=True, default_doc="`ratio`"),
     _s("min_tokens", "int", 64, "sequences shorter than this bypass the tiers", "tier", lo=0),
@@ -117,17 +99,20 @@ SETTINGS: tuple[Setting, ...] = (
     _s("nixl_timeout_s", "float", 30, "deadline of one disk-tier NIXL transfer", "tier", lo=0, lo_open=True),
     _s("ratio_policy", "str", "fixed", "`fixed`: every offload at `ratio` (higher under host-tier pressure, up to "
        "`max_ratio`); `raw_first`: store uncompressed while the host tier has room (below 90% full with the new "
-       "blob), compress once it has not; `raw`: never compress (a raw tier: the serving benchmark's baseline)",
-       "tier", choices=("fixed", "raw_first", "raw")),
+       "blob), compress once it has not; `raw`: never compress (a raw tier: the serving benchmark's baseline; the "
+       "vLLM tier and the LMCache serde: lossless). The vLLM tier and the LMCache serde take `fixed` or `raw`",
+       "tier", choices=("fixed", "raw_first", "raw"), ways=("vllm_tier", "lmcache_serde"),
+       way_choices=(("vllm_tier", ("fixed", "raw")), ("lmcache_serde", ("fixed", "raw")))),
     _s("offload_queue_gb", "gb", 1, "memory the offload queue of each rank may hold: the copies of saved blocks' K/V "
        "waiting for their encode (device memory on a GPU; one save larger than this still goes through alone). A save "
        "that would go over is skipped, nothing copied, and counted "
        "(`kvtc_fallbacks_total{reason=\"offload_queue_full\"}`): a later miss, never a wrong block", "tier",
        field="offload_queue_bytes", lo=0, lo_open=True, hi=1 << 20),
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
-    _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank)", "connector",
+    _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank; the LMCache serde: required, "
+       "it is told no model name)", "connector",
        default_doc="`<model name, lowercased>/` under `DYN_KVTC_CALIBRATIONS` (docs/byom.md), then "
-                   "`<cache>/calibrations`"),
+                   "`<cache>/calibrations`", ways=("vllm_tier", "lmcache_serde")),
     _s("flush_tokens", "int", 256, "while decoding, offload once this many new tokens filled blocks", "connector",
        lo=1),
     _s("load_timeout_s", "float", 30, "longest wait for one layer's restore before falling back", "connector", lo=0,
@@ -150,6 +135,20 @@ SETTINGS: tuple[Setting, ...] = (
        "name them in `kvtc_host` (`*`: any host). Unset: any host when the hand-off has a secret, else loopback "
        "only. A request naming another host is not fetched (recompute), counted as `untrusted_peer`", "connector",
        default_doc="unset (secret: any; none: loopback)"),
+    # -- the other ways in's own options (the vLLM tier's secondary_tiers entry, the LMCache serde's config) ---------
+    _s("chunk_window", "int", 0, "trailing tokens of every chunk kept raw. These ways in code each chunk alone and "
+       "cannot tell a sequence's last chunk, so this is not KvtcConnector's `window` (the raw tail of a saved "
+       "sequence only): any value > 0 is paid on every chunk", "option", lo=0, ways=("vllm_tier", "lmcache_serde")),
+    _s("device", "str", "auto", "where chunks are encoded and decoded: `cuda`, `cpu`, `auto` (the LMCache serde: the "
+       "chunk's own GPU when it hands one, else CUDA when present; the vLLM tier: CUDA when the scheduler process "
+       "sees one)", "option", choices=("auto", "cpu", "cuda"), ways=("vllm_tier", "lmcache_serde")),
+    _s("page_layout", "str", "auto", "how a layer's block sits in a primary-tier chunk: `nhd`, `hnd` (`auto`: from "
+       "the engine's KV cache layout) or `cpu`", "option", choices=("auto", "nhd", "hnd", "cpu"), ways=("vllm_tier",)),
+    _s("threads", "int", 2, "encode/decode threads of the vLLM tier", "option", lo=1, hi=64, ways=("vllm_tier",)),
+    _s("locality", "str", None, "`local` or `remote`: the tier's locality for vLLM's tier filters and events",
+       "option", choices=("local", "remote"), default_doc="unset", ways=("vllm_tier",)),
+    _s("max_workers", "int", 1, "serde threads of LMCache's `AsyncSerdeProcessor`", "option", lo=1, hi=64,
+       ways=("lmcache_serde",)),
     # -- process-wide, environment only -----------------------------------------------------------------------------
     _s("transfer_secret_file", "path", None, "file holding the hand-off's shared secret (>= 16 bytes; a Kubernetes "
        "Secret): every control message and reply carries an HMAC-SHA256, replays are refused. Unset: "
@@ -199,7 +198,7 @@ SETTINGS: tuple[Setting, ...] = (
        "meaningless", "process", read_by=RB_TOOL),
 )  # fmt: skip
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
-BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
+BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS if "env" in s.ways}
 
 
 # ---------------------------------------------------------------------------------------------------------- parsing
@@ -224,9 +223,14 @@ def say_choices(s: Setting, quote: str = "`") -> str:
     return ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
 
 
+def origin(way: str, key: str) -> str:
+    """How an error names where setting ``key`` was written for a way in (the variable for ``env``)."""
+    return BY_KEY[key].env if way == "env" and key in BY_KEY else _ORIGINS.get(way, "{key}").format(key=key)
+
+
 def origin_of(s: Setting, from_extra: bool) -> str:
     """How an error names where a value came from: the extra-config key, or the environment variable."""
-    return f"kv_connector_extra_config.{s.key}" if from_extra else s.env
+    return origin("extra" if from_extra else "env", s.key)
 
 
 def _number(s: Setting, raw: Any) -> float:
@@ -298,11 +302,12 @@ def _check_bounds(s: Setting, v: float) -> None:
         raise ValueError(f"must be <= {fmt_number(s.hi)}")
 
 
-def parse(key: str, raw: Any, from_extra: bool = False) -> Any:
+def parse(key: str, raw: Any, from_extra: bool = False, way: str | None = None) -> Any:
     """The typed value of setting ``key`` from a raw value (a string from the environment, or a JSON value from
-    kv_connector_extra_config); sizes in GB come back in bytes. Raises ConfigError naming the key, where the value
-    came from and what is wrong."""
+    kv_connector_extra_config or another way in's entry: ``way``, default ``extra`` with ``from_extra`` else ``env``);
+    sizes in GB come back in bytes. Raises ConfigError naming the key, where the value came from and what is wrong."""
     s = BY_KEY[key]
+    way = way or ("extra" if from_extra else "env")
     if s.words and isinstance(raw, str) and raw.strip().lower() in s.words:
         return raw.strip().lower()
     try:
@@ -313,11 +318,15 @@ def parse(key: str, raw: Any, from_extra: bool = False) -> Any:
         elif s.type == "bool":
             return _boolean(s, raw)
         else:
-            return _text(s, raw)
+            v = _text(s, raw)
+            if s.choices and v not in s.choices_of(way):
+                narrowed = Setting(s.key, s.type, s.default, s.doc, s.scope, choices=s.choices_of(way), ways=s.ways)
+                raise ValueError(f"{s.key} must be one of {say_choices(narrowed, quote=chr(39))} ({WAY_LABELS[way]})")
+            return v
         _check_bounds(s, v)
     except ValueError as e:
-        where = origin_of(s, from_extra)
-        hint = "" if from_extra else f" (setting {s.key})"
+        where = origin(way, s.key)
+        hint = f" (setting {s.key})" if way == "env" else ""
         if s.words and str(e) == "expected a number":
             e = ValueError(f"{e} or {' or '.join(repr(w) for w in s.words)}")
         shown = repr(raw) if len(repr(raw)) <= 64 else repr(raw)[:60] + "..."
@@ -384,6 +393,21 @@ def warn_unknown(env: Mapping[str, str] | None = None) -> list[str]:
     return new
 
 
+def read_options(way: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A way in's own entry (the vLLM tier's ``secondary_tiers`` entry, the LMCache serde's config) parsed through the
+    table: every setting ``way`` reads, by key, the given value (None: unset) or the typed default. An unknown key
+    is refused naming the closest known one; a bad value names the option as written (:func:`origin`)."""
+    known = sorted(s.key for s in SETTINGS if way in s.ways)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"unknown {_ENTRIES[way]}: {unknown}{hint}; known: {known}")
+    out = {k: default(k) for k in known}
+    out.update({k: parse(k, v, way=way) for k, v in options.items() if v is not None})
+    return out
+
+
 def select(scope_or_keys: str | Iterable[str]) -> list[Setting]:
     """The settings of some scopes and/or keys, in table order."""
     names = {scope_or_keys} if isinstance(scope_or_keys, str) else set(scope_or_keys)
@@ -403,12 +427,12 @@ def _raw(
     known = sorted(s.key for s in chosen if s.extra)
     unknown = sorted(set(extra) - set(known))
     if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config keys for KvtcConnector: {unknown}; known: {known}")
+        raise ConfigError(f"unknown {_ENTRIES['extra']}: {unknown}; known: {known}")
     out = []
     for s in chosen:
         if s.extra and extra.get(s.key) is not None:
             out.append((s, extra[s.key], True))
-        elif env.get(s.env, "") != "":
+        elif "env" in s.ways and env.get(s.env, "") != "":
             out.append((s, env[s.env], False))
     return out
 

@@ -24,7 +24,6 @@ from ..errors import ConfigError
 from ..settings import GB
 
 _d = settings.default  # field defaults are the table's
-RATIO_POLICIES = settings.BY_KEY["ratio_policy"].choices  # fixed | raw_first | raw
 AUTO = "auto"  # ratio: the calibration's checked safe ratio (calibration/verdict.py), resolved at start-up
 CODEC_KEYS = tuple(f.name for f in fields(CodecOptions))  # the table's process keys of the same names
 PROCESS_KEYS = ("codec_sms", *CODEC_KEYS)  # the process-wide knobs a TierConfig carries down

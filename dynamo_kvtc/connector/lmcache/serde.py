@@ -7,10 +7,14 @@ module registers ``kvtc`` with LMCache's serde factory (when LMCache is installe
     {"type": "fs", "base_path": "/nvme/lmcache",
      "serde": {"type": "kvtc", "calibration": "/calibrations/llama-3.1-8b-instruct", "ratio": 16}}
 
-Options (``serde`` keys; an error names the key): ``calibration`` (directory, required: LMCache asks for a buffer
-size before it shows a chunk), ``ratio`` (default 16), ``ratio_policy`` (``fixed`` or ``raw``: every chunk stored
-uncompressed, lossless), ``device`` (``auto``: the chunk's own device when it is a GPU tensor, else CUDA when present,
-else the CPU), ``window`` (trailing tokens kept raw, default 0), ``max_workers`` (serde threads, default 1).
+Options (``serde`` keys; the settings table's ``lmcache_serde`` rows, docs/configuration.md; an error names the key):
+``calibration`` (directory, required: LMCache asks for a buffer size before it shows a chunk, and names no model),
+``ratio`` (default 16; ``auto``: the calibration's checked ratio), ``ratio_policy`` (``fixed`` or ``raw``: every chunk
+stored uncompressed, lossless), ``device`` (``auto``: the chunk's own device when it is a GPU tensor, else CUDA when
+present, else the CPU), ``chunk_window`` (trailing tokens of every chunk kept raw, default 0), ``max_workers`` (serde
+threads, default 1). The start-up checks (the calibration, MLA refused, ``auto``, the plan) are the three ways in's
+one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`; codecs come from
+:func:`~dynamo_kvtc.codec.factory.make_codec`.
 
 **Size contract.** LMCache allocates the serialized buffer from ``estimate_serialized_size`` before serializing, and
 ``serialize`` returns the bytes it wrote, to which LMCache's ``AsyncSerdeProcessor`` narrows the buffer, so the L2
@@ -40,77 +44,54 @@ from typing import Any
 
 import torch
 
-from ...calibration.mla import is_mla_fingerprint
+from ... import settings
 from ...codec.entropy.registry import PORTABLE, coder
+from ...codec.options import CodecOptions
 from ...errors import ConfigError, DecodeError, KvtcError
 from ...logs import operator_logging
+from ..startup import CodecSpec, check_device, open_tier, torch_device
 
 log = logging.getLogger(__name__)
 
 SERDE_TYPE = "kvtc"
+WAY = "lmcache_serde"  # the settings table's name of this way in
 PREFIX = struct.Struct("<4sIQ")  # magic, version, blob length
 MAGIC = b"KVTS"
-KNOWN = ("calibration", "ratio", "ratio_policy", "device", "window", "max_workers")
-
-
-def _err(key: str, msg: str) -> ConfigError:
-    return ConfigError(f"serde[type={SERDE_TYPE}].{key}: {msg}")
+REFERENCE = CodecOptions(fused="0")  # the serde codes on the reference path (chunks come one at a time)
 
 
 @dataclass(frozen=True)
 class SerdeOptions:
-    calibration: str
-    ratio: float = 16.0
-    ratio_policy: str = "fixed"
-    device: str = "auto"
-    window: int = 0
-    max_workers: int = 1
+    """The serde's options (the settings table's ``lmcache_serde`` rows)."""
+
+    calibration: str | Path
+    ratio: float | str = settings.default("ratio")
+    ratio_policy: str = settings.default("ratio_policy")
+    device: str = settings.default("device")
+    chunk_window: int = settings.default("chunk_window")
+    max_workers: int = settings.default("max_workers")
 
     @classmethod
     def from_kwargs(cls, kw: dict[str, Any]) -> SerdeOptions:
-        for key in kw:
-            if key not in KNOWN:
-                raise _err(key, f"unknown option; known: {', '.join(KNOWN)}")
-        if not kw.get("calibration"):
-            raise _err("calibration", "is required (the calibration directory of the served model)")
-        try:
-            ratio = float(kw.get("ratio", 16))
-        except (TypeError, ValueError):
-            raise _err("ratio", f"must be a number, got {kw.get('ratio')!r}") from None
-        policy = str(kw.get("ratio_policy", "fixed"))
-        if policy not in ("fixed", "raw"):
-            raise _err("ratio_policy", f"must be fixed or raw, got {policy!r}")
-        device = str(kw.get("device", "auto"))
-        if device not in ("auto", "cpu", "cuda"):
-            raise _err("device", f"must be auto, cpu or cuda, got {device!r}")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise _err("device", "'cuda' requested but CUDA is not available")
-        ints = {}
-        for key, default, lo in (("window", 0, 0), ("max_workers", 1, 1)):
-            v = kw.get(key, default)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise _err(key, f"must be an integer >= {lo}, got {v!r}")
-            ints[key] = v
-        path = Path(str(kw["calibration"]))
-        if not (path / "calibration.json").is_file():
-            raise _err("calibration", f"{path} has no calibration.json")
-        return cls(str(path), ratio, policy, device, **ints)
+        values = settings.read_options(WAY, kw)
+        if values["calibration"] is None:
+            raise ConfigError(f"{settings.origin(WAY, 'calibration')}: is required (the calibration directory of the "
+                              "served model)")  # fmt: skip
+        check_device(WAY, values["device"])
+        return cls(**values)
 
 
 class KvtcChunkCoder:
     """LMCache-independent core: a ``[2, L, T, H*D]`` chunk <-> length-prefixed KVTC blob in a byte buffer."""
 
     def __init__(self, opts: SerdeOptions) -> None:
-        from ...calibration.artifact import Calibration
-
         operator_logging("lmcache")  # the ready line and warnings in LMCache's log at its level
         self.opts = opts
-        self.cal = Calibration.load(opts.calibration)
-        if opts.ratio_policy == "fixed" and opts.ratio not in [float(r) for r in self.cal.ratios]:
-            raise _err("ratio", f"{opts.ratio:g} has no plan in calibration {opts.calibration} ({self.cal.ratios})")
+        self.opened = open_tier(
+            WAY, calibration=opts.calibration, model=None, ratio=opts.ratio, policy=opts.ratio_policy, serves_mla=False
+        ).raise_for(WAY)
+        self.cal = self.opened.calibration
         fp = self.cal.fingerprint
-        if is_mla_fingerprint(fp):
-            raise _err("calibration", "is an MLA model's: MLA is served through KvtcConnector (docs/models.md)")
         self.L, self.H, self.D = fp.num_layers, fp.num_kv_heads, fp.head_dim
         self._codecs: dict[tuple[str, str], Any] = {}
         self._bounds: dict[tuple, int] = {}
@@ -118,21 +99,14 @@ class KvtcChunkCoder:
         self._warned = False
 
     def _device(self, t: torch.Tensor | None) -> torch.device:
-        if self.opts.device != "auto":
-            return torch.device(self.opts.device)
-        if t is not None and t.device.type == "cuda":
-            return t.device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch_device(self.opts.device, t)
 
     def codec(self, device: torch.device, tag: str = "deflate"):
-        from ...codec import KvtcCodec
-
         key = (str(device), tag)
         with self._lock:
             c = self._codecs.get(key)
             if c is None:
-                ratio = self.opts.ratio if self.opts.ratio_policy == "fixed" else self.cal.ratios[0]
-                c = KvtcCodec(self.cal, ratio=ratio, device=device, window=self.opts.window, tag=tag, fused=False)
+                c = self.opened.make(CodecSpec(device, window=self.opts.chunk_window, options=REFERENCE, tag=tag))
                 self._codecs[key] = c
         return c
 

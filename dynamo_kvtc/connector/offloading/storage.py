@@ -29,19 +29,17 @@ def make_store(cal: Any, opts: KvtcTierOptions, device: torch.device, tokens: in
     codec's process knobs (``DYN_KVTC_FUSED`` ...) are the process's. ``ratio``: the tier's encode ratio."""
     plans = sorted(float(r) for r in cal.ratios)
     cfg = TierConfig(
-        host_bytes=int(opts.cpu_cache_gb * 1e9),
+        host_bytes=int(opts.host_bytes),
         ratio=ratio if ratio in plans else plans[0],  # ratio_policy raw: any plan (a restore reads every ratio)
         ratio_policy=opts.ratio_policy,
-        window=opts.window,
+        window=opts.chunk_window,
         disk_min_uses=1,
         **process_settings(),
     )
     disk = None
-    if opts.disk_cache_gb > 0:
+    if opts.disk_bytes > 0:
         try:
-            disk = DiskTier(
-                opts.disk_cache_dir, int(opts.disk_cache_gb * 1e9), fsync=cfg.fsync, timeout_s=cfg.nixl_timeout_s
-            )
+            disk = DiskTier(opts.disk_dir, int(opts.disk_bytes), fsync=cfg.fsync, timeout_s=cfg.nixl_timeout_s)
         except KvtcError as e:
             raise option_error("disk_cache_dir", str(e)) from None
     return KvtcStore(cal, cfg, device=device, block_size=tokens, span_tokens=tokens, disk=disk)

@@ -15,7 +15,8 @@ too: ``{"type": "KvtcSecondaryTier", "module_path": "dynamo_kvtc.connector.offlo
 
 Everything here runs in the scheduler process, as vLLM requires of secondary tiers: ``submit_store`` and
 ``submit_load`` queue a job and return; a small thread pool reads the chunk out of the primary tier's memory view,
-encodes it with :class:`~dynamo_kvtc.codec.KvtcCodec` (on the GPU when one is present, else on the CPU) and puts the
+encodes it with the codec of :func:`~dynamo_kvtc.codec.factory.make_codec` (on the GPU when one is present, else on
+the CPU) and puts the
 blob into a :class:`~dynamo_kvtc.tiers.store.KvtcStore` (:mod:`.storage`: KvtcConnector's store, one chunk one blob:
 its host tier, whose LRU victims move to its optional disk tier, its StoreStats); a promotion restores the blob through
 the store and writes the chunk back into the primary slot vLLM allocated. Positions (for the keys' RoPE) come from
@@ -28,8 +29,10 @@ The job contract (vLLM's ``SecondaryTierManager``): every submitted job is repor
 stored (or was already held); a load job reports the chunks restored before the first failure. ``transfer_bytes`` are
 the chunks' raw bytes, as vLLM's own tiers report them (vLLM's backpressure reads latency per byte).
 
-Tier options: :mod:`.options` (each validated there; an error names the key); chunk layouts: :mod:`.layout`; the
-store: :mod:`.storage` (the options' and layouts' public names are re-exported here).
+Tier options: :mod:`.options` (the settings table's ``vllm_tier`` rows; an error names the key); the start-up
+checks (calibration, the served model's family and fingerprint, ``ratio: auto``, the plan, the codec) are the three
+ways in's one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`; chunk layouts: :mod:`.layout`; the store:
+:mod:`.storage`.
 """
 
 from __future__ import annotations
@@ -39,8 +42,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -57,29 +59,51 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ...calibration.mla import is_mla_fingerprint
+from ...calibration.models import EMBEDDED, cache_dir
 from ...errors import ConfigError, KvtcError, TierError, TierFullError
 from ...logs import operator_logging
+from ..startup import CodecSpec, Opened, open_tier
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
-from .options import DEVICES, PAGE_LAYOUTS, RATIO_POLICIES, TIER_TYPE, KvtcTierOptions, option_error
+from .options import WAY, KvtcTierOptions
 from .stats import TierStats, metric_definitions
 from .storage import KeyBook, make_store, offload_hash
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # the moved names stay importable from here (tests, docs and vLLM's module_path name this module)
-    "DEVICES",
-    "PAGE_LAYOUTS",
-    "RATIO_POLICIES",
-    "TIER_TYPE",
-    "ChunkLayout",
-    "KvtcSecondaryTier",
-    "KvtcTierOptions",
-    "cpu_offsets",
-    "layer_index",
-    "offload_hash",
-    "resolve_page_layout",
-]
+__all__ = ["KvtcSecondaryTier", "open_calibration"]
+
+
+def served_config(model: str) -> Any | None:
+    """The served model's Hugging Face config through vLLM's own reader, from the name the engine was given (a
+    directory, an embedded name already converted, or a hub id in the local cache); None, logged, when it cannot be
+    read here (the calibration is then checked against the engine's chunk size only)."""
+    from vllm.transformers_utils.config import get_config
+
+    where = model
+    if model in EMBEDDED and (cache_dir() / "models" / model / "config.json").is_file():
+        where = str(cache_dir() / "models" / model)
+    try:
+        return get_config(where, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - any failure: the fingerprint check is skipped, with this warning
+        log.warning("kvtc tier: cannot read model %r's config (%s); its calibration is not checked against it", model,
+                    e)  # fmt: skip
+        return None
+
+
+def open_calibration(opts: KvtcTierOptions, cfg: Any, device: torch.device) -> Opened:
+    """The tier's start-up (:func:`~dynamo_kvtc.connector.startup.open_tier`) for vLLM's ``OffloadingConfig``
+    ``cfg``: the served model (its config read from ``cfg.model.name``) checked against the calibration, MLA refused
+    (the tier reads K/V pages), the codec built on ``device``; a refusal stops the engine naming the option."""
+    return open_tier(
+        WAY,
+        calibration=opts.calibration,
+        model=cfg.model.name,
+        ratio=opts.ratio,
+        policy=opts.ratio_policy,
+        hf_config=served_config(cfg.model.name),
+        serves_mla=False,
+        codec=CodecSpec(device, window=opts.chunk_window, tag="deflate"),
+    ).raise_for(WAY)
 
 
 # --------------------------------------------------------------------------------------------------------- the tier
@@ -107,7 +131,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         operator_logging()  # the ready line and warnings in vLLM's log at its level
         self.opts = KvtcTierOptions.from_config(options)
-        self.locality = Locality(self.opts.locality) if self.opts.locality else None
+        self.locality = Locality(self.opts.locality.upper()) if self.opts.locality else None
         cfg = offloading_spec.config
         if len(cfg.groups) != 1:
             raise ConfigError(f"the kvtc tier needs one KV cache group (got {len(cfg.groups)}: hybrid models)")
@@ -117,12 +141,9 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 "workers (tensor/pipeline parallel): use KvtcConnector for TP"
             )
         self.device = self.opts.torch_device
-        self.cal = self._calibration(cfg)
+        opened = open_calibration(self.opts, cfg, self.device)
+        self.cal, self.codec, self.ratio = opened.calibration, opened.codec, opened.ratio
         fp = self.cal.fingerprint
-        if is_mla_fingerprint(fp):
-            raise ConfigError(
-                "the kvtc tier reads K/V pages; MLA models are served through KvtcConnector (docs/models.md)"
-            )
         dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else torch_dtype(fp.dtype)
         if dtype.is_floating_point is False or dtype.itemsize == 1:
             raise ConfigError(f"the kvtc tier encodes 16/32-bit float KV caches, not {dtype}")
@@ -152,9 +173,6 @@ class KvtcSecondaryTier(SecondaryTierManager):
                 f"{self.layout.elem} bytes make {self.layout.bytes}: calibration {self.cal.id[:12]} is not for "
                 "this model"
             )
-        from ...codec import KvtcCodec
-
-        self.codec = KvtcCodec(self.cal, ratio=self.opts.ratio, device=self.device, window=self.opts.window)
         self.store = make_store(self.cal, self.opts, self.device, self.layout.tokens, float(self.codec.ratio))
         self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view[:]
         # the primary tier's rows as one uint8 tensor (no copy): [num_chunks, chunk bytes]
@@ -172,44 +190,16 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self._stats = TierStats(self.store)
         log.info(
             "kvtc secondary tier ready: %d layers, page layout %s, %d tokens per chunk, calibration %s, %s, "
-            "device %s, host %.2f GB, disk %.2f GB",
+            "device %s, host %.2f GiB, disk %.2f GiB",
             len(layers),
             kind,
             self.layout.tokens,
             self.cal.id[:12],
-            "raw (lossless)" if self.opts.ratio_policy == "raw" else f"ratio {self.opts.ratio:g}",
+            "raw (lossless)" if self.opts.ratio_policy == "raw" else f"ratio {self.ratio:g}",
             self.device,
-            self.opts.cpu_cache_gb,
-            self.opts.disk_cache_gb,
+            self.opts.host_bytes / (1 << 30),
+            self.opts.disk_bytes / (1 << 30),
         )
-
-    def _calibration(self, cfg: Any):
-        from ...calibration.artifact import Calibration
-        from ...calibration.catalog import find_calibration
-
-        path = self.opts.calibration
-        if path is None:
-            found = find_calibration(cfg.model.name)
-            if found is None:
-                raise option_error(
-                    "calibration",
-                    f"no calibration found for model {cfg.model.name!r}: set it, or put one in calibrations/<model "
-                    "folder name> or $DYN_KVTC_CALIBRATIONS/<name> (`dynamo-kvtc calibrate`)",
-                )
-            path = str(found)
-        if not (Path(path) / "calibration.json").is_file():
-            raise option_error("calibration", f"{path} has no calibration.json")
-        cal = Calibration.load(path)
-        if self.opts.ratio == "auto":  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
-            from ...calibration.verdict import safe_ratio
-
-            try:
-                self.opts = replace(self.opts, ratio=safe_ratio(path, cal.id, cal.ratios, cfg.model.name))
-            except KvtcError as e:
-                raise option_error("ratio", str(e)) from None
-        if self.opts.ratio_policy == "fixed" and float(self.opts.ratio) not in [float(r) for r in cal.ratios]:
-            raise option_error("ratio", f"{self.opts.ratio:g} has no plan in calibration {path} ({cal.ratios})")
-        return cal
 
     # ------------------------------------------------------------------ scheduler-facing hooks (non-blocking)
     def holds(self, key: OffloadKey) -> bool:

@@ -10,23 +10,24 @@ The class is a thin delegate: :class:`~dynamo_kvtc.connector.vllm.scheduler.Kvtc
 :mod:`~dynamo_kvtc.connector.handoff` the compressed prefill→decode hand-off. Layer-wise restore needs eager mode or
 PIECEWISE CUDA graphs (``requires_piecewise_for_cudagraph``).
 
-**A failed restore is a recompute, wherever the connector sits.** vLLM's scheduler reads ``kv_load_failure_policy``
+**A failed restore is a recompute, or nothing is restored.** vLLM's scheduler reads ``kv_load_failure_policy``
 from the engine's top-level ``KVTransferConfig`` (default ``fail``: a failed load fails the user's request). Alone,
-that config is this connector's; inside ``MultiConnector`` each child gets a fresh copy, so the connector finds the
-enclosing configs on the call stack while vLLM builds it (:func:`enclosing_transfer_configs`) and sets the policy
-there too, with a warning. Where it cannot be sure the engine recomputes, it refuses to restore anything (every lookup
-a miss, one error line): a miss costs a recompute, a failed load would cost the request. Manifests set
-``kv_load_failure_policy: recompute`` at the top level all the same.
+that config is the one this connector is given, and its scheduler half sets the connector's ``load_failure_policy``
+there (:func:`set_failure_policy`). Inside ``MultiConnector`` each child gets a fresh copy, which vLLM does not read:
+the operator sets ``"kv_load_failure_policy": "recompute"`` at the top level (docs/deployment.md). The worker half
+checks it: vLLM makes the engine's own config available while it builds the worker's connectors
+(``get_current_vllm_config_or_none``), and where that config is another connector's whose policy would fail a request
+on a failed restore, the worker disables itself with one error line naming the setting (:func:`failure_policy_refusal`;
+every lookup a miss, so nothing is ever loaded). Where the policy cannot be set at all, the scheduler half refuses to
+restore anything. A miss costs a recompute; a failed load would cost the request.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-_STACK_DEPTH = 16  # frames searched for an enclosing connector's config (MultiConnector -> factory -> Scheduler)
 
 
 def _register() -> None:
@@ -110,56 +110,51 @@ def _peer(cfg: ConnectorConfig):
         return None
 
 
-def _wraps(cand: Any, own: Any) -> bool:
-    if cand is own:
+def set_failure_policy(own: Any, policy: str) -> bool:
+    """Set ``policy`` on the ``KVTransferConfig`` this connector was given (the engine's own when it is the top-level
+    connector: vLLM's scheduler reads it right after building the connector); False when the config refuses."""
+    if getattr(own, "kv_load_failure_policy", None) == policy:
+        return True
+    try:
+        own.kv_load_failure_policy = policy
+    except Exception as e:  # noqa: BLE001 - a frozen or validating config
+        log.error("KvtcConnector: cannot set kv_load_failure_policy=%s on %s: %s", policy, own.kv_connector, e)
         return False
-    children = (cand.kv_connector_extra_config or {}).get("connectors") or []
-    named = any(isinstance(c, dict) and c.get("kv_connector") == own.kv_connector for c in children)
-    return named or (own.engine_id is not None and cand.engine_id == own.engine_id)
+    log.info("KvtcConnector: kv_load_failure_policy=%s", policy)
+    return True
 
 
-def enclosing_transfer_configs(own: Any, frame: Any = None) -> list[Any]:
-    """The ``KVTransferConfig`` objects other than ``own`` that the callers building this connector hold for the same
-    engine (same ``engine_id``, or a ``connectors`` list naming this class): the top-level one when a wrapper
-    (MultiConnector) built it, which is the one vLLM's scheduler reads the failure policy from. Empty when this
-    connector is the top-level one (or the stack cannot be read)."""
-    found: list[Any] = []
-    f = frame if frame is not None else inspect.currentframe()
-    for _ in range(_STACK_DEPTH):
-        if f is None:
-            break
-        loc = f.f_locals
-        for cand in (loc.get("kv_transfer_config"), getattr(loc.get("vllm_config"), "kv_transfer_config", None)):
-            if isinstance(cand, KVTransferConfig) and _wraps(cand, own) and all(cand is not x for x in found):
-                found.append(cand)
-        f = f.f_back
-    return found
+def engine_transfer_config() -> Any:
+    """The engine's own (top-level) ``KVTransferConfig`` while vLLM builds a worker's connectors, or None where vLLM
+    does not say (its current-config context is unset, or this vLLM has none)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    engine = get_current_vllm_config_or_none()
+    return getattr(engine, "kv_transfer_config", None)
 
 
-def ensure_failure_policy(own: Any, policy: str, enclosing: list[Any]) -> bool:
-    """Set ``policy`` on this connector's config and, for ``recompute``, on every enclosing one (never turn a
-    wrapper's ``recompute`` into ``fail``: the other children rely on it too); True when the engine will do as the
-    connector needs (``policy`` is what the scheduler reads), False when a config refused the change."""
-    ok = True
-    for tc in (own, *(enclosing if policy == "recompute" else ())):
-        if getattr(tc, "kv_load_failure_policy", None) == policy:
-            continue
-        try:
-            tc.kv_load_failure_policy = policy
-        except Exception as e:  # a frozen or validating config
-            log.error("KvtcConnector: cannot set kv_load_failure_policy=%s on %s: %s", policy, tc.kv_connector, e)
-            ok = False
-            continue
-        if tc is own:
-            log.info("KvtcConnector: kv_load_failure_policy=%s", policy)
-        else:
-            log.warning(
-                "KvtcConnector inside %s: set the top-level kv_load_failure_policy=%s (it was not: a failed restore "
-                "would have failed the request); set it in the engine's --kv-transfer-config",
-                tc.kv_connector,
-                policy,
-            )
-    return ok
+def failure_policy_refusal(own: Any, engine: Any, policy: str) -> str | None:
+    """Why this connector must not restore (one line), or None: a failed restore is a recompute. ``own``: the config
+    the connector was given; ``engine``: the engine's top-level one (:func:`engine_transfer_config`; None: unknown,
+    warned about). Alone (``engine is own``) the scheduler half sets the policy; inside a wrapper the top-level
+    policy is the operator's, and a ``fail`` there would fail a request on a failed restore."""
+    if policy != "recompute" or engine is own:
+        return None
+    if engine is None:
+        log.warning(
+            "KvtcConnector: vLLM does not say which kv_transfer_config its scheduler reads; inside MultiConnector "
+            "set kv_load_failure_policy: recompute at the top level of --kv-transfer-config"
+        )
+        return None
+    if getattr(engine, "kv_load_failure_policy", None) == "recompute":
+        return None
+    return (
+        f"inside {engine.kv_connector}, vLLM applies the top-level kv_load_failure_policy "
+        f"({getattr(engine, 'kv_load_failure_policy', None)!r}), so a failed restore would fail the request: set "
+        '"kv_load_failure_policy": "recompute" at the top level of --kv-transfer-config'
+    )
 
 
 class KvtcConnector(KVConnectorBase_V1):
@@ -183,8 +178,9 @@ class KvtcConnector(KVConnectorBase_V1):
         self.refuse_loads = False  # True when a failed restore could fail a request: every lookup then misses
         if role == KVConnectorRole.SCHEDULER:
             # vLLM's default "fail" turns a failed restore into a failed request; for a cache tier a failed restore
-            # is a miss. The scheduler reads the policy from the top-level config right after creating connectors.
-            if not ensure_failure_policy(tc, self.cfg.load_failure_policy, enclosing_transfer_configs(tc)):
+            # is a miss. The scheduler reads the policy from the top-level config right after creating connectors
+            # (alone: this one; inside a wrapper the worker half checks the wrapper's).
+            if not set_failure_policy(tc, self.cfg.load_failure_policy):
                 self.refuse_loads = self.cfg.load_failure_policy == "recompute"
                 log.error(
                     "KvtcConnector refuses to restore (every request recomputes): the engine's "
@@ -220,6 +216,7 @@ class KvtcConnector(KVConnectorBase_V1):
                 peer=_peer(self.cfg),
                 listeners=(self._event_queue,) if self.cfg.publish_events else (),
                 kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+                refusal=failure_policy_refusal(tc, engine_transfer_config(), self.cfg.load_failure_policy),
             )
             if tp_rank == 0:  # one rank's view, like the kvtc_* endpoint
                 self._stats = StatsReporter(self._worker)

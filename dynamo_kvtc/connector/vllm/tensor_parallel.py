@@ -1,6 +1,7 @@
 """Tensor parallelism in the connector: each TP rank's tiers, and the JOINT calibration served by row-sharded codecs.
 
-Two ways to serve a TP engine, chosen per calibration directory at start-up (:func:`joint_shard`):
+Two ways to serve a TP engine, chosen per calibration directory at start-up
+(:func:`~dynamo_kvtc.connector.startup.joint_shard`):
 
 - **Joint** (``dynamo-kvtc calibrate --tp-size N``: one calibration of all KV heads plus ``tp.json``): every rank
   codes its own heads with :class:`~dynamo_kvtc.codec.sharded.ShardedKvtcCodec` and all ranks write the same blob,
@@ -36,15 +37,10 @@ import itertools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ...calibration.artifact import Calibration
-from ...calibration.tensor_parallel import check_tp_manifest
-from ...codec.factory import Shard
-from ...codec.model import ModelFingerprint
 from ...errors import TierError
 from ...tiers.config import TierConfig
 
@@ -128,24 +124,6 @@ def open_group(tp_rank: int, tp_size: int, timeout_s: float = TIMEOUT_S) -> TpGr
         log.warning("kvtc: could not open the TP ranks' gloo group (%s: %s)", type(e).__name__, e)
         return None
     return TpGroup(tp_rank, tp_size, GlooCollective(pg, tp_size))
-
-
-def joint_shard(
-    path: Path, cal: Calibration, model: ModelFingerprint, rank_heads: int, tp_rank: int, tp_size: int, tp: Any
-) -> Shard | None:
-    """This rank's :class:`~dynamo_kvtc.codec.factory.Shard` when ``cal`` (loaded from ``path``) is a JOINT
-    calibration served at ``tp_size`` > 1, checked against the served ``model`` and ``tp.json`` (one-line refusal on a
-    mismatch); None for a per-rank calibration or tp 1."""
-    if tp_size <= 1 or cal.fingerprint.tp_size != 1:
-        return None
-    layout = check_tp_manifest(path, tp_size, tp_rank, rank_heads)
-    cal.check_model(model)
-    if tp is None:
-        raise TierError(
-            "a joint calibration under tensor parallelism needs the TP ranks' torch.distributed world (vLLM's "
-            "workers), and none could be used: give each rank its own calibration (rank<r>/) instead"
-        )
-    return Shard(tp_rank, layout, tp.collective)
 
 
 def agree_start(tp: TpGroup | None, store: Any) -> None:

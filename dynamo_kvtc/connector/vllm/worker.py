@@ -30,30 +30,22 @@ import time
 from collections import Counter
 from contextlib import suppress
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ... import settings
-from ...calibration.artifact import Calibration
-from ...calibration.catalog import find_calibration, normalise_model_name
 from ...calibration.mla import is_mla
-from ...calibration.models import fingerprint_of
-from ...calibration.tensor_parallel import TP_MANIFEST
-from ...calibration.verdict import safe_ratio
 from ...codec.fp8 import kv_format
 from ...errors import KvtcError, TierError
-from ...tiers.config import AUTO
 from ...tiers.layout import PagedKV
 from ...tiers.layouts import detect_layout
 from ...tiers.store import KvtcStore, OnboardHandle
 from ..config import ConnectorConfig
 from ..host_memory import host_memory_limit, host_memory_warning
-from ..support import decide
+from ..startup import Refusal, open_tier
 from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
-from .tensor_parallel import agree_start, joint_shard, open_group, rank_tiers
+from .tensor_parallel import agree_start, open_group, rank_tiers
 
 log = logging.getLogger(__name__)
 
@@ -83,28 +75,6 @@ def layer_index(name: str) -> int:
     return int(m.group(1))
 
 
-def resolve_calibration(cfg: ConnectorConfig, model: str, tp_rank: int, tp_size: int) -> Path:
-    """The calibration directory of this rank: ``calibration`` when set, else :func:`find_calibration`'s (the
-    normalised model name under ``DYN_KVTC_CALIBRATIONS`` or the repository's ``calibrations/``, then
-    ``<DYN_KVTC_CACHE>/calibrations``); under TP its ``rank<r>/`` when there is one and no ``tp.json`` (a joint
-    calibration, served by row-sharded codecs: :mod:`.tensor_parallel`). The caller matches its fingerprint against
-    the served model."""
-    path = cfg.calibration
-    if path is None:
-        tools = settings.tool_settings()  # the search folders, read once
-        path = find_calibration(model, tools)
-        if path is None:
-            raise TierError(
-                f"no calibration for model {model!r}: set kv_connector_extra_config.calibration, or put one in "
-                f"$DYN_KVTC_CALIBRATIONS/{normalise_model_name(model)} (make one with `dynamo-kvtc calibrate`)"
-            )
-    path = Path(path)
-    per_rank = path / f"rank{tp_rank}" / "calibration.json"
-    if tp_size > 1 and not (path / TP_MANIFEST).is_file() and per_rank.is_file():  # tp.json: the joint one
-        path = path / f"rank{tp_rank}"
-    if not (path / "calibration.json").is_file():
-        raise TierError(f"calibration directory {path} has no calibration.json")
-    return path
 
 
 class KvtcWorker:
@@ -130,6 +100,7 @@ class KvtcWorker:
         peer: Any = None,
         listeners: tuple = (),
         kv_cache_dtype: str = "auto",
+        refusal: str | None = None,
     ) -> None:
         self.cfg = config
         self.engine_id = engine_id
@@ -154,6 +125,7 @@ class KvtcWorker:
         self.peer = peer  # HandoffClient on a decode engine with compressed hand-off
         self.services = WorkerServices(config, engine_id, self.stats)  # rank 0: lookup, hand-off server, metrics
         self.listeners = tuple(listeners)  # store listeners (vLLM KV events)
+        self.refusal = refusal  # why the engine cannot be trusted to recompute a failed restore (None: it can)
 
     @property
     def lookup_server(self) -> Any:
@@ -183,46 +155,37 @@ class KvtcWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], offsets: Any = None, scales: Any = None) -> None:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`); ``scales``: an FP8
-        cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default)."""
+        cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default). The start-up checks are
+        :func:`~dynamo_kvtc.connector.startup.open_tier`'s (this worker's KV cache checks run inside it, after the
+        model's family is decided and before the calibration is opened)."""
         tp = open_group(self.tp_rank, self.tp_size)  # every rank, now: the joint codec's collectives run on it
-        stage, voted = "model", False
+        found: dict[str, Any] = {}
+        stage, voted = "failure_policy", False
         try:
-            decide(self.hf_config, self.tp_size)  # docs/models.md's table, from the config, before touching tensors
-            stage = "layout"
-            names = sorted(kv_caches, key=layer_index)
-            tensors = [kv_caches[n] for n in names]
-            stage = "kv_cache_dtype"
-            check_kv_dtype(tensors[0], self.kv_cache_dtype)
-            stage = "layout"
-            layout = detect_layout(tensors[0], self.num_blocks, mla=is_mla(self.hf_config))
-            if isinstance(offsets, Exception) and layout == "cpu":  # read as the plain layout, keys come out scrambled
-                raise TierError(f"cannot learn the element order of this CPU KV cache: {offsets}")
-            ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
-            ks = vs = None
-            if kv_format(self.kv_cache_dtype) is not None:
-                if layout == "cpu" and offsets is None:  # no vLLM kernel to probe: do not guess the order
-                    raise TierError("the element order of this CPU FP8 KV cache is unknown (no cache kernel to probe)")
-                if scales is not None:
-                    if set(names) - set(scales):
-                        raise TierError(f"no k/v scale for FP8 KV cache {sorted(set(names) - set(scales))[0]!r}")
-                    ks, vs = [scales[n][0] for n in names], [scales[n][1] for n in names]
-            kv = PagedKV(
-                tensors,
-                layout,
-                self.block_size,
-                k_offsets=ko,
-                v_offsets=vo,
-                cache_dtype=self.kv_cache_dtype,
-                k_scales=ks,
-                v_scales=vs,
+            if self.refusal is not None:  # the engine would fail a request on a failed restore (connector.py)
+                raise TierError(self.refusal)
+            opened = open_tier(
+                "extra",
+                calibration=self.cfg.calibration,
+                model=self.model,
+                ratio=self.cfg.tiers.ratio,
+                policy=self.cfg.tiers.ratio_policy,
+                hf_config=self.hf_config,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                tp=tp,
+                engine=lambda fp: self._engine_kv(kv_caches, offsets, scales, fp, found),
             )
-            stage = "calibration"
-            cal, shard = self._calibration(kv, tp)
+            if opened.why_not is not None:
+                stage = opened.why_not.reason
+                raise TierError(opened.why_not.message)
+            kv, names, cal = found["kv"], found["names"], opened.calibration
+            self.cfg = replace(self.cfg, tiers=self.cfg.tiers.with_(ratio=opened.ratio))  # `auto` resolved
             stage = "store"
             tiers = rank_tiers(self.cfg.tiers, self.tp_rank, self.tp_size)
             if self.tp_rank == 0:
                 self._warn_host_memory()
-            store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv, shard=shard)
+            store = KvtcStore(cal, tiers, device=kv.device, block_size=self.block_size, kv=kv, shard=opened.shard)
             stage, voted = "tensor_parallel", True
             try:
                 agree_start(tp, store)  # the ranks serve a joint calibration together or not at all
@@ -244,7 +207,7 @@ class KvtcWorker:
             "KvtcConnector ready: %d layers, layout %s, calibration %s (%s), ratio %g, host tier %.2f GiB (this rank), "
             "disk %s",
             kv.num_layers,
-            layout,
+            kv.layout,
             cal.id[:12],
             cal.fingerprint.model_name or cal.fingerprint.architecture,
             tiers.ratio,
@@ -254,26 +217,41 @@ class KvtcWorker:
         if self.tp_rank == 0:
             self.services.start(self, store)
 
-    def _calibration(self, kv: PagedKV, tp: Any = None) -> tuple[Calibration, Any]:
-        """(calibration, this rank's Shard of a joint one under TP or None)."""
-        path = resolve_calibration(self.cfg, self.model, self.tp_rank, self.tp_size)
-        cal = Calibration.load(path)
-        model = fingerprint_of(self.hf_config)
-        fp = replace(model, num_kv_heads=kv.num_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
+    def _engine_kv(
+        self, kv_caches: dict[str, torch.Tensor], offsets: Any, scales: Any, fp: Any, found: dict[str, Any]
+    ) -> Any:
+        """The engine's paged KV (into ``found``: ``kv``, ``names``) after the dtype and layout checks, and the model
+        fingerprint ``fp`` as this rank serves it (its KV heads), checked against the cache's shape."""
+        names = sorted(kv_caches, key=layer_index)
+        tensors = [kv_caches[n] for n in names]
+        try:
+            check_kv_dtype(tensors[0], self.kv_cache_dtype)
+        except TierError as e:
+            raise Refusal("kv_cache_dtype", "", str(e)) from None
+        layout = detect_layout(tensors[0], self.num_blocks, mla=is_mla(self.hf_config))
+        if isinstance(offsets, Exception) and layout == "cpu":  # read as the plain layout, keys come out scrambled
+            raise TierError(f"cannot learn the element order of this CPU KV cache: {offsets}")
+        ko, vo = offsets if offsets is not None and layout == "cpu" else (None, None)
+        ks = vs = None
+        if kv_format(self.kv_cache_dtype) is not None:
+            if layout == "cpu" and offsets is None:
+                raise TierError("the element order of this CPU FP8 KV cache is unknown (no cache kernel to probe)")
+            if scales is not None:
+                if set(names) - set(scales):
+                    raise TierError(f"no k/v scale for FP8 KV cache {sorted(set(names) - set(scales))[0]!r}")
+                ks, vs = [scales[n][0] for n in names], [scales[n][1] for n in names]
+        kv = PagedKV(tensors, layout, self.block_size, k_offsets=ko, v_offsets=vo, cache_dtype=self.kv_cache_dtype,
+                     k_scales=ks, v_scales=vs)  # fmt: skip
+        found.update(kv=kv, names=names)
+        if fp is None:
+            return None
         if self.tp_size == 1 and kv.num_heads != fp.total_kv_heads:
-            raise TierError(f"engine KV cache has {kv.num_heads} heads, the model config {fp.total_kv_heads}")
+            raise Refusal("calibration", "", f"engine KV cache has {kv.num_heads} heads, the model config "
+                          f"{fp.total_kv_heads}")  # fmt: skip
         if kv.head_dim != fp.head_dim or kv.num_layers != fp.num_layers:
-            raise TierError(
-                f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
-                f"the model config {fp.num_layers} x {fp.head_dim}"
-            )
-        shard = joint_shard(path, cal, model, kv.num_heads, self.tp_rank, self.tp_size, tp)
-        if shard is None:
-            cal.check_model(fp)
-        if self.cfg.tiers.ratio == AUTO:  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
-            auto = safe_ratio(path, cal.id, cal.ratios, self.model)
-            self.cfg = replace(self.cfg, tiers=self.cfg.tiers.with_(ratio=auto))
-        return cal, shard
+            raise Refusal("calibration", "", f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
+                          f"the model config {fp.num_layers} x {fp.head_dim}")  # fmt: skip
+        return replace(fp, num_kv_heads=kv.num_heads)
 
     def _warn_host_memory(self) -> None:
         """Rank 0, at start-up: warn when ``cpu_cache_gb`` (all ranks of this engine, on this machine) exceeds the
