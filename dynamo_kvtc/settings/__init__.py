@@ -142,8 +142,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("device", "str", "auto", "where chunks are encoded and decoded: `cuda`, `cpu`, `auto` (the LMCache serde: the "
        "chunk's own GPU when it hands one, else CUDA when present; the vLLM tier: CUDA when the scheduler process "
        "sees one)", "option", choices=("auto", "cpu", "cuda"), ways=("vllm_tier", "lmcache_serde")),
-    _s("page_layout", "str", "auto", "how a layer's block sits in a primary-tier chunk: `nhd`, `hnd` (`auto`: from "
-       "the engine's KV cache layout) or `cpu`", "option", choices=("auto", "nhd", "hnd", "cpu"), ways=("vllm_tier",)),
+    _s("page_layout", "str", "auto", "how a layer's block sits in a primary-tier chunk: a registered KV layout with "
+       "pages, `nhd`, `hnd` or `cpu` (`auto`: from the engine's KV cache layout)", "option", ways=("vllm_tier",)),
     _s("threads", "int", 2, "encode/decode threads of the vLLM tier", "option", lo=1, hi=64, ways=("vllm_tier",)),
     _s("locality", "str", None, "`local` or `remote`: the tier's locality for vLLM's tier filters and events",
        "option", choices=("local", "remote"), default_doc="unset", ways=("vllm_tier",)),

@@ -54,8 +54,9 @@ class KvtcTierOptions:
         if opts.disk_bytes > 0 and opts.disk_dir is None:
             raise option_error("disk_cache_dir", "is required when disk_cache_gb > 0")
         check_device(WAY, opts.device)
-        if opts.page_layout != "auto" and opts.page_layout not in page_layouts():  # the settings row offers the
-            raise option_error("page_layout", f"no registered KV layout {opts.page_layout!r} has pages")  # tested
+        if opts.page_layout != "auto" and opts.page_layout not in page_layouts():  # the registry's, added ones too
+            known = ", ".join(("auto", *page_layouts()))
+            raise option_error("page_layout", f"must be one of {known} (a registered KV layout with pages)")
         return opts
 
     @property
