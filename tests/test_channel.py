@@ -165,6 +165,14 @@ def test_a_reply_for_another_request_or_with_a_wrong_mac_is_refused():
         auth.open_reply({"error": "nope"}, nonce)
 
 
+def test_the_secret_is_never_in_a_repr():
+    key = b"a-very-secret-cluster-key-0123456789"
+    a = Auth(key)
+    for text in (repr(a), str(a), f"{a!r}", repr([a])):
+        assert "secret-cluster" not in text and repr(key) not in text
+    assert "window_s=30" in repr(a)  # the rest is still shown
+
+
 def test_short_secrets_are_refused():
     with pytest.raises(ConfigError, match="at least 16 bytes"):
         Auth(b"short")

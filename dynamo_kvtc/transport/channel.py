@@ -131,7 +131,7 @@ class Auth:
     full, new requests are refused (``nonce memory full``) instead of forgetting a nonce that could still be
     replayed. Never logs the secret."""
 
-    key: bytes
+    key: bytes = field(repr=False)  # repr(Auth) never shows the secret
     window_s: float = 30.0
     max_nonces: int = 1 << 16
     bucket_s: float = 1.0
