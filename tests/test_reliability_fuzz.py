@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from dynamo_kvtc import KvtcCodec
 from dynamo_kvtc import settings as kvtc_settings
 from dynamo_kvtc.codec.container import MAGIC, PREFIX, parse_blob
-from dynamo_kvtc.connector.vllm import lookup
 from dynamo_kvtc.connector.handoff import messages
+from dynamo_kvtc.connector.vllm import lookup
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, DecodeError, TierError, TransferError
 from dynamo_kvtc.tiers import DiskTier, TierConfig, disk_format
 from dynamo_kvtc.transport import channel

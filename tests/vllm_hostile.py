@@ -24,9 +24,9 @@ from pathlib import Path
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
-from dynamo_kvtc.connector.vllm import guard
 from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings
 from dynamo_kvtc.connector.handoff import params
+from dynamo_kvtc.connector.vllm import guard
 from dynamo_kvtc.demo.engine import EngineConfig, _vllm, build_engine, chat, worker_of
 from dynamo_kvtc.reliability.peer_faults import POISON_MODES, poisoning_server
 

@@ -12,8 +12,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports(include=["dynamo_kvtc"]):
-    from dynamo_kvtc.connector.vllm import lookup
     from dynamo_kvtc.connector.handoff import messages
+    from dynamo_kvtc.connector.vllm import lookup
     from dynamo_kvtc.errors import TransferError
     from dynamo_kvtc.transport import channel
 
