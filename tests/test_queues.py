@@ -166,7 +166,7 @@ def test_restore_cancelled_while_fetching_writes_nothing_into_the_blocks(world):
         gate = Gate()
         dst = list(range(10, 16))
         h = store.start_onboard(hashes, dst, source=slow_source(store, hashes, gate))
-        assert h.lane == "slow"
+        assert h.lane == "peer"
         with pytest.raises(TierError, match="within"):
             h.wait_layer(0, timeout=0.05)  # the caller's deadline passed
         assert h.cancel(10)
@@ -340,7 +340,7 @@ def test_host_hit_completes_while_a_slow_restore_is_in_flight(world):
         assert gate.reached.wait(30)  # the slow restore occupies its lane
         sink = Sink(world.L, 3 * BS, world.H, world.D)
         fast = store.start_onboard(host_hashes, sink=sink)
-        assert (slow.lane, fast.lane) == ("slow", "host")
+        assert (slow.lane, fast.lane) == ("peer", "host")
         assert fast.wait(30)  # done while the slow one still waits on its peer
         assert not slow.finished
         k, v = world.seq_kv(host_hashes)

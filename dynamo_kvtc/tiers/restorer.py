@@ -33,7 +33,8 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
-LANES = ("host", "slow")  # host hits | disk and peer restores (and disk prefetches)
+LANES = ("host", "slow", "peer")  # host hits | disk restores (and disk prefetches) | peer fetches (a dead peer
+# named by a request delays other peer fetches only, never a host or disk restore)
 
 
 class OnboardHandle:
@@ -149,12 +150,13 @@ class OnboardHandle:
 class Restorer:
     """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers.
 
-    Owns the two onboard lanes (:data:`LANES`: a thread and a CUDA stream each; a restore whose blobs are all in host
-    memory runs on ``host``, any other and disk prefetches on ``slow``). Blobs come from the tiers (through
-    :class:`Placement`, which promotes disk hits) or from a ``source`` (a peer's runs, whose blobs of this calibration
-    are then kept here too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first
-    layer is written, a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle,
-    never raised into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
+    Owns the onboard lanes (:data:`LANES`: a thread and a CUDA stream each; a restore whose blobs are all in host
+    memory runs on ``host``, one from a ``source`` (a peer) on ``peer``, any other and disk prefetches on ``slow``).
+    Blobs come from the tiers (through :class:`Placement`, which promotes disk hits) or from a ``source`` (a peer's
+    runs, whose blobs of this calibration are then kept here too). Decoding goes through :meth:`Codec.restore`: every
+    blob is fully verified before the first layer is written, a blob found corrupt is dropped from the tiers, and any
+    failure is a miss reported on the handle, never raised into the engine. It never writes outside the given
+    destination blocks or sink, and never encodes."""
 
     def __init__(
         self,
@@ -186,9 +188,9 @@ class Restorer:
             pool.shutdown(wait=True)
 
     def lane_of(self, hashes: Sequence[int], source: Source | None) -> str:
-        """``host`` when every blob covering ``hashes`` is in host memory now, else ``slow`` (disk, peer, unknown)."""
+        """``peer`` for a source; ``host`` when every blob covering ``hashes`` is in host memory now, else ``slow``."""
         if source is not None:
-            return "slow"
+            return "peer"
         host = self.placement.host
         try:
             return "host" if all(r.blob_id in host for r in self.index.plan(hashes)) else "slow"

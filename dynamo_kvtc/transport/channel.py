@@ -290,7 +290,7 @@ class RepServer:
         if auth is not None:
             keys = curve_keys(auth.derive)
             self._ctx = zmq_module().Context()
-            self._zap = ZapHandler(self._ctx, keys)
+            self._zap = ZapHandler(_socket("REP", limits, ctx=self._ctx), keys)
         self._sock = _socket("ROUTER", limits, ctx=self._ctx)
         self.port: int | None = None
         try:
@@ -417,11 +417,13 @@ class ReqClient:
     Thread-safe (one request at a time). Owns its socket; after a missed reply it starts over with a fresh one.
     """
 
-    def __init__(
-        self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer", auth: Auth | None = None
+    def __init__(  # fmt: skip
+        self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer", auth: Auth | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"{name} channel deadline must be > 0 s, got {timeout_s!r}")
+        self.connect_timeout_s = connect_timeout_s  # a fresh socket's handshake deadline (None: the request's)
         self.endpoint = endpoint
         self.limits = limits
         self.timeout_s = timeout_s
@@ -439,7 +441,12 @@ class ReqClient:
                 self._sock = _socket("REQ", self.limits, self.timeout_s)
                 if self._keys is not None:
                     secure_client(self._sock, self._keys)
-                self._sock.connect(self.endpoint)
+                try:
+                    self._connect()
+                except (zmq.ZMQError, TransferError):
+                    self._sock.close(0)
+                    self._sock = None
+                    raise
             try:
                 reply = self._exchange(msg)
             except (zmq.ZMQError, TransferError) as e:
@@ -451,6 +458,25 @@ class ReqClient:
         if "error" in reply:
             raise TransferError(f"{self.name} refused: {str(reply['error'])[:500]}")
         return reply
+
+    def _connect(self) -> None:
+        """Connect; with ``connect_timeout_s``, wait for the handshake (with a secret: the peer proved it holds the
+        key) that long, so a dead or wrong peer costs a short deadline, not the request's."""
+        zmq = zmq_module()
+        if self.connect_timeout_s is None:
+            self._sock.connect(self.endpoint)
+            return
+        mon = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            self._sock.connect(self.endpoint)
+            if not mon.poll(max(1, int(self.connect_timeout_s * 1000))):
+                raise TransferError(
+                    f"{self.name} at {self.endpoint}: no handshake within {self.connect_timeout_s:g} s "
+                    "(nothing listening, or not a holder of the cluster key)"
+                )
+        finally:
+            self._sock.disable_monitor()
+            mon.close(0)
 
     def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.auth is None:

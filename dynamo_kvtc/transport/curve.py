@@ -65,13 +65,12 @@ class ZapHandler:
     refuses everything else (and counts it). Served from the server's own thread (:meth:`answer` when its socket is
     readable); owns its REP socket."""
 
-    def __init__(self, ctx: Any, keys: CurveKeys) -> None:
-        import zmq
+    def __init__(self, sock: Any, keys: CurveKeys) -> None:
+        """``sock``: a new REP socket of the server's own context (made by the channel, the one home of sockets)."""
         from zmq.utils import z85
 
         self._allowed = z85.decode(keys.client_public)
-        self.sock = ctx.socket(zmq.REP)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = sock
         self.sock.bind(ZAP_ENDPOINT)
         self.refused = 0
 

@@ -37,6 +37,8 @@ from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 64  # control-channel clients kept open (request params name the peer: any client can name a new one)
+CONNECT_TIMEOUT_S = 1.0  # a new peer connection's handshake deadline (capped by transfer_timeout_s): a dead peer or
+# one without the cluster key costs this, not the whole transfer deadline
 
 
 def _meta(d: dict) -> BlobMeta | None:
@@ -101,8 +103,9 @@ class HandoffClient:
             ch = self._peers.pop((host, port), None)
             if ch is None:
                 ch = ReqClient(
-                    f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth
-                )
+                    f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth,
+                    connect_timeout_s=min(CONNECT_TIMEOUT_S, self.cfg.transfer_timeout_s),
+                )  # fmt: skip
             self._peers[(host, port)] = ch  # most recently used last; the least recently used beyond MAX_PEERS go
             old = [self._peers.pop(next(iter(self._peers))) for _ in range(len(self._peers) - MAX_PEERS)]
         for c in old:  # outside the lock: closing waits for a request in flight on it
