@@ -3,6 +3,8 @@
 
 - A request naming a dead peer (``kvtc_host: 127.0.0.1, kvtc_port: 1``) costs a short handshake deadline on the
   peer lane only: a disk restore queued behind three such requests is not delayed.
+- A third agent holding only the decode agent's NIXL metadata reads zeros from its receive buffer and cannot change
+  a blob after it was checked (hole 1).
 - With a secret, a peer the request names learns nothing until it proved it holds the cluster key: a listener
   without it sees a CURVE handshake and never the fetch (no NIXL metadata, no agent name, no hashes).
 """
@@ -14,6 +16,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("nixl_cu13")
 
@@ -21,6 +24,7 @@ from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings  # no
 from dynamo_kvtc.connector.handoff.client import CONNECT_TIMEOUT_S, HandoffClient  # noqa: E402
 from dynamo_kvtc.errors import TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Sink, World, close_store, make_store, offload  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
 
 SECRET = "issue-36-cluster-secret-0123456789"
 
@@ -132,3 +136,57 @@ def test_with_a_secret_a_named_peer_gets_nothing_before_it_proved_it_holds_the_k
     finally:
         relay.close()
         client.close()
+
+
+# ---------------------------------------------------------------------------------------------- NIXL metadata
+def _third_party(third, op: str, mine: torch.Tensor, target: tuple[int, int], peer: str) -> None:
+    """``op`` (READ or WRITE) between ``mine`` and ``target`` (address, length) of ``peer``'s DRAM, as a third agent
+    that holds nothing but ``peer``'s NIXL metadata."""
+    a = third.agent
+    with third.lock:
+        reg = a.register_memory(mine)
+        try:
+            local = a.get_xfer_descs([(mine.data_ptr(), target[1], 0)], "DRAM")
+            remote = a.get_xfer_descs([(target[0], target[1], 0)], "DRAM")
+            transfer(a, third.errors, op, local, remote, peer, 10.0, buf=mine, quarantine=Quarantine())
+        finally:
+            a.deregister_memory(reg)
+
+
+def test_a_holder_of_the_decode_agents_metadata_reads_zeros_and_cannot_change_what_is_served(world):
+    """Issue 36 hole 1: the decode agent's metadata (sent with every fetch) lets a third agent READ and WRITE the
+    registered receive buffer. After a fetch landed, that buffer holds zeros (nothing of the blobs to read), and
+    garbage written into it does not change what the restore checks, serves and keeps: the blobs were copied out of
+    it into memory no agent can write."""
+    from dynamo_kvtc.reliability.testbed import Expect, restore
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+
+    expect = Expect(world, True)
+    dst = make_store(world, True, host=64 << 20)
+    third = PeerAgent("UCX", "kvtc-third-party")
+    try:
+        with in_process_peers(world, "cpu", seqs=1, timeout=20.0) as (srv, client, seqs):
+            toks = seqs[0]
+            hashes = sequence_hashes(toks[: len(toks) // BS * BS], BS)
+            runs = client.fetch("127.0.0.1", srv.port, hashes)  # the READs are posted
+            client.flush()  # ... and every range landed
+            used = sum(len(r.blob) for r in runs)
+            target = (client.recv.buf.data_ptr(), min(client.recv.buf.numel(), used + 4096))
+            with third.lock:
+                third.add_remote(client.agent.name, client.agent.metadata())  # all it holds
+            seen = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+            _third_party(third, "READ", seen, target, client.agent.name)
+            assert int(seen.count_nonzero()) == 0, "the blobs stay readable through the receive buffer"
+            garbage = torch.randint(0, 256, (target[1],), dtype=torch.uint8)
+            _third_party(third, "WRITE", garbage, target, client.agent.name)
+            seen.zero_()
+            _third_party(third, "READ", seen, target, client.agent.name)
+            assert torch.equal(seen, garbage)  # the WRITE did land in the registered buffer
+            out = restore(world, dst, hashes, 60, source=lambda: runs)  # checked and decoded after the WRITE
+            assert out.ok, out.error
+            assert expect.check(hashes, 0, out.k, out.v) == (0, 0)
+            again = restore(world, dst, hashes, 60)  # what was kept for later turns is the peer's blob, too
+            assert again.ok and expect.check(hashes, 0, again.k, again.v) == (0, 0)
+    finally:
+        close_store(dst)
