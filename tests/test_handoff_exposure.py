@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings  # noqa: E402
-from dynamo_kvtc.connector.handoff.client import CONNECT_TIMEOUT_S, HandoffClient  # noqa: E402
+from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.errors import TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Sink, World, close_store, make_store, offload  # noqa: E402
 from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
@@ -68,7 +68,8 @@ def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path
         for h in dead:
             assert not h.wait(30) and isinstance(h.error, TransferError)
             assert "no handshake" in str(h.error)
-        assert time.perf_counter() - t < 3 * (CONNECT_TIMEOUT_S + 0.5)  # each a short deadline, not 2 s
+        assert client.connect_timeout_s == 1.0  # half the transfer deadline here
+        assert time.perf_counter() - t < 3 * (client.connect_timeout_s + 0.5)  # each a short deadline, not 2 s
     finally:
         client.close()
         close_store(store)
@@ -125,7 +126,7 @@ def test_with_a_secret_a_named_peer_gets_nothing_before_it_proved_it_holds_the_k
         t = time.perf_counter()
         with pytest.raises(TransferError, match="no handshake"):
             client.fetch("127.0.0.1", relay.port, hashes)
-        assert time.perf_counter() - t < CONNECT_TIMEOUT_S + 0.5
+        assert time.perf_counter() - t < client.connect_timeout_s + 0.5
         time.sleep(0.2)
         sent = bytes(relay.got)
         assert sent[0] == 0xFF and sent[9] == 0x7F and b"CURVE" in sent[:64]  # a greeting (then a HELLO)

@@ -39,8 +39,9 @@ from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 64  # control-channel clients kept open (request params name the peer: any client can name a new one)
-CONNECT_TIMEOUT_S = 1.0  # a new peer connection's handshake deadline (capped by transfer_timeout_s): a dead peer or
-# one without the cluster key costs this, not the whole transfer deadline
+CONNECT_TIMEOUT_S = 2.0  # a new peer connection's handshake deadline (at most half transfer_timeout_s): a dead peer
+# or one without the cluster key costs this, not the whole transfer deadline (a busy prefill answers handshakes
+# between requests: not less)
 
 
 def _meta(d: dict) -> BlobMeta | None:
@@ -103,6 +104,7 @@ class HandoffClient:
         self.bytes_moved = 0
         self.last: dict[str, float] = {}  # the last fetch: ask_s, read_s, bytes
         self.quarantine = Quarantine()
+        self.connect_timeout_s = min(CONNECT_TIMEOUT_S, cfg.transfer_timeout_s / 2)
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
@@ -121,7 +123,7 @@ class HandoffClient:
             if ch is None:
                 ch = ReqClient(
                     f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth,
-                    connect_timeout_s=min(CONNECT_TIMEOUT_S, self.cfg.transfer_timeout_s),
+                    connect_timeout_s=self.connect_timeout_s,
                 )  # fmt: skip
             self._peers[(host, port)] = ch  # most recently used last; the least recently used beyond MAX_PEERS go
             old = [self._peers.pop(next(iter(self._peers))) for _ in range(len(self._peers) - MAX_PEERS)]
