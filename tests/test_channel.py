@@ -17,6 +17,7 @@ from hypothesis import strategies as hst
 
 from dynamo_kvtc.errors import ConfigError, CorruptBlobError, TransferError
 from dynamo_kvtc.transport.channel import Auth, Limits, RepServer, ReqClient, pack, unpack
+from dynamo_kvtc.transport.curve import curve_keys, secure_client
 
 LIMITS = Limits(max_message=4096, max_str=64, max_bin=128, max_array=32, max_map=8)
 
@@ -107,9 +108,12 @@ def sealed_server():
 
 
 def _raw_exchange(port: int, data: bytes) -> dict:
+    """One request's raw bytes to a sealed server, over a CURVE connection made with the cluster secret's keys (an
+    insider's socket: what a key holder can send without the envelope's rules)."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 2000)
+    secure_client(sock, curve_keys(Auth(SECRET).derive))
     sock.connect(f"tcp://127.0.0.1:{port}")
     try:
         sock.send(data)
@@ -122,16 +126,33 @@ def test_authenticated_round_trip_and_refusals(sealed_server):
     port = sealed_server.port
     good = ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0, auth=Auth(SECRET))
     assert good.ask({"op": "x"}) == {"echo": {"op": "x"}}
-    for client, why in (
-        (ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0), "no sealed envelope"),  # no MAC at all
-        (ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 2.0, auth=Auth(b"another-secret-of-16+")), "wrong MAC"),
+    for client in (
+        ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 0.5),  # no secret at all: no CURVE handshake
+        ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 0.5, auth=Auth(b"another-secret-of-16+")),  # another secret
     ):
-        with pytest.raises(TransferError, match=why):
+        with pytest.raises(TransferError, match="did not answer"):  # refused at the handshake: nothing reaches it
             client.ask({"op": "x"})
         client.close()
     assert good.ask({"op": "after"}) == {"echo": {"op": "after"}}  # the server kept serving
+    # a key holder's unsealed or wrongly sealed request passes the handshake and is refused by the envelope
+    assert "no sealed envelope" in _raw_exchange(port, pack({"op": "x"}))["error"]
+    sealed, _ = Auth(b"another-secret-of-16+").seal_request(pack({"op": "x"}))
+    assert "wrong MAC" in _raw_exchange(port, sealed)["error"]
     good.close()
     assert sealed_server.auth_refused == 2 and sealed_server.served == 2
+    # a client that learnt the server's public key but holds another client key: the ZAP handler refuses it
+    pub, sec = zmq.curve_keypair()
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 500)
+    sock.curve_serverkey = curve_keys(Auth(SECRET).derive).server_public
+    sock.curve_publickey, sock.curve_secretkey = pub, sec
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(pack({"op": "x"}))
+    with pytest.raises(zmq.Again):
+        sock.recv()
+    sock.close(0)
+    assert sealed_server.handshake_refused >= 1 and sealed_server.served == 2
 
 
 def test_replayed_and_stale_requests_are_refused(sealed_server):
@@ -163,6 +184,14 @@ def test_a_reply_for_another_request_or_with_a_wrong_mac_is_refused():
         auth.open_reply({**reply, "body": pack({"ok": False})}, nonce)
     with pytest.raises(TransferError, match="not authenticated"):
         auth.open_reply({"error": "nope"}, nonce)
+
+
+def test_the_secret_is_never_in_a_repr():
+    key = b"a-very-secret-cluster-key-0123456789"
+    a = Auth(key)
+    for text in (repr(a), str(a), f"{a!r}", repr([a])):
+        assert "secret-cluster" not in text and repr(key) not in text
+    assert "window_s=30" in repr(a)  # the rest is still shown
 
 
 def test_short_secrets_are_refused():
@@ -290,3 +319,80 @@ def test_fuzzed_envelopes_open_only_when_sealed_finite_and_fresh(env, ts, resign
     assert resign and math.isfinite(ts) and abs(time.time() - ts) <= auth.window_s and body == b"b"
     with pytest.raises(TransferError, match="replayed"):
         auth.open_request(env)
+
+
+# ---------------------------------------------------------------------------------------------- multipart flood
+_FLOOD_SERVER = """
+import sys, time
+from dynamo_kvtc.connector.handoff.messages import LIMITS
+from dynamo_kvtc.transport.channel import Auth, RepServer
+srv = RepServer("tcp://127.0.0.1", lambda m: {"ok": True}, LIMITS, name="flooded",
+                auth=Auth(sys.argv[1].encode()) if len(sys.argv) > 1 else None)
+print(srv.port, flush=True)
+sys.stdin.read()  # until the test closes our stdin
+print(srv.served, srv.refused, flush=True)
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _zmtp_flood(port: int, frames: int, frame_bytes: int, deadline_s: float):
+    """A raw ZMTP 3.0 client (NULL mechanism, a DEALER) sending ``frames`` frames with MORE set and never the last
+    one; (the open connection, the bytes the server took before it hung up or the deadline passed)."""
+    import socket
+
+    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    chunk = os.urandom(1 << 20)
+    sent = 0
+    end = time.monotonic() + deadline_s
+    s = socket.create_connection(("127.0.0.1", port), timeout=2)
+    try:
+        s.sendall(greeting)
+        s.sendall(b"\x04" + bytes([len(ready)]) + ready)
+        for _ in range(frames):
+            s.sendall(b"\x03" + struct.pack(">Q", frame_bytes))  # LONG | MORE: never a last frame
+            for _ in range(frame_bytes // len(chunk)):
+                if time.monotonic() > end:
+                    return s, sent
+                s.sendall(chunk)
+                sent += len(chunk)
+    except OSError:  # the server hung up on us
+        pass
+    return s, sent
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["secret", "no-secret"])
+def test_a_multipart_flood_never_finishing_does_not_grow_a_sealed_server(sealed):
+    """Issue 36's reproduction: frames of 8 MiB with MORE set, never finished, at the hand-off's own limits. With a
+    secret nothing of a stranger is buffered (CURVE: refused at the greeting): the server's RSS stays within a few
+    MiB. Without one (a loopback-only port) libzmq holds the frames: this is what the secret buys."""
+    import subprocess
+    import sys
+
+    args = [SECRET.decode()] if sealed else []
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOD_SERVER, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(proc.stdout.readline())
+        time.sleep(0.5)
+        before = _rss_mib(proc.pid)
+        conn, sent = _zmtp_flood(port, frames=12, frame_bytes=8 << 20, deadline_s=20)
+        time.sleep(0.5)
+        grew = _rss_mib(proc.pid) - before  # while the flooding connection is still open
+        conn.close()
+        if sealed:
+            assert grew < 8, f"the server grew by {grew:.0f} MiB ({sent >> 20} MiB sent)"
+            assert sent < 8 << 20  # it hung up at the greeting
+        else:
+            assert grew > 48  # the frames are buffered: the unauthenticated port must stay loopback-only
+        if sealed:  # still serving a key holder
+            c = ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 5.0, auth=Auth(SECRET))
+            assert c.ask({"op": "x"}) == {"ok": True}
+            c.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)

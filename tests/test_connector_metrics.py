@@ -37,3 +37,24 @@ async def test_metrics_scrape_matches_the_store(synth, synth_cal):
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvtc_offload_blocks_total{tier="host"} 20.0' in body
     store.close()
+
+
+@pytest.mark.parametrize("extra, bound", [({}, "127.0.0.1"), ({"metrics_host": "0.0.0.0"}, "0.0.0.0")])
+def test_the_worker_endpoint_binds_loopback_unless_told(synth_cal, extra, bound):
+    """metrics_port alone serves on loopback only (a pod's scraper needs metrics_host, as the manifests set)."""
+    pytest.importorskip("prometheus_client")
+    from collections import Counter
+
+    from dynamo_kvtc.connector.config import ConnectorConfig
+    from dynamo_kvtc.connector.vllm.services import WorkerServices
+
+    store = KvtcStore(synth_cal, TierConfig(host_bytes=1 << 20, ratio=8), block_size=16, span_tokens=128)
+    svc = WorkerServices(ConnectorConfig.from_sources({"metrics_port": 0, **extra}, env={}), "m", Counter())
+    try:
+        svc._start_metrics(None, store)
+        assert svc._http.server_address[0] == bound
+        body = urllib.request.urlopen(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=10).read().decode()
+        assert "kvtc_tier_blocks" in body
+    finally:
+        svc.stop()
+        store.close()

@@ -300,7 +300,7 @@ def test_worker_services_start_what_the_config_asks_and_stop_all(caplog):
     with caplog.at_level("INFO", logger="dynamo_kvtc.connector.vllm.services"):
         svc.start(Worker(), None)  # a disabled worker: no store, so no hand-off server
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "lookup channel on ipc://" in lines[0] and "metrics on :" in lines[1]
+    assert len(lines) == 2 and "lookup channel on ipc://" in lines[0] and "metrics on 127.0.0.1:" in lines[1]
     assert svc.handoff is None and svc.handoff_port is None and svc.metrics_port
     client = LookupClient(engine)
     assert client.match([1, 2]) == (0, 0)

@@ -142,8 +142,9 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     assert prefill.returncode == 0, err[-4000:]
     r = json.loads((tmp_path / "decode.json").read_text())
     served = json.loads((tmp_path / "prefill-stats.json").read_text())
-    # two fetches served (the good prompt, the corrupted one); the wrong secret refused before anything was staged
-    assert served == {"served": 2, "refused": 1, "auth_refused": 1, "leases_open": 0}
+    # two fetches served (the good prompt, the corrupted one); the wrong secret refused at the CURVE handshake: its
+    # request never reached the server (neither refused nor auth_refused counts it), nothing was staged
+    assert served == {"served": 2, "refused": 0, "auth_refused": 0, "leases_open": 0}
     assert r["wrong_secret_refused"] is True
     restore = r["restore"]
     assert restore["asynchronous"] is True and restore["tokens"] >= 800

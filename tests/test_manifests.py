@@ -329,6 +329,8 @@ def check_metrics(doc: dict) -> list[str]:
             if port is None:
                 out.append(f"{name}: no metrics_port")
                 continue
+            if setting(s, e, "metrics_host") in (None, "127.0.0.1", "localhost"):  # the default binds loopback only
+                out.append(f"{name}: metrics_port {port} without a metrics_host a scraper can reach")
             ports = [p for p in container(s).get("ports", []) if p.get("containerPort") == int(port)]
             if not ports or not ports[0].get("name"):
                 out.append(f"{name}: metrics port {port} is not exposed as a named containerPort")

@@ -166,7 +166,7 @@ def test_restore_cancelled_while_fetching_writes_nothing_into_the_blocks(world):
         gate = Gate()
         dst = list(range(10, 16))
         h = store.start_onboard(hashes, dst, source=slow_source(store, hashes, gate))
-        assert h.lane == "slow"
+        assert h.lane == "peer"
         with pytest.raises(TierError, match="within"):
             h.wait_layer(0, timeout=0.05)  # the caller's deadline passed
         assert h.cancel(10)
@@ -249,6 +249,85 @@ def test_worker_cancels_a_timed_out_restore_and_holds_the_request_until_it_let_g
         w.shutdown()
 
 
+def test_a_restore_cancelled_before_its_turn_never_asks_the_peer(world):
+    """An asynchronous hand-off load given up on (``load_timeout_s``) while it waited for its lane is not fetched at
+    all when its turn comes: the peer is never asked."""
+    store, caches = _engine_store(world)
+    cfg = ConnectorConfig.from_sources({"load_timeout_s": 0.1}, env={})
+    w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=BS)
+    w.store = store
+    asked = []
+
+    class CountingPeer:  # the hand-off client's interface: records every fetch it is asked for
+        def fetch(self, host, port, hashes):
+            asked.append(list(hashes))
+            return store.export(hashes)[0]
+
+        def close(self):
+            pass
+
+    w.peer = CountingPeer()
+    gate = Gate()
+    try:
+        busy_hashes, _ = offload(world, store, world.tokens("c4", 2 * BS))
+        busy = store.start_onboard(busy_hashes, sink=Sink(world.L, 2 * BS, world.H, world.D),
+                                   source=slow_source(store, busy_hashes, gate))  # fmt: skip
+        assert gate.reached.wait(30)  # the peer lane is busy with a slow fetch
+        hashes, _ = offload(world, store, world.tokens("c5", 4 * BS))
+        op = LoadOp("r-late", hashes, [20, 21, 22, 23], asynchronous=True, remote=("127.0.0.1", 1))
+        w.start_load(StepPlan(loads=[op]))
+        threading.Event().wait(0.2)  # past load_timeout_s while still queued behind the slow one
+        assert w.finished() == (set(), set(), set())  # cancelled (flag raised), not yet let go
+        gate.open()
+        assert busy.wait(30)
+        handle = w._async["r-late"][1]
+        assert not handle.wait(30) and handle.cancelled
+        assert asked == []  # its turn came after the cancel: nothing was fetched
+        assert w.finished()[2] == {"r-late"}
+        assert all(bool((c[:, 20:24] == SENTINEL).all()) for c in caches)
+    finally:
+        gate.open()
+        w.shutdown()
+
+
+def test_a_cancel_that_times_out_keeps_the_blocks_until_the_restore_stopped_writing(world):
+    """A synchronous restore whose layer write outlives ``load_timeout_s`` (and then the cancel's own wait) is
+    failed only once that write is over: vLLM gets the blocks back (to recompute into) only when nothing of ours
+    writes into them any more."""
+    store, caches = _engine_store(world)
+    cfg = ConnectorConfig.from_sources({"load_timeout_s": 0.1}, env={})
+    w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=BS)
+    w.store = store
+    w.layers = {f"model.layers.{i}.self_attn.attn": i for i in range(world.L)}
+    in_write, events = Gate(), []
+    scatter = store.kv.scatter_layer
+
+    def slow_scatter(layer, ids, k, v):  # the engine's blocks written slowly (a stalled device copy)
+        if layer == 0:
+            in_write.wait()
+        scatter(layer, ids, k, v)
+        events.append(("written", layer))
+
+    store.kv.scatter_layer = slow_scatter
+    try:
+        hashes, _ = offload(world, store, world.tokens("c6", 4 * BS))
+        ids = [12, 13, 14, 15]
+        w.start_load(StepPlan(loads=[LoadOp("r-sync", hashes, ids)]))
+        assert in_write.reached.wait(30)
+        t = threading.Thread(target=lambda: (w.wait_layer("model.layers.0.self_attn.attn"), events.append("failed")))
+        t.start()
+        t.join(1.0)  # far past load_timeout_s and the cancel's wait
+        assert t.is_alive() and w.load_errors() == set()  # the blocks are not handed back while being written
+        in_write.open()
+        t.join(30)
+        assert events == [("written", 0), "failed"]  # failed only after the write it waited for
+        assert w.load_errors() == set(ids)  # vLLM recomputes them now
+        assert ("written", 1) not in events  # and nothing after the cancel
+    finally:
+        in_write.open()
+        w.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------- lanes
 def test_host_hit_completes_while_a_slow_restore_is_in_flight(world):
     store = make_store(world, True, host=8 << 20)
@@ -261,7 +340,7 @@ def test_host_hit_completes_while_a_slow_restore_is_in_flight(world):
         assert gate.reached.wait(30)  # the slow restore occupies its lane
         sink = Sink(world.L, 3 * BS, world.H, world.D)
         fast = store.start_onboard(host_hashes, sink=sink)
-        assert (slow.lane, fast.lane) == ("slow", "host")
+        assert (slow.lane, fast.lane) == ("peer", "host")
         assert fast.wait(30)  # done while the slow one still waits on its peer
         assert not slow.finished
         k, v = world.seq_kv(host_hashes)

@@ -137,6 +137,26 @@ def test_planted_symlinks_fifos_and_swapped_directories(tmp_path):
     tier.close()
 
 
+def test_a_record_whose_stored_bytes_lie_about_the_file_is_dropped_at_start_up(tmp_path):
+    """A disk record's ``meta.stored_bytes`` (what the tier's byte accounting and a peer see) must be the length of
+    the blob the file holds; a record that says otherwise (valid CRCs: written so) is damage, dropped at start-up."""
+    io = NixlFiles()
+    d = tmp_path / "g3"
+    tier = DiskTier(d, 1 << 20, io=io)
+    tier.put("honest", b"h" * 3000, {"stored_bytes": 3000})
+    tier.put("small", b"s" * 3000, {"stored_bytes": 10})
+    tier.put("big", b"b" * 3000, {"stored_bytes": 1 << 40})
+    tier.put("plain", b"p" * 100, {"n": 1})  # a record without the field: nothing to check
+    tier.close()
+    again = DiskTier(d, 1 << 20, io=io)
+    try:
+        assert sorted(again.ids()) == ["honest", "plain"] and again.dropped == 2
+        assert not (d / "small.kvtc").exists() and not (d / "big.kvtc").exists()
+        assert again.get("honest")[0] == b"h" * 3000
+    finally:
+        again.close()
+
+
 def test_one_process_per_cache_directory(tmp_path):
     d = tmp_path / "g3"
     tier = DiskTier(d, 1 << 20, io=NixlFiles())

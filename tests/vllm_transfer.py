@@ -117,7 +117,7 @@ def decode(work: Path) -> None:
     out_bad = llm.chat(messages(5000), sp_bad, use_tqdm=False)[0]
     ref_bad, _ = chat(llm, messages(5000), 16, recompute=True)
     bad_fallbacks = w.stats["fallback_load_error"] - n_fail
-    # the wrong shared secret: the prefill side refuses before it stages anything
+    # the wrong shared secret: refused at the CURVE handshake, before the prefill side sees a request
     secret = work / "wrong-secret"
     secret.write_text("not-the-deployment-secret-0123")
     intruder = HandoffClient(ConnectorConfig(transfer="decode", transfer_timeout_s=3, transfer_secret_file=secret))

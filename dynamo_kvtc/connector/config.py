@@ -47,6 +47,7 @@ class ConnectorConfig:
     load_timeout_s: float = _d("load_timeout_s")
     load_failure_policy: str = _d("load_failure_policy")
     metrics_port: int | None = _d("metrics_port")
+    metrics_host: str = _d("metrics_host")
     publish_events: bool = _d("publish_events")
     transfer: str = _d("transfer")
     nixl_backend: str = _d("nixl_backend")

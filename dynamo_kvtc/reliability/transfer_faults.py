@@ -374,10 +374,12 @@ def _client(world: World, timeout: float, secret: str | None) -> Any:
 
 
 def _replay(peer: PeerProcess, hashes: list[int], client: Any) -> tuple[bool, bool]:
-    """Send one correctly sealed fetch twice, as a sniffer on the network would: (first served, replay refused)."""
+    """Send one correctly sealed fetch twice, as an insider would (a key holder's CURVE socket: a sniffer sees only
+    ciphertext since the channel runs CURVE): (first served, replay refused)."""
     import zmq
 
     from ..connector.handoff.messages import fetch_request
+    from ..transport.curve import curve_keys, secure_client
 
     sealed, nonce = client.auth.seal_request(pack(fetch_request(hashes, client.agent.name, client.agent.metadata())))
     replies = []
@@ -385,6 +387,7 @@ def _replay(peer: PeerProcess, hashes: list[int], client: Any) -> tuple[bool, bo
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, 5000)
+        secure_client(sock, curve_keys(client.auth.derive))
         sock.connect(f"tcp://127.0.0.1:{peer.port}")
         try:
             sock.send(sealed)

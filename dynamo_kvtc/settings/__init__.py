@@ -121,6 +121,8 @@ SETTINGS: tuple[Setting, ...] = (
        choices=("recompute", "fail")),
     _s("metrics_port", "int", None, "Prometheus endpoint on the worker (rank 0), 0 = any free port", "connector",
        lo=0, hi=65535, rule=PORT, default_doc="off"),
+    _s("metrics_host", "str", "127.0.0.1", "address the Prometheus endpoint binds (loopback unless set: "
+       "`0.0.0.0` for a scraper outside the pod)", "connector"),
     _s("publish_events", "bool", True, "tier events into vLLM's KV event stream (router)", "connector"),
     _s("transfer", "str", "", "compressed prefill→decode transfer: this engine's side", "connector",
        choices=("", "prefill", "decode"), default_doc="off"),

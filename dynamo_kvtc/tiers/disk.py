@@ -191,6 +191,9 @@ class DiskTier(BlobTier):
             raise DamagedFile(f"file name does not match the blob id {m['id']!r} in its header")
         if st.st_size != PREFIX.size + mlen + m["len"]:
             raise DamagedFile(f"size {st.st_size} does not match its header (torn write?)")
+        stored = m["meta"].get("stored_bytes", m["len"]) if isinstance(m["meta"], dict) else m["len"]
+        if stored != m["len"]:  # the blob's tier metadata must describe the blob the file holds
+            raise DamagedFile(f"record says {stored!r} stored bytes, the file holds a {m['len']}-byte blob")
         return st.st_size, st.st_mtime_ns, m["id"], m["meta"], m["crc"]
 
     # ------------------------------------------------------------------ state

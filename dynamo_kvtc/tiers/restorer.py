@@ -33,7 +33,8 @@ from .streams import codec_stream
 log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
-SLOW = "slow"  # the lane of restores from lower tiers and peers (and prefetches); the other is the first tier's
+SLOW = "slow"  # the lane of restores from lower tiers (and prefetches); the first is the first tier's
+PEER = "peer"  # the lane of restores from a peer (a dead peer a request names delays other peer fetches only)
 
 
 class OnboardHandle:
@@ -147,13 +148,14 @@ class OnboardHandle:
 
 
 class Restorer:
-    """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers. Owns the two onboard
+    """Restores requested blocks from blob runs, layer by layer, and reads blobs out for peers. Owns the onboard
     lanes (:attr:`lanes`: a thread and a CUDA stream each; a restore whose blobs are all in the first tier runs on that
-    tier's lane, ``host``; any other and prefetches on ``slow``). Blobs come from the tiers (through :class:`Placement`,
-    which promotes hits in lower tiers) or from a ``source`` (a peer's runs, whose blobs of this calibration are then
-    kept here too). Decoding goes through :meth:`Codec.restore`: every blob is fully verified before the first layer is
-    written, a blob found corrupt is dropped from the tiers, and any failure is a miss reported on the handle, never
-    raised into the engine. It never writes outside the given destination blocks or sink, and never encodes."""
+    tier's lane, ``host``; one from a ``source`` (a peer) on ``peer``; any other and prefetches on ``slow``). Blobs
+    come from the tiers (through :class:`Placement`, which promotes hits in lower tiers) or from a ``source`` (a
+    peer's runs, whose blobs of this calibration are then kept here too). Decoding goes through
+    :meth:`Codec.restore`: every blob is fully verified before the first layer is written, a blob found corrupt is
+    dropped from the tiers, and any failure is a miss reported on the handle, never raised into the engine. It never
+    writes outside the given destination blocks or sink, and never encodes."""
 
     def __init__(
         self,
@@ -172,7 +174,7 @@ class Restorer:
         self.block_size, self.device = block_size, device
         self.num_layers = cal.fingerprint.num_layers
         self.stats = stats
-        self.lanes = (placement.first.name, SLOW)
+        self.lanes = (placement.first.name, SLOW, PEER)
         self._pools = {lane: ThreadPoolExecutor(1, thread_name_prefix=f"kvtc-onboard-{lane}") for lane in self.lanes}
         self._streams = {lane: codec_stream(device, codec_sms) for lane in self.lanes}  # codec_sms: green context's SMs
 
@@ -186,10 +188,10 @@ class Restorer:
             pool.shutdown(wait=True)
 
     def lane_of(self, hashes: Sequence[int], source: Source | None) -> str:
-        """The first tier's lane (``host``) when every blob covering ``hashes`` is in that tier now, else ``slow``
-        (a lower tier, a peer, unknown)."""
+        """``peer`` for a source; the first tier's lane (``host``) when every blob covering ``hashes`` is in that
+        tier now, else ``slow`` (a lower tier, unknown)."""
         if source is not None:
-            return SLOW
+            return PEER
         first = self.placement.first
         try:
             return first.name if all(r.blob_id in first for r in self.index.plan(hashes)) else SLOW

@@ -14,7 +14,8 @@ The sockets are ZMQ (pyzmq, imported when the first socket is made):
   gets ``{"error": "..."}`` and is counted (``refused``), and the server keeps serving. A handler that cannot answer
   yet returns a :class:`Deferred`: the request is parked (at most ``max_pending``; beyond, it is refused as busy)
   and polled every few milliseconds while the thread goes on answering others, so one request waiting never holds
-  up the rest. ``MAXMSGSIZE`` drops a peer that sends more than the limit before it is buffered.
+  up the rest. ``MAXMSGSIZE`` drops a peer that sends a frame over the limit before it is buffered (libzmq holds the
+  frames of a multipart message until its last: only CURVE, below, keeps a stranger from sending any).
 - :class:`ReqClient` connects one REQ socket with send/receive deadlines. A socket that missed its reply is stuck in
   ZMQ's REQ state machine, so it is closed and made anew on the next call. An ``{"error": ...}`` reply raises.
 
@@ -26,7 +27,10 @@ window (a replay). Nonces are remembered by the second of their timestamp for as
 window — never forgotten early — and at most ``max_nonces`` at once: beyond that (an authenticated peer sending more
 than about ``max_nonces / window`` requests a second) new requests are refused until old nonces age out. The reply
 is ``{body, mac}`` with the MAC over the request's nonce too, so a reply cannot be forged, nor replayed to another
-request. Without a secret the channel is unauthenticated (the lookup
+request. Beneath the envelope, the secret also keys ZeroMQ's CURVE (:mod:`.curve`): the server runs in its own context
+with a ZAP handler that admits only a client holding the derived key, the client accepts only the derived server, and
+libzmq accepts no frame of a peer before that handshake (``handshake_refused`` counts the refusals) — a peer without
+the secret cannot make either side buffer anything. Without a secret the channel is unauthenticated (the lookup
 channel, an IPC socket in a private directory, needs none).
 
 Users: the lookup channel (connector/vllm/lookup.py), the prefill→decode hand-off (connector/handoff/), the transfer
@@ -50,6 +54,7 @@ from typing import Any
 import msgpack
 
 from ..errors import ConfigError, KvtcError, TransferError
+from .curve import ZapHandler, curve_keys, secure_client, secure_server
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +136,7 @@ class Auth:
     full, new requests are refused (``nonce memory full``) instead of forgetting a nonce that could still be
     replayed. Never logs the secret."""
 
-    key: bytes
+    key: bytes = field(repr=False)  # repr(Auth) never shows the secret
     window_s: float = 30.0
     max_nonces: int = 1 << 16
     bucket_s: float = 1.0
@@ -155,6 +160,10 @@ class Auth:
 
     def _mac(self, *parts: bytes) -> bytes:
         return hmac.new(self.key, b"".join(parts), hashlib.sha256).digest()
+
+    def derive(self, label: bytes) -> bytes:
+        """32 bytes derived from the secret for ``label`` (the CURVE keys of :mod:`.curve`)."""
+        return self._mac(b"kvtc-derive|", label)
 
     def seal_request(self, body: bytes) -> tuple[bytes, bytes]:
         """(the sealed request, its nonce)."""
@@ -229,9 +238,9 @@ def zmq_module():
     return zmq
 
 
-def _socket(kind: str, limits: Limits, timeout_s: float | None = None):
+def _socket(kind: str, limits: Limits, timeout_s: float | None = None, ctx: Any = None):
     zmq = zmq_module()
-    sock = zmq.Context.instance().socket(getattr(zmq, kind))
+    sock = (ctx or zmq.Context.instance()).socket(getattr(zmq, kind))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(
         zmq.MAXMSGSIZE, limits.max_message + _ENVELOPE_OVERHEAD
@@ -277,9 +286,16 @@ class RepServer:
         auth: Auth | None = None,
         max_pending: int = MAX_PENDING,
     ) -> None:
-        self._sock = _socket("ROUTER", limits)
+        self._ctx = self._zap = None  # with a secret: the server's own context and its ZAP handler (CURVE)
+        if auth is not None:
+            keys = curve_keys(auth.derive)
+            self._ctx = zmq_module().Context()
+            self._zap = ZapHandler(_socket("REP", limits, ctx=self._ctx), keys)
+        self._sock = _socket("ROUTER", limits, ctx=self._ctx)
         self.port: int | None = None
         try:
+            if auth is not None:
+                secure_server(self._sock, keys)
             if endpoint.startswith("tcp://") and endpoint.count(":") == 1:
                 self.port = self._sock.bind_to_random_port(endpoint)
             else:
@@ -288,6 +304,7 @@ class RepServer:
                     self.port = int(endpoint.rsplit(":", 1)[1])
         except Exception:
             self._sock.close(0)
+            self._close_context()
             raise
         self.endpoint = endpoint
         self.limits = limits
@@ -305,6 +322,12 @@ class RepServer:
         self._thread.start()
 
     @property
+    def handshake_refused(self) -> int:
+        """Connections the ZAP handler refused (a client that knows the server's public key but not the client key;
+        one without the server's key fails the handshake before that, uncounted); 0 without a secret."""
+        return self._zap.refused if self._zap is not None else 0
+
+    @property
     def pending(self) -> int:
         """Requests parked on a :class:`Deferred` now."""
         return len(self._pending)
@@ -313,11 +336,16 @@ class RepServer:
         zmq = zmq_module()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        if self._zap is not None:
+            poller.register(self._zap.sock, zmq.POLLIN)
         while not self._stop.is_set():
             if self._tick is not None:
                 self._tick()
             self._poll_pending()
-            if not poller.poll(5 if self._pending else 100):
+            ready = dict(poller.poll(5 if self._pending else 100))
+            if self._zap is not None and self._zap.sock in ready:
+                self._zap.answer()  # a handshake waits on it: before anything else
+            if self._sock not in ready:
                 continue
             frames = self._sock.recv_multipart()
             if len(frames) != 3 or frames[1] != b"":  # not a REQ peer's envelope: nothing to answer
@@ -374,6 +402,13 @@ class RepServer:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
+        self._close_context()
+
+    def _close_context(self) -> None:
+        if self._zap is not None:
+            self._zap.close()
+        if self._ctx is not None:
+            self._ctx.term()
 
 
 class ReqClient:
@@ -382,16 +417,19 @@ class ReqClient:
     Thread-safe (one request at a time). Owns its socket; after a missed reply it starts over with a fresh one.
     """
 
-    def __init__(
-        self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer", auth: Auth | None = None
+    def __init__(  # fmt: skip
+        self, endpoint: str, limits: Limits, timeout_s: float, *, name: str = "peer", auth: Auth | None = None,
+        connect_timeout_s: float | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"{name} channel deadline must be > 0 s, got {timeout_s!r}")
+        self.connect_timeout_s = connect_timeout_s  # a fresh socket's handshake deadline (None: the request's)
         self.endpoint = endpoint
         self.limits = limits
         self.timeout_s = timeout_s
         self.name = name
         self.auth = auth
+        self._keys = curve_keys(auth.derive) if auth is not None else None
         self._sock = None
         self._lock = threading.Lock()
 
@@ -401,7 +439,14 @@ class ReqClient:
         with self._lock:
             if self._sock is None:
                 self._sock = _socket("REQ", self.limits, self.timeout_s)
-                self._sock.connect(self.endpoint)
+                if self._keys is not None:
+                    secure_client(self._sock, self._keys)
+                try:
+                    self._connect()
+                except (zmq.ZMQError, TransferError):
+                    self._sock.close(0)
+                    self._sock = None
+                    raise
             try:
                 reply = self._exchange(msg)
             except (zmq.ZMQError, TransferError) as e:
@@ -413,6 +458,25 @@ class ReqClient:
         if "error" in reply:
             raise TransferError(f"{self.name} refused: {str(reply['error'])[:500]}")
         return reply
+
+    def _connect(self) -> None:
+        """Connect; with ``connect_timeout_s``, wait for the handshake (with a secret: the peer proved it holds the
+        key) that long, so a dead or wrong peer costs a short deadline, not the request's."""
+        zmq = zmq_module()
+        if self.connect_timeout_s is None:
+            self._sock.connect(self.endpoint)
+            return
+        mon = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            self._sock.connect(self.endpoint)
+            if not mon.poll(max(1, int(self.connect_timeout_s * 1000))):
+                raise TransferError(
+                    f"{self.name} at {self.endpoint}: no handshake within {self.connect_timeout_s:g} s "
+                    "(nothing listening, or not a holder of the cluster key)"
+                )
+        finally:
+            self._sock.disable_monitor()
+            mon.close(0)
 
     def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.auth is None:

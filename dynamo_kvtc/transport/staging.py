@@ -7,8 +7,10 @@ GPUs.
   pages when the blobs come as views of them —, one numpy copy per blob on the host) and described by one
   descriptor per blob — a handful of descriptors where the host tier's pages needed hundreds.
 - :class:`RecvBuffer` (decode): one buffer registered once and reused by every fetch (grown, re-registered, when a
-  fetch is larger). A READ that NIXL could not confirm finished leaves it with the quarantine: the next fetch gets a
-  fresh buffer, the old one (and its registration) is never touched again.
+  fetch is larger), zeroed when made; the hand-off client copies each landed range out of it into memory no agent
+  can write and zeroes what a fetch used once it is over, so a holder of the decode agent's metadata reads zeros
+  and cannot change a blob after it was checked. A READ that NIXL could not confirm finished leaves it with the
+  quarantine: the next fetch gets a fresh buffer, the old one (and its registration) is never touched again.
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class RecvBuffer:
         if self.buf is None or self.buf.numel() < nbytes:
             self._drop_registration()
             size = 1 << max(20, (max(nbytes, 1) - 1).bit_length())  # powers of two from 1 MiB: few re-registrations
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf = torch.zeros(size, dtype=torch.uint8, device=self.device)  # no stale memory behind the registration
             try:
                 self._reg = self.agent.agent.register_memory(buf)
             except self.agent.errors as e:

@@ -4,13 +4,15 @@ Before a byte is read the reply is checked against the request (:func:`~.message
 into one receive buffer registered with NIXL once (:class:`RecvBuffer`: device memory on a GPU worker, so a
 prefill GPU's staged blobs move GPU to GPU; host memory otherwise), one READ per byte range (range a = every blob's
 layer-group-a bytes, the header with group 0), posted one after another by a reader thread while :meth:`fetch` has
-already returned the runs: each blob an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over the receive
-buffer, which the fused restore reads in place (device to device), group g as soon as its range landed. Each blob is
-still verified (structure, every section CRC, calibration id) before its bytes are written anywhere. A READ that
-failed or timed out and whose NIXL handle could not be confirmed released keeps its buffer alive (quarantine): no
-late write into freed memory, and the next fetch gets a fresh buffer; so does a fetch whose previous fetch's blobs
-were not read out yet. Every completed fetch feeds the per-peer link estimate of a :class:`~.linkpolicy.LinkPolicy`
-(:meth:`HandoffClient.choose` asks it raw or compressed).
+already returned the runs. Each range, once landed, is copied out into the fetch's own memory, which is never
+registered (:func:`copy_out`; device to device on a GPU), and the receive buffer is zeroed after the last: the NIXL
+metadata this agent hands every peer it asks grants READ and WRITE on the registered buffer, so nothing is checked
+or decoded there. Each blob is an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over the copy, which the
+fused restore reads in place, group g as soon as its range landed, and still verifies (structure, every section CRC,
+calibration id) before its bytes are written anywhere. A READ that failed or timed out and whose NIXL handle could
+not be confirmed released keeps its buffer alive (quarantine): no late write into freed memory, and the next fetch
+gets a fresh buffer. Every completed fetch feeds the per-peer link estimate of a
+:class:`~.linkpolicy.LinkPolicy` (:meth:`HandoffClient.choose` asks it raw or compressed).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 64  # control-channel clients kept open (request params name the peer: any client can name a new one)
+CONNECT_TIMEOUT_S = 2.0  # a new peer connection's handshake deadline (at most half transfer_timeout_s): a dead peer
+# or one without the cluster key costs this, not the whole transfer deadline (a busy prefill answers handshakes
+# between requests: not less)
 
 
 def _meta(d: dict) -> BlobMeta | None:
@@ -52,6 +57,21 @@ def _bind_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.current_stream(device).query()  # a runtime call: binds the primary context to this thread
+
+
+def copy_out(buf: torch.Tensor, kept: torch.Tensor, local: list, last: bool) -> None:
+    """Copy one landed byte range (its ``local`` descriptors in ``buf``) into ``kept``, the fetch's private memory
+    that no NIXL agent can write; after the last range zero what the fetch used of ``buf``. The blobs are checked and
+    decoded from ``kept`` only: a holder of this agent's NIXL metadata (which every peer asked gets) can READ and
+    WRITE the registered receive buffer, so bytes checked there could change before they are used."""
+    base = buf.data_ptr()
+    for addr, n, _dev in local:
+        off = addr - base
+        kept[off : off + n].copy_(buf[off : off + n], non_blocking=True)
+    if last:
+        buf[: kept.numel()].zero_()  # the blobs do not stay readable through the registration
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()
 
 
 class HandoffClient:
@@ -84,6 +104,7 @@ class HandoffClient:
         self.bytes_moved = 0
         self.last: dict[str, float] = {}  # the last fetch: ask_s, read_s, bytes
         self.quarantine = Quarantine()
+        self.connect_timeout_s = min(CONNECT_TIMEOUT_S, cfg.transfer_timeout_s / 2)
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
@@ -101,8 +122,9 @@ class HandoffClient:
             ch = self._peers.pop((host, port), None)
             if ch is None:
                 ch = ReqClient(
-                    f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth
-                )
+                    f"tcp://{host}:{port}", LIMITS, self.cfg.transfer_timeout_s, name="prefill peer", auth=self.auth,
+                    connect_timeout_s=self.connect_timeout_s,
+                )  # fmt: skip
             self._peers[(host, port)] = ch  # most recently used last; the least recently used beyond MAX_PEERS go
             old = [self._peers.pop(next(iter(self._peers))) for _ in range(len(self._peers) - MAX_PEERS)]
         for c in old:  # outside the lock: closing waits for a request in flight on it
@@ -145,21 +167,11 @@ class HandoffClient:
             log.info("kvtc hand-off release not acknowledged: %s", e)
 
     def _settle(self) -> None:
-        """Before a new fetch: the previous fetch's READs are over; its receive buffer is reused only once its
-        blobs were read out (on CUDA: after the device finished reading them), else it stays with those blobs and
-        a fresh buffer is registered."""
+        """Before a new fetch: the previous fetch's READs are over. Its blobs were copied out of the receive buffer
+        range by range (:func:`copy_out`), so the buffer takes the next fetch at once."""
         cur, self._inflight = self._inflight, None
-        if cur is None:
-            return
-        arrival, buf = cur
-        arrival.finished.wait()
-        with self.agent.lock:
-            if self.recv.buf is not buf:
-                return  # quarantined or replaced already
-            if not arrival.is_consumed:
-                self.recv.reset()  # the blobs may still be read: the buffer stays theirs, unregistered
-            elif arrival.event is not None:
-                arrival.event.synchronize()
+        if cur is not None:
+            cur[0].finished.wait()
 
     def _post(self, reply: dict, hashes: list[int], where: tuple[str, int, str], ask_s: float) -> list[BlobRun]:
         """Check a reply, take the receive buffer and start the reader thread on its byte ranges; the runs."""
@@ -176,19 +188,22 @@ class HandoffClient:
                 raise TransferError(f"NIXL could not load the peer's metadata: {type(e).__name__}: {e}") from e
             self.quarantine.admit()  # a miss while too many bytes are quarantined, before a fresh buffer is taken
             buf = self.recv.get(total)
+        kept = torch.empty(total, dtype=torch.uint8, device=self.recv.device)  # never registered: no remote writes
         parts = [range_descs(runs, a, buf.data_ptr(), self.recv.dev, rdev) for a in range(len(runs[0].ranges))]
         arrival = GroupArrival(len(parts), len(runs), self.cfg.transfer_timeout_s)
         self._inflight = (arrival, buf)
-        self._reader.submit(self._read, arrival, parts, buf, (peer, rmem), where, (ask_s, sum(r.size for r in runs)))
-        return self._runs(buf, runs, arrival)
+        info = (ask_s, sum(r.size for r in runs), kept)
+        self._reader.submit(self._read, arrival, parts, buf, (peer, rmem), where, info)
+        return self._runs(kept, runs, arrival)
 
     def _read(self, arrival: GroupArrival, parts: list, buf: torch.Tensor, src: tuple, where: tuple, info: tuple):
         """The reader thread: READ the byte ranges — in order, each posted the moment the one before it landed, or
         through the token bucket of an emulated link — and mark each landed; on a fault fail the arrival (the waiting
         restore raises). Then release the lease and learn the link."""
-        (peer, rmem), (host, port, lease), (ask_s, nbytes) = src, where, info
+        (peer, rmem), (host, port, lease), (ask_s, nbytes, kept) = src, where, info
 
         def landed(a: int) -> None:
+            copy_out(buf, kept, parts[a][0], last=a == len(parts) - 1)
             if a == len(parts) - 1:  # the fetch's numbers are in place before the last range counts as landed
                 self._learned(f"{host}:{port}", nbytes, time.perf_counter() - arrival.started, ask_s, arrival)
             arrival.landed(a)

@@ -78,13 +78,15 @@ class WorkerServices:
             from prometheus_client import start_http_server
 
             self.metrics = KvtcMetrics(store, connector=worker)
-            self._http, _ = start_http_server(self.cfg.metrics_port, addr="0.0.0.0", registry=self.metrics.registry)
+            self._http, _ = start_http_server(
+                self.cfg.metrics_port, addr=self.cfg.metrics_host, registry=self.metrics.registry
+            )
         except (ImportError, KvtcError, OSError) as e:
             log.error("kvtc metrics not served: %s", e)
             self.metrics = None
             return
         self.metrics_port = self._http.server_port
-        log.info("kvtc metrics on :%d/metrics", self.metrics_port)
+        log.info("kvtc metrics on %s:%d/metrics", self.cfg.metrics_host, self.metrics_port)
 
     @property
     def handoff_port(self) -> int | None:

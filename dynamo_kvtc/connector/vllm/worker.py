@@ -270,14 +270,22 @@ class KvtcWorker:
     def handoff_port(self) -> int | None:
         return self.services.handoff_port
 
-    def _source(self, op: LoadOp):
-        """Where a load's blobs come from: the tiers (None), or the prefill peer named in the op."""
+    def _source(self, op: LoadOp) -> tuple[Any, list[OnboardHandle]]:
+        """Where a load's blobs come from: the tiers (None), or the prefill peer named in the op; and the cell the
+        caller puts the restore's handle in, so that a restore cancelled before its turn never fetches."""
+        cell: list[OnboardHandle] = []
         if op.remote is None:
-            return None
+            return None, cell
         if self.peer is None:
             raise TierError("a remote load reached a worker without compressed hand-off")
         host, port = op.remote
-        return lambda: self.peer.fetch(host, port, list(op.hashes))
+
+        def fetch() -> list:
+            if cell and cell[0].cancelled:  # given up on while it waited for its lane: nothing asked of the peer
+                raise TierError("restore cancelled by its caller before its peer fetch")
+            return self.peer.fetch(host, port, list(op.hashes))
+
+        return fetch, cell
 
     # ------------------------------------------------------------------ per step
     def start_load(self, plan: StepPlan | None) -> None:
@@ -291,7 +299,9 @@ class KvtcWorker:
                 self._fail_load(op, f"connector disabled: {self.disabled}")
                 continue
             try:
-                handle = self.store.start_onboard(op.hashes, op.block_ids, source=self._source(op))
+                source, cell = self._source(op)
+                handle = self.store.start_onboard(op.hashes, op.block_ids, source=source)
+                cell.append(handle)  # before any cancel: the caller cancels only through the handle it got here
             except KvtcError as e:
                 self._fail_load(op, str(e))
                 continue
@@ -394,9 +404,13 @@ class KvtcWorker:
         del self.restores[:-256]
 
     def _cancel(self, handle: OnboardHandle) -> None:
-        """Stop a restore given up on: its blocks get no write after this (waits for a layer being written)."""
-        if not handle.finished and not handle.cancel(self.cfg.load_timeout_s):
-            log.error("kvtc: a cancelled restore still writing after %s s", self.cfg.load_timeout_s)
+        """Stop a restore given up on: its blocks get no write after this returns. A layer still being written after
+        ``load_timeout_s`` is waited for (the blocks go back to vLLM, which reuses them, only once it stopped): a
+        slower step, never a block written after vLLM recomputed it."""
+        if handle.finished or handle.cancel(self.cfg.load_timeout_s):
+            return
+        log.error("kvtc: a cancelled restore still writing after %s s; waiting for it to stop", self.cfg.load_timeout_s)
+        handle.cancel(None)
 
     def finished(self) -> tuple[set[str], set[str], set[str]]:
         """(done sending, done receiving, failed receiving) since the last call. A restore running past

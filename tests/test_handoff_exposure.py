@@ -1,0 +1,193 @@
+"""What a request naming a peer can cost a decode worker, and what a peer it names can learn (issue 36, holes 3 and
+4), against real hand-off clients (real NIXL UCX agents), real sockets and real stores on the CPU.
+
+- A request naming a dead peer (``kvtc_host: 127.0.0.1, kvtc_port: 1``) costs a short handshake deadline on the
+  peer lane only: a disk restore queued behind three such requests is not delayed.
+- A third agent holding only the decode agent's NIXL metadata reads zeros from its receive buffer and cannot change
+  a blob after it was checked (hole 1).
+- With a secret, a peer the request names learns nothing until it proved it holds the cluster key: a listener
+  without it sees a CURVE handshake and never the fetch (no NIXL metadata, no agent name, no hashes).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13")
+
+from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings  # noqa: E402
+from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
+from dynamo_kvtc.errors import TransferError  # noqa: E402
+from dynamo_kvtc.reliability.testbed import BS, Sink, World, close_store, make_store, offload  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
+
+SECRET = "issue-36-cluster-secret-0123456789"
+
+
+@pytest.fixture
+def world(tmp_path, synth_cal):
+    return World(tmp_path, seed=0, cal=synth_cal)
+
+
+def _disk_store(world, tmp_path):
+    """A store with two sequences on disk only (a restore promotes what it read: each is measured once)."""
+    store = make_store(world, True, host=64 << 10, disk=64 << 20, disk_dir=tmp_path / "disk")
+    seqs = [offload(world, store, world.tokens(("d1", i), 8 * BS))[0] for i in range(2)]
+    for i in range(6):  # push them out of host memory onto disk
+        offload(world, store, world.tokens(("d2", i), 8 * BS))
+    assert all(store.where(s[0]) == "disk" for s in seqs)
+    return store, seqs
+
+
+def _disk_restore_s(world, store, hashes) -> float:
+    t = time.perf_counter()
+    h = store.start_onboard(hashes, sink=Sink(world.L, len(hashes) * BS, world.H, world.D))
+    assert h.wait(30), h.error
+    return time.perf_counter() - t
+
+
+def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path):
+    store, (first, second) = _disk_store(world, tmp_path)
+    cfg = ConnectorConfig(transfer_timeout_s=2.0, **handoff_settings())  # the issue's 2 s deadline
+    client = HandoffClient(cfg, "cpu")
+    try:
+        alone = _disk_restore_s(world, store, first)
+        dead = [
+            store.start_onboard(first, sink=Sink(world.L, 8 * BS, world.H, world.D),
+                                source=lambda: client.fetch("127.0.0.1", 1, first))  # fmt: skip
+            for _ in range(3)
+        ]
+        delayed = _disk_restore_s(world, store, second)
+        assert delayed - alone <= 0.05 + alone, f"a disk restore took {delayed:.3f} s behind dead-peer fetches"
+        t = time.perf_counter()
+        for h in dead:
+            assert not h.wait(30) and isinstance(h.error, TransferError)
+            assert "no handshake" in str(h.error)
+        assert client.connect_timeout_s == 1.0  # half the transfer deadline here
+        assert time.perf_counter() - t < 3 * (client.connect_timeout_s + 0.5)  # each a short deadline, not 2 s
+    finally:
+        client.close()
+        close_store(store)
+
+
+class Listener:
+    """A TCP listener that records every byte a connecting client sends (a relay, or a host a client named)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.got = bytearray()
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self._stop:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            conn.settimeout(0.2)
+            # answer as a ZMTP 3.0 server offering CURVE, as the real prefill does: the client goes on to its HELLO
+            conn.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"CURVE".ljust(20, b"\x00") + b"\x01"
+                         + b"\x00" * 31)  # fmt: skip
+            while not self._stop:
+                try:
+                    data = conn.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                if not data:
+                    break
+                self.got += data
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.sock.close()
+
+
+def test_with_a_secret_a_named_peer_gets_nothing_before_it_proved_it_holds_the_key(world, monkeypatch):
+    monkeypatch.setenv("DYN_KVTC_TRANSFER_SECRET", SECRET)
+    cfg = ConnectorConfig(transfer="decode", transfer_timeout_s=2.0, **handoff_settings())
+    assert cfg.transfer_secret == SECRET and cfg.transfer_peers is None  # any host may be named
+    client = HandoffClient(cfg, "cpu")
+    relay = Listener()
+    try:
+        hashes = [(1 << 100) + i for i in range(4)]
+        t = time.perf_counter()
+        with pytest.raises(TransferError, match="no handshake"):
+            client.fetch("127.0.0.1", relay.port, hashes)
+        assert time.perf_counter() - t < client.connect_timeout_s + 0.5
+        time.sleep(0.2)
+        sent = bytes(relay.got)
+        assert sent[0] == 0xFF and sent[9] == 0x7F and b"CURVE" in sent[:64]  # a greeting (then a HELLO)
+        assert len(sent) < 512, f"{len(sent)} bytes sent to an unproven peer"
+        md = client.agent.metadata()
+        for secret in (md[:64], md[-64:], client.agent.name.encode(), hashes[0].to_bytes(16, "big")):
+            assert secret not in sent
+    finally:
+        relay.close()
+        client.close()
+
+
+# ---------------------------------------------------------------------------------------------- NIXL metadata
+def _third_party(third, op: str, mine: torch.Tensor, target: tuple[int, int], peer: str) -> None:
+    """``op`` (READ or WRITE) between ``mine`` and ``target`` (address, length) of ``peer``'s DRAM, as a third agent
+    that holds nothing but ``peer``'s NIXL metadata."""
+    a = third.agent
+    with third.lock:
+        reg = a.register_memory(mine)
+        try:
+            local = a.get_xfer_descs([(mine.data_ptr(), target[1], 0)], "DRAM")
+            remote = a.get_xfer_descs([(target[0], target[1], 0)], "DRAM")
+            transfer(a, third.errors, op, local, remote, peer, 10.0, buf=mine, quarantine=Quarantine())
+        finally:
+            a.deregister_memory(reg)
+
+
+def test_a_holder_of_the_decode_agents_metadata_reads_zeros_and_cannot_change_what_is_served(world):
+    """Issue 36 hole 1: the decode agent's metadata (sent with every fetch) lets a third agent READ and WRITE the
+    registered receive buffer. After a fetch landed, that buffer holds zeros (nothing of the blobs to read), and
+    garbage written into it does not change what the restore checks, serves and keeps: the blobs were copied out of
+    it into memory no agent can write."""
+    from dynamo_kvtc.reliability.testbed import Expect, restore
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+
+    expect = Expect(world, True)
+    dst = make_store(world, True, host=64 << 20)
+    third = PeerAgent("UCX", "kvtc-third-party")
+    try:
+        with in_process_peers(world, "cpu", seqs=1, timeout=20.0) as (srv, client, seqs):
+            toks = seqs[0]
+            hashes = sequence_hashes(toks[: len(toks) // BS * BS], BS)
+            runs = client.fetch("127.0.0.1", srv.port, hashes)  # the READs are posted
+            client.flush()  # ... and every range landed
+            used = sum(len(r.blob) for r in runs)
+            target = (client.recv.buf.data_ptr(), min(client.recv.buf.numel(), used + 4096))
+            with third.lock:
+                third.add_remote(client.agent.name, client.agent.metadata())  # all it holds
+            seen = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+            _third_party(third, "READ", seen, target, client.agent.name)
+            assert int(seen.count_nonzero()) == 0, "the blobs stay readable through the receive buffer"
+            garbage = torch.randint(0, 256, (target[1],), dtype=torch.uint8)
+            _third_party(third, "WRITE", garbage, target, client.agent.name)
+            seen.zero_()
+            _third_party(third, "READ", seen, target, client.agent.name)
+            assert torch.equal(seen, garbage)  # the WRITE did land in the registered buffer
+            out = restore(world, dst, hashes, 60, source=lambda: runs)  # checked and decoded after the WRITE
+            assert out.ok, out.error
+            assert expect.check(hashes, 0, out.k, out.v) == (0, 0)
+            again = restore(world, dst, hashes, 60)  # what was kept for later turns is the peer's blob, too
+            assert again.ok and expect.check(hashes, 0, again.k, again.v) == (0, 0)
+    finally:
+        close_store(dst)
