@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 Source = Callable[[], list[BlobRun]]
 SLOW = "slow"  # the lane of restores from lower tiers (and prefetches); the first is the first tier's
-PEER = "peer"  # the lane of restores from a peer (a dead peer a request names delays other peer fetches only)
+# PEER ("peer", the stats' source name) is also the lane of restores from a peer: a dead peer a request names delays
+# other peer fetches only
 
 
 class OnboardHandle:
