@@ -25,7 +25,7 @@ import torch
 
 from .. import settings
 from ..calibration.artifact import Calibration
-from ..calibration.catalog import find_calibration, normalise_model_name
+from ..calibration.catalog import find_calibration, not_found
 from ..calibration.mla import is_mla_fingerprint
 from ..calibration.models import fingerprint_of
 from ..calibration.tensor_parallel import TP_MANIFEST, check_tp_manifest
@@ -103,23 +103,33 @@ class Opened:
 
 
 def calibration_dir(
-    calibration: str | Path | None, model: str | None, way: str, tp_rank: int = 0, tp_size: int = 1, tools: Any = None
+    calibration: str | Path | None,
+    model: str | None,
+    way: str,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tools: Any = None,
+    fingerprint: ModelFingerprint | None = None,
 ) -> Path:
     """The calibration directory: ``calibration`` when set, else :func:`find_calibration`'s for ``model`` (the
     normalised model name under ``DYN_KVTC_CALIBRATIONS`` or the repository's ``calibrations/``, then
-    ``<DYN_KVTC_CACHE>/calibrations``); under TP its ``rank<r>/`` when there is one and no ``tp.json`` (a joint
-    calibration). Raises Refusal (key ``calibration``) naming the setting as ``way`` spells it."""
+    ``<DYN_KVTC_CACHE>/calibrations``; with the served model's ``fingerprint``, a folder found by name must fit it,
+    and any calibration in those folders that fits is found whatever its folder is called); under TP its ``rank<r>/``
+    when there is one and no ``tp.json`` (a joint calibration). Raises Refusal (key ``calibration``) naming the
+    setting as ``way`` spells it, and the nearest calibrations with what differs."""
     path = calibration
     if path is None:
         if not model:
             raise Refusal("calibration", "calibration", "is not set and no model name was given to look one up by")
-        path = find_calibration(model, tools or settings.tool_settings())
+        tools = tools or settings.tool_settings()
+        # a fitting one by name or fingerprint; else one by name alone, which the fingerprint check then refuses
+        # naming what differs
+        path = find_calibration(model, tools, fingerprint) or find_calibration(model, tools)
         if path is None:
             raise Refusal(
                 "calibration",
                 "calibration",
-                f"no calibration for model {model!r}: set {settings.origin(way, 'calibration')}, or put one in "
-                f"$DYN_KVTC_CALIBRATIONS/{normalise_model_name(model)} (make one with `dynamo-kvtc calibrate`)",
+                f"{not_found(model, fingerprint, tools)} ({settings.origin(way, 'calibration')})",
             )
     path = Path(path)
     per_rank = path / f"rank{tp_rank}" / "calibration.json"
@@ -213,7 +223,7 @@ def open_tier(
         if engine is not None:
             fp = engine(fp)
         reason, key = "calibration", "calibration"
-        path = calibration_dir(calibration, model, way, tp_rank, tp_size, tools)
+        path = calibration_dir(calibration, model, way, tp_rank, tp_size, tools, full)
         cal = Calibration.load(path)
         if not serves_mla and is_mla_fingerprint(cal.fingerprint):
             raise _mla_refusal(way, f"calibration {path}")
