@@ -6,7 +6,7 @@ the worker's own counters; encode, restore and time-to-first-layer histograms ar
 disabled connector (no store) still serves ``kvtc_enabled 0`` with its reason, its fallbacks and its lookups.
 
 The families both exporters carry (this endpoint as ``kvtc_<name>``, the engine's ``/metrics`` through
-:mod:`.vllm_stats` as ``vllm:kvtc_<name>``) are defined once, in :data:`COUNTERS` and :data:`GAUGES`, and both read
+:mod:`.vllm.stats` as ``vllm:kvtc_<name>``) are defined once, in :data:`COUNTERS` and :data:`GAUGES`, and both read
 their values from one :class:`ConnectorCounters` (:func:`connector_counters`).
 """
 
