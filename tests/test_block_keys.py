@@ -145,9 +145,12 @@ def _rewrite_record(path, **changes) -> None:
     mlen = struct.unpack_from("<I", data, 8)[0]
     rec = unpack(data[16 : 16 + mlen], disk_format.RECORD_LIMITS, what="record")
     blob = data[16 + mlen :]
+    planted = dict(changes)
     blob = changes.pop("blob", blob)
     rec.update(changes.pop("record", {}))
     rec["meta"] = changes.pop("meta", rec["meta"])
+    if "blob" in planted and isinstance(rec["meta"], dict) and "stored_bytes" in rec["meta"]:
+        rec["meta"] = {**rec["meta"], "stored_bytes": len(blob)}  # consistent: the start-up length check passes
     rec["len"], rec["crc"] = len(blob), zlib.crc32(blob)
     mb = msgpack.packb(rec, use_bin_type=True, default=lambda o: msgpack.ExtType(1, o.to_bytes(16, "big")))
     path.write_bytes(struct.pack("<8sII", changes.pop("magic", disk_format.MAGIC), len(mb), zlib.crc32(mb)) + mb + blob)

@@ -228,7 +228,7 @@ def test_disk_recovery_over_damaged_files(nixl_files, data):
                     assert bid in damaged
                     continue
                 try:
-                    blob, _ = again.get(bid)
+                    blob = again.copy(bid)
                 except TierError:
                     assert bid in damaged
                     continue
