@@ -38,7 +38,7 @@ def scenario(tmp_path_factory):
             out = tmp / "result.json"
             p = _run([str(HERE / "vllm_scenarios.py"), name, str(out), str(tmp)])
             assert p.returncode == 0 and out.exists(), f"scenario {name} failed:\n{p.stderr[-4000:]}"
-            cache[name] = json.loads(out.read_text())
+            cache[name] = {**json.loads(out.read_text()), "log": p.stdout + p.stderr}  # the engine's own output
         return cache[name]
 
     return get
@@ -54,6 +54,10 @@ def test_roundtrip_restores_exact_blocks_and_identical_reply(scenario):
     r = scenario("roundtrip-lossless")
     # no `calibration` set: found by the lookup rule under $DYN_KVTC_CALIBRATIONS/<normalised model name>
     assert r["calibration_set"] is None and r["calibration_found"].endswith("/cals/smollm2-135m-instruct")
+    # the start-up line an operator looks for, in the engine's output at vLLM's default level with nothing configured
+    # (an INFO record without a handler was dropped before every way in called logs.operator_logging)
+    ready = [ln for ln in r["log"].splitlines() if "KvtcConnector ready:" in ln]
+    assert len(ready) == 1 and ready[0].startswith("INFO ") and "calibration a5e2511dd202" in ready[0], r["log"][-3000:]
     assert r["restored_tokens"] >= 800  # the first turn's history (prompt + reply) came back from the tier
     assert r["bit_exact"] is True and r["rel_err_k"] == 0.0
     assert r["tokens"] == r["reference_tokens"] and r["reply"]
