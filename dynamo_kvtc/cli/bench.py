@@ -14,6 +14,7 @@ BENCHMARKS = {
     "tiers": "bench_tiers",
     "gpu": "bench_gpu",
     "serve": "bench_serve",
+    "cluster": "bench_cluster",
     "calibrate": "bench_calibrate",
 }
 

@@ -39,19 +39,6 @@ with --qps, the first rate where each system breaks the SLO (fewer than --slo-at
 """
 
 
-def _param(s: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE an int, a float or a word."""
-    key, sep, val = s.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"KEY=VALUE expected, got {s!r}")
-    for kind in (int, float):
-        try:
-            return key, kind(val)
-        except ValueError:
-            pass
-    return key, val
-
-
 def _systems(s: str) -> list[str]:
     from ..bench.serve.systems import SYSTEMS
 
@@ -86,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG.format(systems="\n".join(f"  {s.name:<15} {s.doc}" for s in SYSTEMS.values()))
     p.add_argument("--workload", choices=list(WORKLOADS), default="multi-round-qa")
-    p.add_argument("--param", type=_param, action="append", help="a workload generator argument, KEY=VALUE")
+    p.add_argument("--param", type=types.key_value, action="append", help="a workload generator argument, KEY=VALUE")
     p.add_argument("--seed", type=types.nonneg_int, default=0)
     p.add_argument("--trace", type=types.existing_file, help="replay this JSONL trace instead of generating one")
     p.add_argument("--save-trace", help="write the generated trace here (JSONL)")

@@ -149,3 +149,16 @@ def name_eq_dir(s: str) -> str:
         raise argparse.ArgumentTypeError(f"NAME=DIR expected, got {s!r}")
     existing_dir(d)
     return s
+
+
+def key_value(s: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE an int, a float or a word."""
+    key, sep, val = s.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"KEY=VALUE expected, got {s!r}")
+    for kind in (int, float):
+        try:
+            return key, kind(val)
+        except ValueError:
+            pass
+    return key, val
