@@ -112,3 +112,39 @@ def test_cli_writes_runs_targets_and_cost_files(tmp_path):
     assert len(d["runs"]) == 2 * 4
     assert d["targets"] == []  # the targets are at 64 workers
     assert main(["bench", "cluster", "--workloads", "qa", "--workers", "2", "--no-progress"]) == 2  # no pool file
+
+
+def test_help_documents_workloads_systems_and_costs_without_torch():
+    from .test_cli import cli
+
+    p, heavy = cli("bench", "cluster", "--help")
+    assert p.returncode == 0 and heavy == []
+    text = p.stdout.replace("\n", " ")
+    for name in ["qa", "mooncake", *SYSTEMS, "round-robin", "kv-aware", "--pool-json", "--measure-loopback"]:
+        assert name in text, name
+
+
+@pytest.mark.parametrize(
+    "args", [["--systems", "node-raw,zip"], ["--routers", "random"], ["--workers", "0"], ["--gpu-config", "2x"],
+             ["--workloads", "qa", "--param", "users=3"]],
+)  # fmt: skip
+def test_bad_arguments_are_refused(args):
+    argv = ["bench", "cluster", "--no-progress", "--pool-json", str(POOL_JSON), *args]
+    with pytest.raises((SystemExit, ValueError)):
+        if main(argv) != 0:
+            raise SystemExit(2)
+
+
+def test_targets_compare_the_kvtc_pool_at_64_workers():
+    from dynamo_kvtc.bench.cluster.run import targets
+
+    def run(system, hit, bpt):
+        return {"workload": "qa", "workers": 64, "router": "kv-aware", "system": system, "hit_rate": hit,
+                "network": {"bytes_per_restored_token": bpt}}  # fmt: skip
+
+    rows = targets([run("pool-kvtc", 0.9, 10.0), run("node-kvtc", 0.7, None), run("pool-raw", 0.3, 160.0)])
+    got = {r["goal"]: (round(r["measured"], 4), r["met"]) for r in rows}
+    assert got == {1.5: (1.2857, False), 2.0: (3.0, True), 1 / 12: (0.0625, True)}
+    rows = targets([run("pool-kvtc", 0.9, 10.0), run("pool-raw", 0.0, None)])
+    assert [r["met"] for r in rows] == [True, None]  # the raw pool restored nothing: no ratio to judge
+    assert targets([run("pool-kvtc", 0.9, 10.0)], workers=8) == []

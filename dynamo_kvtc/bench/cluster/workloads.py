@@ -23,9 +23,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import ConfigError
 from ..serve import workloads as serve_workloads
 
-__all__ = ["QA", "MOONCAKE", "SimRequest", "build"]
+__all__ = ["MOONCAKE", "QA", "WORKLOADS", "SimRequest", "build"]
 
 QA = {"users_per_worker": 15, "rounds": 20, "system": 1000, "history": 20000, "question": 100, "answer": 100,
       "qps_per_worker": 0.5}  # fmt: skip
@@ -48,11 +49,11 @@ class SimRequest:
 
 def _generate(name: str, workers: int, seed: int, params: dict[str, Any]) -> serve_workloads.Workload:
     if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        raise ConfigError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     p = {**WORKLOADS[name], **params}
     unknown = sorted(set(p) - set(WORKLOADS[name]))
     if unknown:
-        raise ValueError(f"workload {name} has no parameter {', '.join(unknown)}")
+        raise ConfigError(f"workload {name} has no parameter {', '.join(unknown)}")
     qps = float(p["qps_per_worker"]) * workers
     if name == "qa":
         users = max(1, round(float(p["users_per_worker"]) * workers))
