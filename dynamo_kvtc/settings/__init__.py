@@ -455,6 +455,14 @@ def sources(
     return {s.field: origin_of(s, from_extra) for s, _, from_extra in _raw(scope_or_keys, extra, env)}
 
 
+def from_environment(
+    scope_or_keys: str | Iterable[str], extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> frozenset[str]:
+    """The keys whose value :func:`resolve` takes from a ``DYN_KVTC_*`` variable (not the extra config): the start-up
+    rule names the variable for those, the extra-config key for the others."""
+    return frozenset(s.key for s, _, from_extra in _raw(scope_or_keys, extra, env) if not from_extra)
+
+
 def env_value(key: str, env: Mapping[str, str] | None = None) -> Any:
     """A setting read from the environment only (``os.environ`` when ``env`` is None): the parsed value, or the
     typed default when the variable is unset or empty. For process-wide knobs read where they are used."""
@@ -492,6 +500,9 @@ def tool_settings(env: Mapping[str, str] | None = None) -> ToolSettings:
 
 
 def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:
-    """``error`` (from a config's own validation) with the sources of the fields it names appended."""
-    src = [o for f, o in origins.items() if f in str(error) and o not in str(error)]
+    """``error`` (from a config's own validation) with the sources of the fields (or their keys) it names appended:
+    the extra-config key or the ``DYN_KVTC_*`` variable the value came from."""
+    key = {s.field: s.key for s in SETTINGS}
+    text = str(error)
+    src = [o for f, o in origins.items() if (f in text or key.get(f, f) in text) and o not in text]
     return ConfigError(f"{error} (from {', '.join(src)})") if src else error
