@@ -32,7 +32,7 @@ from dynamo_kvtc.calibration.catalog import find_calibration  # noqa: E402
 from dynamo_kvtc.calibration.models import fingerprint_of  # noqa: E402
 from dynamo_kvtc.calibration.synthetic import synthetic_calibration  # noqa: E402
 from dynamo_kvtc.calibration.verdict import CHECK_FILE  # noqa: E402
-from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
+from dynamo_kvtc.connector.config import ConnectorConfig, from_environment  # noqa: E402
 from dynamo_kvtc.connector.lmcache.serde import KvtcChunkCoder, SerdeOptions  # noqa: E402
 from dynamo_kvtc.connector.offloading.tier import served_config  # noqa: E402
 from dynamo_kvtc.connector.vllm.worker import KvtcWorker  # noqa: E402
@@ -84,7 +84,7 @@ def start_connector(model: Model, extra: dict, env: dict | None = None) -> KvtcW
     env = env or {}
     cfg = ConnectorConfig.from_sources(extra, env=env)
     w = KvtcWorker(cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model=model.name, hf_config=model.hf, block_size=16,
-                   num_blocks=4, from_env=settings.from_environment(("tier", "connector"), extra, env))  # fmt: skip
+                   num_blocks=4, from_env=from_environment(extra, env))  # fmt: skip
     shape = (2, 4, 16, model.heads, model.head_dim)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16) for i in range(model.layers)}
     try:
