@@ -43,7 +43,7 @@ from ..codec.base import Codec
 from ..codec.factory import Shard, make_codec
 from ..codec.model import ModelFingerprint
 from ..codec.options import CodecOptions
-from ..errors import ConfigError, KvtcError
+from ..errors import ConfigError, KvtcError, TierError
 from ..tiers.config import AUTO
 from ..tiers.disk_dir import disk_dir_problem
 from .support import Family, decide
@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 INVALID = "config"  # the metric label of invalid configuration (the engine stops; nothing is served to label)
 
 
-class Refusal(KvtcError):
+class Refusal(TierError):
     """A start-up refusal with its metric label (``reason``), the setting it concerns (``key``) and whether it is
     invalid configuration (``invalid``: the engine stops) rather than a runtime limitation (served without the
     tier)."""
