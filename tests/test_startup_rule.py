@@ -212,7 +212,7 @@ def test_invalid_configuration_stops_the_engine_with_one_line_naming_the_key(
         assert "num_layers" not in line and "rotary" not in line, line
     if name == "calibration-layers":  # a layers-only difference says nothing about the rotary config or theta
         assert "rotary" not in line and "theta" not in line, line
-    assert not [r for r in caplog.records if r.levelno >= 30 and "serves without" in r.getMessage()]  # stopped
+    assert not [r for r in caplog.records if r.levelno >= 30 and "serving without" in r.getMessage()]  # stopped
 
 
 @pytest.mark.parametrize(
@@ -238,7 +238,7 @@ def _one_warning(caplog, reason: str) -> str:
     lines = [r for r in caplog.records if r.levelno >= 30]
     assert len(lines) == 1 and lines[0].levelname == "WARNING", [r.getMessage() for r in lines]
     msg = lines[0].getMessage()
-    assert "serves without the tier" in msg and reason in msg and "\n" not in msg, msg
+    assert "serving without the tier" in msg and reason in msg and "\n" not in msg, msg
     return msg
 
 
@@ -302,4 +302,4 @@ def test_the_three_ways_in_serve_a_valid_configuration(world, caplog):
         finally:
             manager.shutdown()
         assert start_serde(world["smol"], {"calibration": cal, "ratio": 16}).disabled is None
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= 30 and "serves without" in r.getMessage()]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= 30 and "serving without" in r.getMessage()]

@@ -130,12 +130,6 @@ class Opened:
     codec: Codec | None = None
     why_not: WhyNot | None = None
 
-    def raise_for(self, way: str) -> Opened:
-        """``self``, or any refusal as the ConfigError of a way in that stops the engine."""
-        if self.why_not is not None:
-            raise self.why_not.error(way)
-        return self
-
     def settle(self, way: str, from_env: frozenset[str] | set[str] = frozenset()) -> Opened:
         """The start-up rule (module docstring): invalid configuration raises its one-line ConfigError naming the
         option (the ``DYN_KVTC_*`` variable when its key is in ``from_env``: set by the environment); a runtime
@@ -145,7 +139,7 @@ class Opened:
             return self
         if w.invalid:
             raise w.error("env" if w.key in from_env else way) from None
-        log.warning("kvtc: the %s serves without the tier (%s; kvtc_enabled 0): %s", settings.WAY_LABELS[way],
+        log.warning("kvtc (%s): serving without the tier (%s; kvtc_enabled 0): %s", settings.WAY_LABELS[way],
                     w.reason, w.message)  # fmt: skip
         return self
 
