@@ -163,14 +163,13 @@ def test_ratio_auto_serves_at_the_recorded_ratio_and_refuses_without_one(smollm2
     bare = tmp_path / "smollm2-135m-instruct"
     shutil.copytree(cal_dir, bare, ignore=shutil.ignore_patterns(CHECK_FILE))
     w = _smol_worker(smollm2, bare, "auto")
-    try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
+    try:  # `auto` with no verdict is a ratio policy that cannot be resolved: invalid configuration, the engine stops
+        with pytest.raises(ConfigError) as e:
             w.register_kv_caches(_caches(smollm2[0].config))
-        assert w.store is None and w.disabled_reason == "calibration"
-        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 1 and "\n" not in errors[0]
-        assert f"dynamo-kvtc check {bare} --model smollm2-135m-instruct --write" in errors[0]
-        assert w.match([1, 2, 3]) == (0, 0)  # every lookup a miss: the engine recomputes
+        line = str(e.value)
+        assert line.startswith("kv_connector_extra_config.ratio: ") and "\n" not in line  # one line, the key named
+        assert f"dynamo-kvtc check {bare} --model smollm2-135m-instruct --write" in line
+        assert w.store is None and w.disabled is None  # nothing was started to serve without
     finally:
         w.shutdown()
 

@@ -39,7 +39,7 @@ def test_extra_config_wins_over_environment_and_maps_to_tiers(tmp_path):
         ({"publish_events": "maybe"}, "expected true/false"),
         ({"min_tokens": 1.5}, "expected an integer"),
         ({"transfer": "sideways"}, "transfer must be one of"),
-        ({"disk_cache_gb": 1}, "DYN_KVTC_DISK_CACHE_DIR is not"),
+        ({"disk_cache_gb": 1}, r"disk_cache_dir is not .*\(from kv_connector_extra_config.disk_cache_gb\)$"),
         ({"ratio": 32, "max_ratio": 16}, "must be positive and <= max_ratio"),
         ({"metrics_port": 70000}, "not a port number"),
         ({"load_failure_policy": "ignore"}, "load_failure_policy"),

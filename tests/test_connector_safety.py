@@ -89,12 +89,13 @@ def test_unreadable_8bit_kv_cache_is_refused_at_start_up_and_metrics_still_serve
         cfg, engine_id=f"t-{uuid.uuid4().hex[:8]}", model="m", hf_config=None, block_size=32, kv_cache_dtype=cache_dtype
     )
     try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
+        with caplog.at_level("WARNING", logger="dynamo_kvtc"):
             w.register_kv_caches(_fp8_cpu_caches(storage))  # an 8-bit cache: refused even when the flag says "auto"
         assert w.store is None and w.disabled_reason == "kv_cache_dtype"
         assert "not supported" in w.disabled and cache_dtype in w.disabled
-        errors = [r for r in caplog.records if r.levelname == "ERROR"]
-        assert len(errors) == 1 and "kv_cache_dtype" in errors[0].getMessage()  # one clear line
+        # a runtime limitation (the start-up rule): served without the tier, one WARNING line, nothing worse
+        errors = [r for r in caplog.records if r.levelno >= 30]
+        assert len(errors) == 1 and errors[0].levelname == "WARNING" and "kv_cache_dtype" in errors[0].getMessage()
         assert w.match([1, 2, 3]) == (0, 0)  # every lookup a miss: every request recomputes
         m = _scrape(w.metrics_port)  # a disabled worker still serves its metrics
         assert m['kvtc_enabled{reason="kv_cache_dtype"}'] == 0.0
@@ -248,12 +249,12 @@ def test_inside_multiconnector_the_top_level_policy_decides_whether_the_worker_r
     bs = child.block_size  # CPU layout [blocks, KV heads, block size, 2 x head_dim]
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(8, 3, bs, 128, dtype=torch.bfloat16) for i in range(30)}
     try:
-        with caplog.at_level("ERROR", logger="dynamo_kvtc.connector.vllm.worker"):
+        with caplog.at_level("WARNING", logger="dynamo_kvtc.connector.vllm.worker"):
             w.register_kv_caches(caches)
         assert vc.kv_transfer_config.kv_load_failure_policy == (top_policy or "fail")  # the wrapper's, untouched
         if top_policy is None:
             assert w.store is None and w.disabled_reason == "failure_policy"
-            errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+            errors = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "disabled" in r.msg]
             assert len(errors) == 1 and "MultiConnector" in errors[0] and "kv_load_failure_policy" in errors[0]
             assert "'fail'" in errors[0] and "top level" in errors[0]
             assert w.match([1, 2, 3]) == (0, 0)  # every lookup a miss: vLLM never plans a load that could fail

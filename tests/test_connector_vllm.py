@@ -108,14 +108,17 @@ def test_corrupt_blob_becomes_a_recompute(scenario):
     assert r["tokens"] == r["reference_tokens"] and r["reply"]  # ...and the engine recomputed the same reply
 
 
-def test_mismatched_calibration_disables_the_connector_not_the_engine(scenario):
+def test_mismatched_calibration_stops_the_engine_with_one_line(scenario):
     r = scenario("mismatch")
-    # a calibration of another fingerprint under SmolLM2's name ($DYN_KVTC_CALIBRATIONS lookup): one line naming both
-    assert "does not fit" in r["disabled"] and "num_layers" in r["disabled"] and "\n" not in r["disabled"]
-    assert "smollm2-135m-instruct" in r["disabled"].split("does not fit")[1]
-    assert r["disabled_reason"] == "calibration"
-    assert r["stats"]["fallback_disabled"] == 1 and r["restores"] == []
-    assert r["tokens"] == r["reference_tokens"] and r["reply"]
+    # a calibration of another fingerprint under SmolLM2's name ($DYN_KVTC_CALIBRATIONS lookup): invalid
+    # configuration (the start-up rule), so the engine does not start; the ConfigError is one line naming the key
+    # and both fingerprints
+    assert r["started"] is False
+    (line,) = [e["message"] for e in r["errors"] if e["type"] == "ConfigError"]
+    assert line.startswith("kv_connector_extra_config.calibration: ") and "\n" not in line, line
+    assert "does not fit" in line and "num_layers" in line
+    assert "smollm2-135m-instruct" in line.split("does not fit")[1]
+    assert "rotary" not in line and "theta" not in line  # a layers difference says nothing spurious
 
 
 def _free_port() -> int:

@@ -245,10 +245,12 @@ def test_the_tiers_blobs_count_in_the_same_store_stats_and_metrics_as_kvtc_conne
         defs = TieringOffloadingSpec.build_metric_definitions(rig.cfg.extra_config)
         ours = {n: d for n, d in defs.items() if n.startswith("vllm:kvtc_")}
         assert set(ours) >= {"vllm:kvtc_offload_blocks", "vllm:kvtc_onboard_blocks", "vllm:kvtc_offload_bytes"}
+        assert ours.pop("vllm:kvtc_tier_enabled").labelnames == ("reason",)  # the tier's own: why it serves nothing
         for name, d in ours.items():
             family = name.removeprefix("vllm:kvtc_")
             assert d.labelnames == ((LABELS[family],) if family in LABELS else ())
         data = rig.manager.get_stats().data["data"]
+        assert data["vllm:kvtc_tier_enabled"] == {("none",): 1.0}
         assert data["vllm:kvtc_offload_blocks"] == {(): 2} and data["vllm:kvtc_onboard_blocks"][("host",)] == 1
         assert data["vllm:kvtc_offload_bytes"] == {("raw",): 2 * raw, ("stored",): st.offload_stored_bytes}
         assert rig.store([key(3)], [3]).success

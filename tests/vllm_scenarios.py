@@ -198,16 +198,22 @@ def scenario_fault(tmp: Path) -> dict:
 
 
 def scenario_mismatch(tmp: Path) -> dict:
-    # a calibration made for another model (4 layers, 2 KV heads): the connector must refuse it and pass through
+    # a calibration made for another model (4 layers, 2 KV heads): invalid configuration, the engine must not start
     from dynamo_kvtc.calibration.synthetic import synthetic_calibration
 
     # found by the lookup rule: under $DYN_KVTC_CALIBRATIONS/<SmolLM2's normalised name>, no `calibration` set
     wrong = tmp / "cals" / normalise_model_name(str(resolve_model(MODEL)))
     synthetic_calibration(4, 2, 64, ratios=(16,), rank=256, dp_rows=512).save(wrong)
     os.environ["DYN_KVTC_CALIBRATIONS"] = str(tmp / "cals")
-    llm = build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={}))
-    w = worker_of(llm)
-    return {**_two_turns(llm, w, words=300), "disabled": w.disabled, "disabled_reason": w.disabled_reason}
+    try:  # invalid configuration (the start-up rule): the engine does not start
+        build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={}))
+    except Exception as e:  # noqa: BLE001 - what vLLM raised out of the engine's start-up, reported as is
+        chain = []
+        while e is not None:
+            chain.append({"type": type(e).__name__, "message": str(e)})
+            e = e.__cause__ or e.__context__
+        return {"started": False, "errors": chain}
+    return {"started": True}
 
 
 def scenario_events(tmp: Path) -> dict:

@@ -35,6 +35,16 @@ def handoff_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return settings.resolve(HANDOFF_KEYS, None, env)
 
 
+SCOPES = ("tier", "connector", *TIER_PROCESS_KEYS, *HANDOFF_KEYS)
+
+
+def from_environment(extra: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The keys whose value :meth:`ConnectorConfig.from_sources` takes from a ``DYN_KVTC_*`` variable (not the extra
+    config): the start-up rule names the variable for those, the extra-config key for the others."""
+    origins = settings.sources(SCOPES, extra, env)
+    return frozenset(s.key for s in settings.select(SCOPES) if origins.get(s.field, "").startswith("DYN_KVTC_"))
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Everything the vLLM connector is configured with: its tiers and its own settings (calibration, flushing,
@@ -80,7 +90,7 @@ class ConnectorConfig:
     ) -> ConnectorConfig:
         """Build from ``kv_connector_extra_config`` (wins) and ``DYN_KVTC_*`` variables (``os.environ`` when ``env``
         is None). Unknown extra-config keys are refused, unknown variables warned about."""
-        scopes = ("tier", "connector", *TIER_PROCESS_KEYS, *HANDOFF_KEYS)
+        scopes = SCOPES
         values = settings.resolve(scopes, extra, env)
         own = {f.name for f in fields(cls)} - {"tiers"}
         try:

@@ -7,10 +7,19 @@ cache dtype and layout), the calibration directory (the setting, else the catalo
 ``rank<r>/``), its ``calibration.json``, the calibration against the served model's fingerprint (a joint TP
 calibration: its ``tp.json`` and this rank's :class:`~dynamo_kvtc.codec.factory.Shard`), ``ratio: auto`` (the
 calibration's checked ratio, :mod:`~dynamo_kvtc.calibration.verdict`), the ratio's plan, and the codec
-(:func:`~dynamo_kvtc.codec.factory.make_codec`). The result is one :class:`Opened`; a refusal is its ``why_not``
-(:class:`WhyNot`: a metric label, the setting it concerns, one line), never an exception: KvtcConnector then serves
-without its tiers (every lookup a miss), the vLLM tier and the serde stop the engine with the line
-(:meth:`Opened.raise_for`) naming the option as the way in spells it.
+(:func:`~dynamo_kvtc.codec.factory.make_codec`). Before the calibration, the
+store the way in will open (:class:`StoreSpec`: a cache size that makes the tier a no-op, a disk folder that cannot
+be used). The result is one :class:`Opened`; a refusal is its ``why_not`` (:class:`WhyNot`: a metric label, the
+setting it concerns, one line, and whether it is invalid configuration), never an exception.
+
+**The start-up rule** (the same for every way in, applied by :meth:`Opened.settle`; docs/configuration.md): invalid
+configuration (a value the operator set that cannot work: a calibration that is missing, unreadable or made for
+another model, a ratio with no plan, ``ratio: auto`` with no verdict to resolve it, a disk folder that cannot be used,
+a cache size that stores nothing) stops the engine with ONE line, a :class:`~dynamo_kvtc.errors.ConfigError` naming
+the key as the operator wrote it (the way in's option, or the ``DYN_KVTC_*`` variable when the environment set it).
+A runtime limitation of the machine or the model (a model family or KV layout the way in does not serve, an 8-bit KV
+cache it cannot read, no CUDA for ``device: cuda``, a codec that cannot be built here) serves WITHOUT the tier (every
+lookup a miss) with one WARNING line and ``kvtc_enabled{reason}`` 0.
 """
 
 from __future__ import annotations
@@ -36,31 +45,62 @@ from ..codec.model import ModelFingerprint
 from ..codec.options import CodecOptions
 from ..errors import ConfigError, KvtcError, TierError
 from ..tiers.config import AUTO
+from ..tiers.disk_dir import disk_dir_problem
 from .support import Family, decide
 
 log = logging.getLogger(__name__)
 
 
-class Refusal(KvtcError):
-    """A start-up refusal with its metric label (``reason``) and the setting it concerns (``key``)."""
+INVALID = "config"  # the metric label of invalid configuration (the engine stops; nothing is served to label)
 
-    def __init__(self, reason: str, key: str, message: str) -> None:
+
+class Refusal(TierError):
+    """A start-up refusal with its metric label (``reason``), the setting it concerns (``key``) and whether it is
+    invalid configuration (``invalid``: the engine stops) rather than a runtime limitation (served without the
+    tier)."""
+
+    def __init__(self, reason: str, key: str, message: str, invalid: bool = False) -> None:
         super().__init__(message)
-        self.reason, self.key = reason, key
+        self.reason, self.key, self.invalid = reason, key, invalid
 
 
 @dataclass(frozen=True)
 class WhyNot:
-    """Why a way in serves without the tier: ``reason`` (the metric label: model, kv_cache_dtype, layout,
-    calibration, codec), ``key`` (the setting it concerns, "" none) and one line."""
+    """Why a way in does not serve with the tier: ``reason`` (the metric label: model, kv_cache_dtype, layout,
+    device, codec; ``config`` for invalid configuration), ``key`` (the setting it concerns, "" none), one line, and
+    ``invalid`` (invalid configuration: the engine stops; else a runtime limitation: served without the tier)."""
 
     reason: str
     key: str
     message: str
+    invalid: bool = False
 
     def error(self, way: str) -> ConfigError:
-        """The start-up error of a way in that refuses to start (the option named as ``way`` spells it)."""
+        """The start-up error naming the option as ``way`` spells it (``env``: the ``DYN_KVTC_*`` variable)."""
         return ConfigError(f"{settings.origin(way, self.key)}: {self.message}" if self.key else self.message)
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """The store a way in will open, checked before the calibration: host bytes, disk bytes, the disk folder."""
+
+    host_bytes: int
+    disk_bytes: int = 0
+    disk_dir: Path | None = None
+
+
+def check_store(spec: StoreSpec) -> None:
+    """Refuse (invalid configuration) a store that could hold nothing, or a disk folder that cannot be used."""
+    if spec.host_bytes <= 0 and spec.disk_bytes <= 0:
+        raise Refusal(INVALID, "cpu_cache_gb", "is 0 and there is no disk tier (disk_cache_gb 0): the tier could "
+                      "store nothing and every offload would fail; set cpu_cache_gb > 0 or a disk tier",
+                      invalid=True)  # fmt: skip
+    if spec.disk_bytes > 0:
+        if spec.disk_dir is None:
+            raise Refusal(INVALID, "disk_cache_dir", "is required when disk_cache_gb > 0", invalid=True)
+        why = disk_dir_problem(Path(spec.disk_dir))
+        if why is not None:
+            raise Refusal(INVALID, "disk_cache_dir", why, invalid=True)
 
 
 @dataclass(frozen=True)
@@ -90,10 +130,17 @@ class Opened:
     codec: Codec | None = None
     why_not: WhyNot | None = None
 
-    def raise_for(self, way: str) -> Opened:
-        """``self``, or the refusal as the ConfigError of a way in that stops the engine."""
-        if self.why_not is not None:
-            raise self.why_not.error(way)
+    def settle(self, way: str, from_env: frozenset[str] | set[str] = frozenset()) -> Opened:
+        """The start-up rule (module docstring): invalid configuration raises its one-line ConfigError naming the
+        option (the ``DYN_KVTC_*`` variable when its key is in ``from_env``: set by the environment); a runtime
+        limitation logs one WARNING line and returns ``self`` (its ``why_not`` set: serve without the tier)."""
+        w = self.why_not
+        if w is None:
+            return self
+        if w.invalid:
+            raise w.error("env" if w.key in from_env else way) from None
+        log.warning("kvtc (%s): serving without the tier (%s; kvtc_enabled 0): %s", settings.WAY_LABELS[way],
+                    w.reason, w.message)  # fmt: skip
         return self
 
     def make(self, spec: CodecSpec) -> Codec:
@@ -120,23 +167,24 @@ def calibration_dir(
     path = calibration
     if path is None:
         if not model:
-            raise Refusal("calibration", "calibration", "is not set and no model name was given to look one up by")
+            raise Refusal(INVALID, "calibration", "is not set and no model name was given to look one up by", True)
         tools = tools or settings.tool_settings()
         # a fitting one by name or fingerprint; else one by name alone, which the fingerprint check then refuses
         # naming what differs
         path = find_calibration(model, tools, fingerprint) or find_calibration(model, tools)
         if path is None:
             raise Refusal(
-                "calibration",
+                INVALID,
                 "calibration",
                 f"{not_found(model, fingerprint, tools)} ({settings.origin(way, 'calibration')})",
+                invalid=True,
             )
     path = Path(path)
     per_rank = path / f"rank{tp_rank}" / "calibration.json"
     if tp_size > 1 and not (path / TP_MANIFEST).is_file() and per_rank.is_file():  # tp.json: the joint one
         path = path / f"rank{tp_rank}"
     if not (path / "calibration.json").is_file():
-        raise Refusal("calibration", "calibration", f"calibration directory {path} has no calibration.json")
+        raise Refusal(INVALID, "calibration", f"calibration directory {path} has no calibration.json", invalid=True)
     return path
 
 
@@ -151,17 +199,17 @@ def joint_shard(
     layout = check_tp_manifest(path, tp_size, tp_rank, rank_heads)
     cal.check_model(model)
     if tp is None:
-        raise TierError(
+        raise Refusal("tensor_parallel", "",
             "a joint calibration under tensor parallelism needs the TP ranks' torch.distributed world (vLLM's "
             "workers), and none could be used: give each rank its own calibration (rank<r>/) instead"
         )
     return Shard(tp_rank, layout, tp.collective)
 
 
-def check_device(way: str, device: str) -> None:
-    """Refuse ``device: cuda`` where CUDA is absent (the vLLM tier and the LMCache serde)."""
+def check_device(device: str | None) -> None:
+    """Refuse ``device: cuda`` where CUDA is absent (a runtime limitation: served without the tier)."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{settings.origin(way, 'device')}: 'cuda' requested but CUDA is not available here")
+        raise Refusal("device", "device", "'cuda' requested but CUDA is not available here")
 
 
 def torch_device(device: str, tensor: torch.Tensor | None = None) -> torch.device:
@@ -175,17 +223,20 @@ def torch_device(device: str, tensor: torch.Tensor | None = None) -> torch.devic
 
 def _ratio(cal: Calibration, path: Path, ratio: float | str, policy: str, model: str | None) -> float:
     if ratio == AUTO:  # the calibration's checked safe ratio (`dynamo-kvtc check ... --write`)
-        ratio = safe_ratio(path, cal.id, cal.ratios, model)
+        try:
+            ratio = safe_ratio(path, cal.id, cal.ratios, model)
+        except KvtcError as e:  # no verdict (or one that does not resolve): a ratio policy that cannot be served
+            raise Refusal(INVALID, "ratio", str(e), invalid=True) from None
     planned = [float(r) for r in cal.ratios]
     if float(ratio) in planned:
         return float(ratio)
     if policy == "raw":  # nothing is compressed: any plan of the calibration codes the raw blobs
         return planned[0]
-    raise Refusal("calibration", "ratio", f"{float(ratio):g} has no plan in calibration {path} ({cal.ratios})")
+    raise Refusal(INVALID, "ratio", f"{float(ratio):g} has no plan in calibration {path} ({cal.ratios})", True)
 
 
 def _mla_refusal(way: str, what: str) -> Refusal:
-    return Refusal("model", "calibration", f"{what} is an MLA model's: the {settings.WAY_LABELS[way]} reads K/V "
+    return Refusal("model", "", f"{what} is an MLA model's: the {settings.WAY_LABELS[way]} reads K/V "
                    "pages; MLA is served through KvtcConnector (docs/models.md)")  # fmt: skip
 
 
@@ -204,15 +255,24 @@ def open_tier(
     serves_mla: bool = True,
     codec: CodecSpec | None = None,
     tools: Any = None,
+    store: StoreSpec | None = None,
+    device: str | None = None,
 ) -> Opened:
     """Open what way in ``way`` (``extra``: KvtcConnector, ``vllm_tier``, ``lmcache_serde``) serves with; see the
     module docstring. ``hf_config``: the served model's config (None: unknown, no family or fingerprint check);
     ``engine``: the way in's own checks of its engine, run after the family decision and before the calibration,
     given the model's fingerprint (this rank's heads) and returning the fingerprint as the engine serves it (they
-    raise :class:`Refusal` or a KvtcError: reason ``layout``); ``codec``: build the codec too."""
-    reason, key = "model", ""
+    raise :class:`Refusal` or a KvtcError: reason ``layout``); ``codec``: build the codec too; ``store``: the store it
+    will open (checked first: invalid configuration); ``device``: the ``device`` option (``cuda`` without CUDA: a
+    limitation). Apply the start-up rule to the result with :meth:`Opened.settle`."""
+    reason, key, invalid = INVALID, "", True
     family = fp = full = None
     try:
+        if store is not None:
+            check_store(store)
+        reason, invalid = "device", False
+        check_device(device)
+        reason = "model"
         if hf_config is not None:
             family = decide(hf_config, tp_size)  # docs/models.md's table, from the config alone
             if family.key == "mla" and not serves_mla:
@@ -222,7 +282,7 @@ def open_tier(
         reason = "layout"
         if engine is not None:
             fp = engine(fp)
-        reason, key = "calibration", "calibration"
+        reason, key, invalid = INVALID, "calibration", True  # the calibration the operator named (or ran) is theirs
         path = calibration_dir(calibration, model, way, tp_rank, tp_size, tools, full)
         cal = Calibration.load(path)
         if not serves_mla and is_mla_fingerprint(cal.fingerprint):
@@ -234,13 +294,13 @@ def open_tier(
                 cal.check_model(fp)
         key = "ratio"
         served = _ratio(cal, path, ratio, policy, model)
-        reason, key = "codec", "device"
+        reason, key, invalid = "codec", "", False  # the codec could not be built on this machine
         built = None
         if codec is not None:
             built = make_codec(cal, ratio=served, device=codec.device, options=codec.options, sinks=codec.sinks,
                                window=codec.window, tag=codec.tag, shard=shard)  # fmt: skip
     except Refusal as e:
-        return Opened(family=family, fingerprint=fp, why_not=WhyNot(e.reason, e.key, str(e)))
+        return Opened(family=family, fingerprint=fp, why_not=WhyNot(e.reason, e.key, str(e), e.invalid))
     except (KvtcError, OSError, ValueError) as e:
-        return Opened(family=family, fingerprint=fp, why_not=WhyNot(reason, key, str(e)))
+        return Opened(family=family, fingerprint=fp, why_not=WhyNot(reason, key, str(e), invalid))
     return Opened(cal, path, served, policy, family, fp, shard, built)

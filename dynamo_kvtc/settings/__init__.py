@@ -72,17 +72,18 @@ def _s(key: str, type: str, default: Any, doc: str, scope: str, **kw: Any) -> Se
 SETTINGS: tuple[Setting, ...] = (
     # -- tiers (TierConfig fields) ---------------------------------------------------------------------------------
     _s("cpu_cache_gb", "gb", 1, "compressed host tier size, total across the TP group (each rank allocates "
-       "cpu_cache_gb / TP in one arena at start-up; the vLLM tier: the budget of its blob LRU, > 0)", "tier",
+       "cpu_cache_gb / TP in one arena; the vLLM tier: its blob LRU, > 0; 0 and no disk tier stops the engine)", "tier",
        field="host_bytes", lo=0, hi=1 << 20, ways=("vllm_tier",)),
     _s("disk_cache_gb", "gb", 0, "compressed disk tier size, total across the TP group (each rank disk_cache_gb / TP "
        "in `disk_cache_dir/rank<r>`; 0 = none; needs `disk_cache_dir`)", "tier",
        field="disk_bytes", lo=0, hi=1 << 20, ways=("vllm_tier",)),
-    _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700)", "tier", field="disk_dir",
+    _s("disk_cache_dir", "path", None, "disk tier directory (owned by the store, 0700; one that cannot be used stops "
+       "the engine: parent missing, not writable, /proc, group- or world-writable)", "tier", field="disk_dir",
        default_doc="none", ways=("vllm_tier",)),
     _s("ratio", "float", 16, "default compression ratio (a plan of the calibration); `auto`: the largest ratio within "
        "the accuracy budget of the calibration's check verdict (`dynamo-kvtc check CAL --model M --write`; without "
-       "one the connector refuses to start and the engine serves without it; the vLLM tier and the LMCache serde "
-       "refuse to start)", "tier", lo=0, lo_open=True, words=("auto",), ways=("vllm_tier", "lmcache_serde")),
+       "one every way in stops the engine naming the command: a ratio policy that cannot be resolved)",
+       "tier", lo=0, lo_open=True, words=("auto",), ways=("vllm_tier", "lmcache_serde")),
     _s("max_ratio", "float", None, "accuracy floor: never compress harder, even under pressure", "tier", lo=0,
        lo_open=True, default_doc="`ratio`"),
     _s("min_tokens", "int", 64, "sequences shorter than this bypass the tiers", "tier", lo=0),
@@ -492,6 +493,7 @@ def tool_settings(env: Mapping[str, str] | None = None) -> ToolSettings:
 
 
 def blame(error: ConfigError, origins: Mapping[str, str]) -> ConfigError:
-    """``error`` (from a config's own validation) with the sources of the fields it names appended."""
-    src = [o for f, o in origins.items() if f in str(error) and o not in str(error)]
+    """``error`` (from a config's own validation) with the sources of the fields (or their keys) it names appended."""
+    text, key = str(error), {s.field: s.key for s in SETTINGS}
+    src = [o for f, o in origins.items() if (f in text or key.get(f, f) in text) and o not in text]
     return ConfigError(f"{error} (from {', '.join(src)})") if src else error

@@ -82,7 +82,7 @@ class TierConfig:
         if not isinstance(self.codec, CodecOptions):
             raise ConfigError(f"codec must be a CodecOptions, got {self.codec!r}")
         if self.disk_bytes and self.disk_dir is None:
-            raise ConfigError("DYN_KVTC_DISK_CACHE_GB is set but DYN_KVTC_DISK_CACHE_DIR is not")
+            raise ConfigError("disk_cache_gb is set but disk_cache_dir is not (the disk tier's directory)")
         if self.max_ratio is not None and self.ratio != AUTO and self.max_ratio < self.ratio:
             raise ConfigError(f"ratio {self.ratio} must be positive and <= max_ratio {self.max_ratio}")
         if self.page_bytes & (self.page_bytes - 1):

@@ -26,10 +26,49 @@ _DIR_LOCKS: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) -> [fd, users, 
 _DIR_LOCKS_GUARD = threading.Lock()
 
 
+VIRTUAL_ROOTS = ("/proc", "/sys", "/dev")  # kernel file systems: no blob file can live there
+
+
+def disk_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the disk tier's directory, in one line (None: it can), without creating anything: a
+    kernel file system (/proc, /sys, /dev), a symlink, not a directory, group- or world-writable, another user's, not
+    writable; a folder that does not exist yet needs its parent to exist (a missing mount point is not silently
+    created on the root file system) and to be writable. The start-up check of every way in (the tier re-checks what
+    it opens, :func:`open_dir`)."""
+    path = Path(os.path.abspath(path))
+    real = os.path.realpath(path)
+    if any(real == r or real.startswith(r + "/") for r in VIRTUAL_ROOTS):
+        root = "/" + real.split("/")[1]
+        return f"{path} is on a kernel file system ({root}): no blob file can be stored there"
+    if path.is_symlink():
+        return f"{path} is a symlink; point it at a real directory"
+    if not path.exists():
+        parent = path.parent
+        if not parent.is_dir():
+            return f"{path} cannot be created: its parent {parent} does not exist (create it, or mount the volume)"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"{path} cannot be created: its parent {parent} is not writable by this process"
+        return None
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as e:
+        return f"{path} cannot be read: {e.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"{path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}); refusing: `chmod go-w` it "
+                "or name a subdirectory the tier creates (0700)")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not this process ({os.getuid()})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this process"
+    return None
+
+
 def open_dir(path: Path) -> int:
     """Create (0700) or open the tier's directory without following a symlink; check who owns it. Returns an fd."""
     if path.is_symlink():
-        raise ConfigError(f"disk cache dir {path} is a symlink; refusing (point DYN_KVTC_DISK_CACHE_DIR at a real dir)")
+        raise ConfigError(f"disk cache dir {path} is a symlink; refusing (point disk_cache_dir at a real dir)")
     created = not path.exists()
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -45,7 +84,7 @@ def open_dir(path: Path) -> int:
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # others could plant, swap or delete blob files
             raise ConfigError(
                 f"disk cache dir {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}); refusing: "
-                "`chmod go-w` it or point DYN_KVTC_DISK_CACHE_DIR at a subdirectory the tier creates (0700)"
+                "`chmod go-w` it or point disk_cache_dir at a subdirectory the tier creates (0700)"
             )
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
             raise ConfigError(f"disk cache dir {path} is owned by uid {st.st_uid}, not this process ({os.getuid()})")

@@ -12,9 +12,12 @@ Options (``serde`` keys; the settings table's ``lmcache_serde`` rows, docs/confi
 ``ratio`` (default 16; ``auto``: the calibration's checked ratio), ``ratio_policy`` (``fixed`` or ``raw``: every chunk
 stored uncompressed, lossless), ``device`` (``auto``: the chunk's own device when it is a GPU tensor, else CUDA when
 present, else the CPU), ``chunk_window`` (trailing tokens of every chunk kept raw, default 0), ``max_workers`` (serde
-threads, default 1). The start-up checks (the calibration, MLA refused, ``auto``, the plan) are the three ways in's
-one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`; codecs come from
-:func:`~dynamo_kvtc.codec.factory.make_codec`.
+threads, default 1). The start-up checks (the calibration, MLA refused, ``auto``, the plan, CUDA for ``device:
+cuda``) are the three ways in's one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`, with its rule:
+invalid configuration stops LMCache with one line naming the ``serde`` key; a runtime limitation (an MLA
+calibration, no CUDA) serves without the tier (every chunk's serialization fails: LMCache stores nothing, every load
+a miss) with one WARNING line (LMCache has no metrics route for a serde: ``KvtcChunkCoder.disabled`` holds the
+reason). Codecs come from :func:`~dynamo_kvtc.codec.factory.make_codec`.
 
 **Size contract.** LMCache allocates the serialized buffer from ``estimate_serialized_size`` before serializing, and
 ``serialize`` returns the bytes it wrote, to which LMCache's ``AsyncSerdeProcessor`` narrows the buffer, so the L2
@@ -49,7 +52,7 @@ from ...codec.entropy.registry import PORTABLE, coder
 from ...codec.options import CodecOptions
 from ...errors import ConfigError, DecodeError, KvtcError
 from ...logs import operator_logging
-from ..startup import CodecSpec, check_device, open_tier, torch_device
+from ..startup import CodecSpec, open_tier, torch_device
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,6 @@ class SerdeOptions:
         if values["calibration"] is None:
             raise ConfigError(f"{settings.origin(WAY, 'calibration')}: is required (the calibration directory of the "
                               "served model)")  # fmt: skip
-        check_device(WAY, values["device"])
         return cls(**values)
 
 
@@ -88,11 +90,18 @@ class KvtcChunkCoder:
         operator_logging("lmcache")  # the ready line and warnings in LMCache's log at its level
         self.opts = opts
         self.opened = open_tier(
-            WAY, calibration=opts.calibration, model=None, ratio=opts.ratio, policy=opts.ratio_policy, serves_mla=False
-        ).raise_for(WAY)
+            WAY,
+            calibration=opts.calibration,
+            model=None,
+            ratio=opts.ratio,
+            policy=opts.ratio_policy,
+            serves_mla=False,
+            device=opts.device,
+        ).settle(WAY)  # invalid configuration: ConfigError naming the option; a limitation: one WARNING line
+        self.disabled = self.opened.why_not  # serve without the tier: every chunk's store and load fails (a miss)
         self.cal = self.opened.calibration
-        fp = self.cal.fingerprint
-        self.L, self.H, self.D = fp.num_layers, fp.num_kv_heads, fp.head_dim
+        fp = self.cal.fingerprint if self.cal is not None else None
+        self.L, self.H, self.D = (fp.num_layers, fp.num_kv_heads, fp.head_dim) if fp is not None else (0, 0, 0)
         self._codecs: dict[tuple[str, str], Any] = {}
         self._bounds: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -102,6 +111,8 @@ class KvtcChunkCoder:
         return torch_device(self.opts.device, t)
 
     def codec(self, device: torch.device, tag: str = "deflate"):
+        if self.disabled is not None:
+            raise KvtcError(f"the kvtc serde serves without the tier ({self.disabled.reason}): {self.disabled.message}")
         key = (str(device), tag)
         with self._lock:
             c = self._codecs.get(key)
@@ -123,6 +134,7 @@ class KvtcChunkCoder:
 
     def _encode(self, x: torch.Tensor, positions: torch.Tensor | None, tag: str = "deflate") -> bytes:
         dev = self._device(x)
+        self.codec(dev, tag)  # serving without the tier: every chunk's store fails here
         k, v = self._split(x.to(dev))
         T = k.shape[1]
         pos = None if positions is None else positions.to("cpu", torch.int64).reshape(-1)
@@ -140,6 +152,8 @@ class KvtcChunkCoder:
 
     def bound(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> int:
         """Upper bound of the serialized size of a chunk of this shape (see the module docstring)."""
+        if self.disabled is not None:  # nothing is ever written: the prefix is all a buffer needs
+            return PREFIX.size
         key = (tuple(int(s) for s in shape), dtype)
         b = self._bounds.get(key)
         if b is None:

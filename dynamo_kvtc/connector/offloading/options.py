@@ -1,8 +1,9 @@
 """The options of the ``kvtc`` secondary tier (:mod:`.tier`): its ``secondary_tiers`` entry, parsed through the
 settings table (:func:`dynamo_kvtc.settings.read_options`, the ``vllm_tier`` rows: docs/configuration.md lists every
 key, its default and which other ways in read it). An error names the option as written
-(``secondary_tiers[type=kvtc].<key>``); the tier's own rules (a host budget > 0, a directory for a disk tier, CUDA
-present when asked for) are checked here.
+(``secondary_tiers[type=kvtc].<key>``); the tier's own rules (a host budget > 0, a directory for a disk tier) are
+checked here; the rest of the start-up (a usable disk folder, CUDA present for ``device: cuda``, the calibration) is
+the ways in's one start-up, :func:`~dynamo_kvtc.connector.startup.open_tier`, with its rule.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from ... import settings
 from ...errors import ConfigError
 from ...tiers.layouts import page_layouts
-from ..startup import check_device, torch_device
+from ..startup import torch_device
 
 __all__ = ["TIER_TYPE", "WAY", "KvtcTierOptions", "option_error"]
 
@@ -53,7 +54,6 @@ class KvtcTierOptions:
             raise option_error("cpu_cache_gb", "must be > 0 (the tier keeps its blobs there)")
         if opts.disk_bytes > 0 and opts.disk_dir is None:
             raise option_error("disk_cache_dir", "is required when disk_cache_gb > 0")
-        check_device(WAY, opts.device)
         if opts.page_layout != "auto" and opts.page_layout not in page_layouts():  # the registry's, added ones too
             known = ", ".join(("auto", *page_layouts()))
             raise option_error("page_layout", f"must be one of {known} (a registered KV layout with pages)")

@@ -7,7 +7,8 @@ vLLM asks each secondary tier class for its metric definitions (``build_metric_d
 Prometheus metrics, and each tier for an ``OffloadingConnectorStats`` every step (``get_stats``): counter deltas since
 the last call, the latest gauges. Lookups and hits are the scheduler's (vLLM's own ``vllm:kv_offload_*``), so the
 tier carries only the families its store feeds: blocks and bytes offloaded, blocks restored by source, faults, the
-policy's ratio and the host tier's fill."""
+policy's ratio and the host tier's fill; and ``vllm:kvtc_tier_enabled{reason}`` (0 with the reason when the tier serves
+without its store, the start-up rule's runtime limitations)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = ["FAMILIES", "TierStats", "metric_definitions"]
 PREFIX = "vllm:kvtc_"
 FAMILIES = ("offload_blocks", "onboard_blocks", "offload_bytes", "fallbacks")  # the counters a store feeds
 GAUGE_FAMILIES = ("policy_ratio", "host_fill")
+ENABLED = PREFIX + "tier_enabled"  # not KvtcConnector's vllm:kvtc_enabled (no label there): both may share an engine
 
 
 def label_of(name: str) -> str | None:
@@ -38,6 +40,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         out[PREFIX + name] = OffloadingCounterMetadata(COUNTERS[name][0], (label,) if label else ())
     for name in GAUGE_FAMILIES:
         out[PREFIX + name] = OffloadingGaugeMetadata(GAUGES[name])
+    out[ENABLED] = OffloadingGaugeMetadata("1 when the kvtc tier serves, 0 when it serves without its store (the "
+                                           "reason as a label)", ("reason",))  # fmt: skip
     return out
 
 
@@ -61,12 +65,17 @@ class TierStats:
         out.update({("fallbacks", (why,)): n for why, n in c.fallbacks.items()})
         return out
 
-    def take(self) -> OffloadingConnectorStats:
+    def take(self, reason: str = "none") -> OffloadingConnectorStats:
+        """The deltas and gauges, and ``vllm:kvtc_tier_enabled{reason}`` (1 with ``none``; 0 with the reason the tier
+        serves without its store: the start-up rule's limitations)."""
+        stats = OffloadingConnectorStats()
+        stats.set_gauge(ENABLED, float(reason == "none"), (reason,))
+        if self.store is None:
+            return stats
         try:
             now = self.counters()
         except RuntimeError:  # a Counter grew while being read (a job thread): the deltas come next call
             now = self._last
-        stats = OffloadingConnectorStats()
         for (name, labels), v in now.items():
             delta = v - self._last.get((name, labels), 0.0)
             if delta > 0:

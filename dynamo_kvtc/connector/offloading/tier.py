@@ -60,11 +60,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ...calibration.models import EMBEDDED, cache_dir
-from ...errors import ConfigError, KvtcError, TierError, TierFullError
+from ...errors import KvtcError, TierError, TierFullError
 from ...logs import operator_logging
-from ..startup import CodecSpec, Opened, open_tier
+from ..startup import CodecSpec, Opened, StoreSpec, WhyNot, open_tier
 from .layout import ChunkLayout, cpu_offsets, layer_index, resolve_page_layout, torch_dtype
-from .options import WAY, KvtcTierOptions
+from .options import WAY, KvtcTierOptions, option_error
 from .stats import TierStats, metric_definitions
 from .storage import KeyBook, make_store, offload_hash
 
@@ -93,7 +93,8 @@ def served_config(model: str) -> Any | None:
 def open_calibration(opts: KvtcTierOptions, cfg: Any, device: torch.device) -> Opened:
     """The tier's start-up (:func:`~dynamo_kvtc.connector.startup.open_tier`) for vLLM's ``OffloadingConfig``
     ``cfg``: the served model (its config read from ``cfg.model.name``) checked against the calibration, MLA refused
-    (the tier reads K/V pages), the codec built on ``device``; a refusal stops the engine naming the option."""
+    (the tier reads K/V pages), the codec built on ``device``; the start-up rule applied (invalid configuration
+    raises its one-line ConfigError naming the option; a limitation is warned about and returned in ``why_not``)."""
     return open_tier(
         WAY,
         calibration=opts.calibration,
@@ -103,7 +104,9 @@ def open_calibration(opts: KvtcTierOptions, cfg: Any, device: torch.device) -> O
         hf_config=served_config(cfg.model.name),
         serves_mla=False,
         codec=CodecSpec(device, window=opts.chunk_window, tag="deflate"),
-    ).raise_for(WAY)
+        store=StoreSpec(opts.host_bytes, opts.disk_bytes, opts.disk_dir),
+        device=opts.device,
+    ).settle(WAY)
 
 
 # --------------------------------------------------------------------------------------------------------- the tier
@@ -133,20 +136,36 @@ class KvtcSecondaryTier(SecondaryTierManager):
         self.opts = KvtcTierOptions.from_config(options)
         self.locality = Locality(self.opts.locality.upper()) if self.opts.locality else None
         cfg = offloading_spec.config
-        if len(cfg.groups) != 1:
-            raise ConfigError(f"the kvtc tier needs one KV cache group (got {len(cfg.groups)}: hybrid models)")
-        if cfg.parallel.world_size != 1:
-            raise ConfigError(
-                f"the kvtc tier encodes one worker's KV per chunk; this engine has {cfg.parallel.world_size} "
-                "workers (tensor/pipeline parallel): use KvtcConnector for TP"
-            )
+        self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view[:]
+        self._primary: torch.Tensor | None = None
+        self._pool = ThreadPoolExecutor(self.opts.threads, thread_name_prefix="kvtc_tier")
+        self._lock = threading.Lock()
+        self._done: list[JobResult] = []
+        self._futures: set[Future] = set()
+        self._stored_keys: list[OffloadKey] = []
+        self._events = bool(getattr(offloading_spec.kv_events_config, "enable_kv_cache_events", False))
+        self.keys = KeyBook()  # vLLM's keys of the blobs this tier put, and of those that left the store since
+        self.store: Any = None
+        self.disabled: WhyNot | None = None  # a runtime limitation: the tier serves nothing (every lookup a miss)
+        self._stats = TierStats(None)
         self.device = self.opts.torch_device
-        opened = open_calibration(self.opts, cfg, self.device)
+        if len(cfg.groups) != 1:
+            return self._serve_without("model", f"the kvtc tier needs one KV cache group (got {len(cfg.groups)}: "
+                                       "hybrid models)")  # fmt: skip
+        if cfg.parallel.world_size != 1:
+            return self._serve_without("layout", f"the kvtc tier encodes one worker's KV per chunk; this engine has "
+                                       f"{cfg.parallel.world_size} workers (tensor/pipeline parallel): use "
+                                       "KvtcConnector for TP")  # fmt: skip
+        opened = open_calibration(self.opts, cfg, self.device)  # invalid configuration: ConfigError, one line
+        if opened.why_not is not None:  # a limitation, already warned about
+            self.disabled = opened.why_not
+            return
         self.cal, self.codec, self.ratio = opened.calibration, opened.codec, opened.ratio
         fp = self.cal.fingerprint
         dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype not in ("auto", "") else torch_dtype(fp.dtype)
         if dtype.is_floating_point is False or dtype.itemsize == 1:
-            raise ConfigError(f"the kvtc tier encodes 16/32-bit float KV caches, not {dtype}")
+            return self._serve_without("kv_cache_dtype", f"the kvtc tier encodes 16/32-bit float KV caches, not "
+                                       f"{dtype}")  # fmt: skip
         group = cfg.groups[0]
         layers = [layer_index(n) for n in group.layer_names]
         kind = resolve_page_layout(self.opts.page_layout, getattr(cfg, "kv_cache_layout", None))
@@ -165,27 +184,19 @@ class KvtcSecondaryTier(SecondaryTierManager):
             v_offsets=offsets[1],
         )
         if len(layers) != fp.num_layers:
-            raise ConfigError(f"engine has {len(layers)} KV layers, calibration {self.cal.id[:12]} {fp.num_layers}")
+            raise option_error("calibration", f"the engine has {len(layers)} KV layers, calibration "
+                               f"{self.cal.id[:12]} {fp.num_layers}")  # fmt: skip
         if not 0 <= self.block_size_bytes - self.layout.bytes < 4096:  # rows are padded to a page, no more
-            raise ConfigError(
+            raise option_error(
+                "calibration",
                 f"a primary chunk is {self.block_size_bytes} bytes but {len(layers)} layers x {self.layout.bpc} "
                 f"blocks x {group.tokens_per_block} tokens x {fp.num_kv_heads} heads x {fp.head_dim} x K,V x "
                 f"{self.layout.elem} bytes make {self.layout.bytes}: calibration {self.cal.id[:12]} is not for "
                 "this model"
             )
         self.store = make_store(self.cal, self.opts, self.device, self.layout.tokens, float(self.codec.ratio))
-        self._flat = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view[:]
         # the primary tier's rows as one uint8 tensor (no copy): [num_chunks, chunk bytes]
-        self._primary: torch.Tensor | None = torch.frombuffer(self._flat, dtype=torch.uint8).view(
-            -1, self.block_size_bytes
-        )
-        self._pool = ThreadPoolExecutor(self.opts.threads, thread_name_prefix="kvtc_tier")
-        self._lock = threading.Lock()
-        self._done: list[JobResult] = []
-        self._futures: set[Future] = set()
-        self._stored_keys: list[OffloadKey] = []
-        self._events = bool(getattr(offloading_spec.kv_events_config, "enable_kv_cache_events", False))
-        self.keys = KeyBook()  # vLLM's keys of the blobs this tier put, and of those that left the store since
+        self._primary = torch.frombuffer(self._flat, dtype=torch.uint8).view(-1, self.block_size_bytes)
         self.store.listeners.append(self.keys)
         self._stats = TierStats(self.store)
         log.info(
@@ -201,10 +212,15 @@ class KvtcSecondaryTier(SecondaryTierManager):
             self.opts.disk_bytes / (1 << 30),
         )
 
+    def _serve_without(self, reason: str, message: str) -> None:
+        """A runtime limitation found here (the start-up rule: one WARNING line, every lookup a miss, every job
+        reported failed, ``vllm:kvtc_tier_enabled{reason}`` 0)."""
+        self.disabled = Opened(why_not=WhyNot(reason, "", message)).settle(WAY).why_not
+
     # ------------------------------------------------------------------ scheduler-facing hooks (non-blocking)
     def holds(self, key: OffloadKey) -> bool:
         """Whether the tier holds chunk ``key`` (host or disk)."""
-        return self.store.match([offload_hash(key)]) == 1
+        return self.store is not None and self.store.match([offload_hash(key)]) == 1
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return LookupResult.HIT if self.holds(key) else LookupResult.MISS
@@ -214,7 +230,7 @@ class KvtcSecondaryTier(SecondaryTierManager):
 
     def touch(self, keys, req_context: ReqContext) -> None:
         """Mark held chunks most recently used in the host tier (a zero-copy lease taken and given back)."""
-        for key in keys:
+        for key in keys if self.store is not None else ():
             blob_id = self.store.blob_of(offload_hash(key))
             lease = self.store.host.lease(blob_id) if blob_id is not None else None
             if lease is not None:
@@ -230,6 +246,8 @@ class KvtcSecondaryTier(SecondaryTierManager):
         """Queue a job; a job that cannot even be queued (bad metadata, the tier shut down) is reported failed at
         once: every job vLLM submits is reported exactly once by :meth:`get_finished_jobs`."""
         try:
+            if self.disabled is not None:
+                raise TierError(f"the kvtc tier serves without its store ({self.disabled.reason})")
             keys = list(meta.keys)
             job = _Job(meta.job_id, keys, [int(c) for c in meta.chunk_ids])
             if positions:
@@ -280,7 +298,8 @@ class KvtcSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)  # every queued job still runs and reports
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         self._primary = None  # drop the tensor over the primary's memory, then the view, so vLLM can unmap it
         import gc
 
@@ -297,11 +316,13 @@ class KvtcSecondaryTier(SecondaryTierManager):
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """The store's counter deltas since the last call and its gauges (:class:`.stats.TierStats`)."""
-        return self._stats.take()
+        return self._stats.take(self.disabled.reason if self.disabled is not None else "none")
 
     def snapshot(self) -> dict[str, Any]:
         """The store's snapshot (:meth:`KvtcStore.snapshot`: the :class:`~dynamo_kvtc.tiers.stats.StoreStats`
         counters and the tiers' contents; one chunk is one block) and ``ratio``, raw / stored bytes offloaded."""
+        if self.store is None:  # serving without its store (a runtime limitation)
+            return {"enabled": False, "reason": self.disabled.reason if self.disabled else "none"}
         s = self.store.snapshot()
         s["ratio"] = s["offload_raw_bytes"] / s["offload_stored_bytes"] if s["offload_stored_bytes"] else None
         return s

@@ -41,7 +41,7 @@ from ...errors import KvtcError
 from ...logs import operator_logging
 from ...tiers.layouts import detect_layout
 from ...tiers.layouts.cpu import probe_cpu_offsets
-from ..config import ConnectorConfig
+from ..config import ConnectorConfig, from_environment
 from ..kv_events import EventCollector, EventQueue, KvtcKVEvents
 from .guard import shielded
 from .lookup import LazyLookup
@@ -217,6 +217,7 @@ class KvtcConnector(KVConnectorBase_V1):
                 listeners=(self._event_queue,) if self.cfg.publish_events else (),
                 kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
                 refusal=failure_policy_refusal(tc, engine_transfer_config(), self.cfg.load_failure_policy),
+                from_env=from_environment(tc.kv_connector_extra_config),
             )
             if tp_rank == 0:  # one rank's view, like the kvtc_* endpoint
                 self._stats = StatsReporter(self._worker)

@@ -36,13 +36,13 @@ import torch
 
 from ...calibration.mla import is_mla
 from ...codec.fp8 import kv_format
-from ...errors import KvtcError, TierError
+from ...errors import ConfigError, KvtcError, TierError
 from ...tiers.layout import PagedKV
 from ...tiers.layouts import detect_layout
 from ...tiers.store import KvtcStore, OnboardHandle
 from ..config import ConnectorConfig
 from ..host_memory import host_memory_limit, host_memory_warning
-from ..startup import Refusal, open_tier
+from ..startup import Refusal, StoreSpec, open_tier
 from .services import WorkerServices
 from .step_plan import LoadOp, SaveOp, StepPlan
 from .tensor_parallel import agree_start, open_group, rank_tiers
@@ -101,6 +101,7 @@ class KvtcWorker:
         listeners: tuple = (),
         kv_cache_dtype: str = "auto",
         refusal: str | None = None,
+        from_env: frozenset[str] = frozenset(),
     ) -> None:
         self.cfg = config
         self.engine_id = engine_id
@@ -126,6 +127,7 @@ class KvtcWorker:
         self.services = WorkerServices(config, engine_id, self.stats)  # rank 0: lookup, hand-off server, metrics
         self.listeners = tuple(listeners)  # store listeners (vLLM KV events)
         self.refusal = refusal  # why the engine cannot be trusted to recompute a failed restore (None: it can)
+        self.from_env = from_env  # the settings a DYN_KVTC_* variable set (start-up errors name the variable)
 
     @property
     def lookup_server(self) -> Any:
@@ -145,11 +147,14 @@ class KvtcWorker:
         return self.services.metrics_port
 
     # ------------------------------------------------------------------ setup
-    def _disable(self, why: str, reason: str = "error") -> None:
+    def _disable(self, why: str, reason: str = "error", logged: bool = False) -> None:
+        """Serve without the tier (a runtime limitation): every lookup a miss; one WARNING line (``logged``: the
+        start-up rule, :meth:`~dynamo_kvtc.connector.startup.Opened.settle`, wrote it)."""
         self.disabled = why
         self.disabled_reason = reason
         self.stats["fallback_disabled"] += 1
-        log.error("KvtcConnector disabled (%s), every request recomputes: %s", reason, why)
+        if not logged:
+            log.warning("KvtcConnector disabled (%s), every request recomputes: %s", reason, why)
         if self.tp_rank == 0:  # lookups still answered (always a miss); kvtc_enabled 0 and the reason scrapeable
             self.services.start(self, None)
 
@@ -157,10 +162,12 @@ class KvtcWorker:
         """``offsets``: (k, v) element orders inside a CPU-layout block (see :class:`PagedKV`); ``scales``: an FP8
         cache's ``{layer name: (k_scale, v_scale)}`` (None: 1.0, vLLM's default). The start-up checks are
         :func:`~dynamo_kvtc.connector.startup.open_tier`'s (this worker's KV cache checks run inside it, after the
-        model's family is decided and before the calibration is opened)."""
+        model's family is decided and before the calibration is opened). The start-up rule: invalid configuration
+        raises its one-line ConfigError (the engine stops), a runtime limitation disables the connector."""
         tp = open_group(self.tp_rank, self.tp_size)  # every rank, now: the joint codec's collectives run on it
         found: dict[str, Any] = {}
-        stage, voted = "failure_policy", False
+        stage, voted, settled = "failure_policy", False, False
+        stop: ConfigError | None = None
         try:
             if self.refusal is not None:  # the engine would fail a request on a failed restore (connector.py)
                 raise TierError(self.refusal)
@@ -175,9 +182,15 @@ class KvtcWorker:
                 tp_size=self.tp_size,
                 tp=tp,
                 engine=lambda fp: self._engine_kv(kv_caches, offsets, scales, fp, found),
+                store=StoreSpec(self.cfg.tiers.host_bytes, self.cfg.tiers.disk_bytes, self.cfg.tiers.disk_dir),
             )
             if opened.why_not is not None:
                 stage = opened.why_not.reason
+                try:
+                    opened.settle("extra", self.from_env)  # invalid configuration raises; a limitation warns
+                    settled = True
+                except ConfigError as e:
+                    stop = e
                 raise TierError(opened.why_not.message)
             kv, names, cal = found["kv"], found["names"], opened.calibration
             self.cfg = replace(self.cfg, tiers=self.cfg.tiers.with_(ratio=opened.ratio))  # `auto` resolved
@@ -198,7 +211,9 @@ class KvtcWorker:
             if not voted:
                 with suppress(KvtcError):
                     agree_start(tp, None)  # the other ranks wait for this rank's vote
-            self._disable(str(e), stage)
+            if stop is not None:
+                raise stop from None  # invalid configuration: the engine stops with the one line
+            self._disable(str(e), stage, logged=settled)
             return
         self.layers = {n: i for i, n in enumerate(names)}
         self.store = store
@@ -246,10 +261,10 @@ class KvtcWorker:
         if fp is None:
             return None
         if self.tp_size == 1 and kv.num_heads != fp.total_kv_heads:
-            raise Refusal("calibration", "", f"engine KV cache has {kv.num_heads} heads, the model config "
+            raise Refusal("layout", "", f"engine KV cache has {kv.num_heads} heads, the model config "
                           f"{fp.total_kv_heads}")  # fmt: skip
         if kv.head_dim != fp.head_dim or kv.num_layers != fp.num_layers:
-            raise Refusal("calibration", "", f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
+            raise Refusal("layout", "", f"engine KV cache is {kv.num_layers} layers x head_dim {kv.head_dim}, "
                           f"the model config {fp.num_layers} x {fp.head_dim}")  # fmt: skip
         return replace(fp, num_kv_heads=kv.num_heads)
 
