@@ -42,7 +42,7 @@ def _store(cal, lower: type[MemTier], lower_bytes: int) -> tuple[KvtcStore, Even
 
 
 def _wire(events: list) -> list:
-    """The events as vLLM's KV event stream sends them (msgpack, array-like, tagged) and as a subscriber decodes them."""
+    """The events as vLLM's KV event stream sends them (msgpack, array-like, tagged) and a subscriber decodes them."""
     payload = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))
     return msgspec.msgpack.Decoder(KVEventBatch).decode(payload).events
 
