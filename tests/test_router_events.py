@@ -3,11 +3,20 @@
 A real store chains the host tier and a tier named ``pool`` (the tests' in-memory tier under that name: the event path
 knows tiers by name only); the store's real offloads demote blobs into it and evict them out of it, and the connector's
 :class:`EventQueue` turns those moves into vLLM ``BlockStored`` / ``BlockRemoved`` events, checked as vLLM's
-``KVEventBatch`` wire bytes (what dynamo.vllm relays to the router) decode."""
+``KVEventBatch`` wire bytes (what dynamo.vllm relays to the router) decode, and as Dynamo 1.6.1's own KV indexer
+(``python -m dynamo.indexer``, subscribed to two workers' event streams) counts them."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -139,3 +148,118 @@ def test_tier_events_need_the_blocks_tokens(tokens_known):
         assert q.take() is None
     else:
         assert batch is None and q.unpublished == 3
+
+
+# ------------------------------------------------------------------ what Dynamo 1.6.1's own indexer does with them
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Indexer:
+    """Dynamo's standalone KV indexer (``python -m dynamo.indexer``, the router's indexer as a service) subscribed to
+    the vLLM KV event streams of two workers, which this test publishes as vLLM's ZMQ publisher does."""
+
+    def __init__(self, tmp_path) -> None:
+        import zmq
+
+        self.http = _free_port()
+        self.ctx = zmq.Context()
+        self.pubs, self.seq, workers = {}, {}, []
+        for wid in (1, 2):
+            port = _free_port()
+            self.pubs[wid] = self.ctx.socket(zmq.PUB)
+            self.pubs[wid].bind(f"tcp://127.0.0.1:{port}")
+            self.seq[wid] = 0
+            workers.append(f"{wid}=tcp://127.0.0.1:{port}")
+        self.log = open(tmp_path / "indexer.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo.indexer", "--block-size", str(BS), "--port", str(self.http),
+             "--threads", "1", "--model-name", "m", "--workers", ",".join(workers)],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        end = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.http}/health", timeout=1)
+                break
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < end, "dynamo.indexer did not start"
+                time.sleep(0.2)
+        time.sleep(1.0)  # the listeners' SUB sockets connect after the server is up
+
+    def publish(self, wid: int, events: list) -> None:
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events))
+        self.pubs[wid].send_multipart([b"", self.seq[wid].to_bytes(8, "big"), payload])
+        self.seq[wid] += 1
+
+    def query(self, tokens: list[int]) -> dict:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.http}/query",
+            data=json.dumps({"token_ids": tokens, "model_name": "m"}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["instances"]
+
+    def settle(self, tokens: list[int], want: Callable[[dict], bool]) -> dict:
+        end = time.monotonic() + 20
+        while True:
+            got = self.query(tokens)
+            if want(got) or time.monotonic() > end:
+                return got
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+        self.log.close()
+        for s in self.pubs.values():
+            s.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def indexer(tmp_path):
+    if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
+        pytest.skip("needs ai-dynamo 1.6.1 (its standalone KV indexer)")
+    ix = _Indexer(tmp_path)
+    yield ix
+    ix.close()
+
+
+def test_dynamo_indexer_counts_pool_blocks_for_the_worker_whose_stream_carries_them(indexer):
+    """The router's own indexer (Dynamo 1.6.1): worker 1's host-tier blocks (CPU) count in its ``cpu`` column and its
+    pool blocks (EXTERNAL) in its lower-tier column; the same pool events marked REMOTE on worker 2's stream are
+    dropped; published on worker 2's stream as they are, they count for worker 2 too. So a block counts for exactly
+    the workers whose event streams carry it (docs/cluster.md: what the router cannot express)."""
+    toks = list(range(100, 100 + 6 * BS))
+    keys = chain(block_hashes(toks, BS), None)
+    q = EventQueue(BS)
+    q.stored(keys[:4], toks[: 4 * BS], None)  # four blocks into this worker's host tier
+    q.stored_in("pool", keys[:3])  # three of them reach the pool
+    events = q.take().get_all_events()
+    pooled = [e for e in events if e.medium == MEDIUM_SHARED]
+    assert [h for e in pooled for h in e.block_hashes] == [router_hash(k) for k in keys[:3]]
+
+    own = [e for e in events if e.medium == MEDIUM]
+    # the indexer's per-worker summary: `cpu` = leading tokens in the host tier, `disk` = leading tokens in the host
+    # tier or any tier below it (External included), `gpu` = on the device
+    indexer.publish(1, pooled)
+    indexer.publish(2, [msgspec.structs.replace(e, locality="REMOTE") for e in pooled])
+    got = indexer.settle(toks, lambda g: g.get("1", {}).get("disk") == 3 * BS)
+    assert got["1"]["disk"] == 3 * BS and got["1"]["cpu"] == 0 and got["1"]["gpu"] == 0  # EXTERNAL: a lower tier
+    assert "2" not in got  # marked REMOTE: dropped by Dynamo 1.6.1
+
+    indexer.publish(2, pooled)  # the pool's blocks on worker 2's own stream: they count for worker 2 too
+    got = indexer.settle(toks, lambda g: g.get("2", {}).get("disk") == 3 * BS)
+    assert got["2"]["disk"] == 3 * BS and got["2"]["cpu"] == 0
+
+    indexer.publish(1, own)  # worker 1's host-tier blocks (CPU): its host tier column
+    got = indexer.settle(toks, lambda g: g.get("1", {}).get("cpu") == 4 * BS)
+    assert got["1"]["cpu"] == 4 * BS and got["2"]["cpu"] == 0
+
+    indexer.publish(2, [BlockRemoved(block_hashes=[router_hash(keys[2])], medium=MEDIUM_SHARED)])
+    got = indexer.settle(toks, lambda g: g.get("2", {}).get("disk") == 2 * BS)
+    assert got["2"]["disk"] == 2 * BS  # a block leaving the pool leaves the worker's count
