@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,7 +29,9 @@ MEDIUM = "CPU"  # the compressed tiers live in host memory (and on local disk be
 # ``locality``: Dynamo 1.6 drops events marked REMOTE (it has no shared index yet), so they stay this worker's.
 SHARED_TIERS = frozenset({"pool"})
 MEDIUM_SHARED = "EXTERNAL"
-REMEMBERED_BLOCKS = 1 << 16  # blocks whose tokens are kept for a later tier event (a write-through put lands later)
+# Blocks whose tokens are kept for a later tier event (a write-through put lands shortly after the save), as 4-byte
+# token ids: about 0.2 KB a block of 32 tokens with its entry, so a few MB at most.
+REMEMBERED_BLOCKS = 1 << 15
 
 
 class KvtcKVEvents(KVConnectorKVEvents):
@@ -71,12 +74,11 @@ class EventQueue:
         self.block_size = block_size
         self.events: list = []
         # block key -> (its tokens, its parent's key), for the blocks stored lately: a tier event names keys only
-        self._tokens: OrderedDict[int, tuple[tuple[int, ...], int | None]] = OrderedDict()
+        self._tokens: OrderedDict[int, tuple[array, int | None]] = OrderedDict()
         self._shared: set[int] = set()  # block keys published as in a shared tier (not yet removed)
         self.unpublished = 0  # shared-tier blocks whose tokens were not known here (the router needs them)
 
     def stored(self, hashes, token_ids, parent) -> None:
-        self._remember(hashes, token_ids, parent)
         self.events.append(
             BlockStored(
                 block_hashes=[router_hash(h) for h in hashes],
@@ -88,6 +90,7 @@ class EventQueue:
                 lora_name=None,
             )
         )
+        self._remember(hashes, token_ids, parent)
 
     def removed(self, hashes) -> None:
         self.events.append(BlockRemoved(block_hashes=[router_hash(h) for h in hashes], medium=MEDIUM))
@@ -124,7 +127,7 @@ class EventQueue:
         if not run:
             return
         parent = self._tokens[run[0]][1]
-        tokens = [t for h in run for t in self._tokens[h][0]]
+        tokens = [t for h in run for t in self._tokens[h][0].tolist()]
         self._shared.update(run)
         self.events.append(
             BlockStored(
@@ -144,7 +147,11 @@ class EventQueue:
             return  # stored without tokens (the vLLM kvtc tier's chunks): nothing to publish a tier event with
         prev = parent
         for i, h in enumerate(hashes):
-            self._tokens[h] = (tuple(token_ids[i * bs : (i + 1) * bs]), prev)
+            try:
+                toks = array("I", token_ids[i * bs : (i + 1) * bs])
+            except (OverflowError, TypeError):  # not token ids the router could hash either
+                return
+            self._tokens[h] = (toks, prev)
             self._tokens.move_to_end(h)
             prev = h
         while len(self._tokens) > REMEMBERED_BLOCKS:
