@@ -263,3 +263,26 @@ def test_dynamo_indexer_counts_pool_blocks_for_the_worker_whose_stream_carries_t
     indexer.publish(2, [BlockRemoved(block_hashes=[router_hash(keys[2])], medium=MEDIUM_SHARED)])
     got = indexer.settle(toks, lambda g: g.get("2", {}).get("disk") == 2 * BS)
     assert got["2"]["disk"] == 2 * BS  # a block leaving the pool leaves the worker's count
+
+
+def test_pool_events_pass_the_scheduler_side_and_carry_the_adapter():
+    """The scheduler's EventCollector hands the pool's events to vLLM's stream as it does the others: one event for
+    the TP group when every worker reported it, stamped with the LoRA adapter of its request (the router hashes with
+    the adapter's name)."""
+    from dynamo_kvtc.connector.kv_events import EventCollector
+
+    toks = list(range(7, 7 + 2 * BS))
+    keys = chain(block_hashes(toks, BS), None)
+    batches = []
+    for _ in range(2):  # two TP workers, each with its own store and queue, saw the same blocks reach the pool
+        q = EventQueue(BS)
+        q.stored(keys, toks, None)
+        q.stored_in("pool", keys)
+        batches.append(q.take())
+    col = EventCollector(lambda h: (3, "adapter-3") if h == router_hash(keys[0]) else None)
+    col.add(type("Out", (), {"kv_cache_events": batches[0]})())
+    col.add(type("Out", (), {"kv_cache_events": batches[1]})())
+    events = list(col.take())
+    pooled = [e for e in events if e.medium == MEDIUM_SHARED]
+    assert len(pooled) == 1 and pooled[0].block_hashes == [router_hash(k) for k in keys]
+    assert (pooled[0].lora_id, pooled[0].lora_name) == (3, "adapter-3")
