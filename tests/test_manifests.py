@@ -27,7 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFEST_DIR = ROOT / "manifests"
 CRD = MANIFEST_DIR / "crds" / "nvidia.com_dynamographdeployments.yaml"
 MANIFESTS = sorted(MANIFEST_DIR.glob("*.yaml"))
-EXPECTED = {"agg-kvtc.yaml", "agg-kvtc-tp2.yaml", "disagg-kvtc-prefill.yaml", "disagg-kvtc-transfer.yaml"}
+EXPECTED = {
+    "agg-kvtc.yaml",
+    "agg-kvtc-tp2.yaml",
+    "disagg-kvtc-prefill.yaml",
+    "disagg-kvtc-transfer.yaml",
+    "agg-kvtc-pool.yaml",
+    "disagg-kvtc-pool.yaml",
+}
 
 KVTC = "KvtcConnector"
 KVTC_MODULE = "dynamo_kvtc.connector.vllm"
@@ -38,6 +45,21 @@ PROCESS_BASELINE_GIB = 16
 # The connector's own settings and the types a JSON value may have for each (from the settings table).
 _KIND_TYPES = {"gb": (int, float), "float": (int, float), "int": int, "bool": bool, "path": str, "str": str}
 EXTRA_KEYS = {s.key: _KIND_TYPES[s.type] for s in SETTINGS if s.extra}
+# The cluster pool's settings rows as agreed between the pool tier and its manifests (docs/cluster.md), with the types
+# a JSON value may have; where the settings table already carries a row, the table's type wins.
+POOL_KEYS = {
+    "pool_master": str,
+    "pool_metadata_server": str,
+    "pool_segment_gb": (int, float),
+    "pool_replicas": int,
+    "pool_protocol": str,
+    "pool_device": str,
+    "pool_timeout_s": (int, float),
+    "pool_queue_mb": int,
+    "pool_insecure": bool,
+}
+EXTRA_KEYS = {**POOL_KEYS, **EXTRA_KEYS}
+POOL_ROWS = {s.key for s in SETTINGS} >= set(POOL_KEYS)  # the table carries the pool's rows (the pool tier is in)
 COMPONENT_TYPES = {"frontend", "worker", "planner"}
 SUB_COMPONENT_TYPES = {"prefill", "decode"}
 CALIBRATIONS = "/opt/dynamo_kvtc/calibrations/"
@@ -303,6 +325,7 @@ def check_memory(doc: dict) -> list[str]:
     for name, s in workers(doc):
         for e in kvtc_entries(kv_config(s)):
             host = float(setting(s, e, "cpu_cache_gb") or 0) * GIB
+            host += float(setting(s, e, "pool_segment_gb") or 0) * GIB  # the segment it contributes to the pool
             res = s.get("resources", {})
             try:
                 req = quantity(res["requests"]["memory"])
@@ -510,6 +533,8 @@ def test_settings_are_accepted_by_the_connector():
             for name, s in workers(doc):
                 for e in kvtc_entries(kv_config(s)):
                     extra = e.get("kv_connector_extra_config", {})
+                    if not POOL_ROWS:  # before the pool tier's rows exist the connector refuses their keys
+                        extra = {k: v for k, v in extra.items() if k not in POOL_KEYS}
                     variables = {k: v.get("value", "10.1.2.3") for k, v in env(s).items() if k.startswith("DYN_KVTC_")}
                     c = cfgmod.ConnectorConfig.from_sources(extra, env=variables)
                     assert c.tiers.host_bytes == extra["cpu_cache_gb"] * GIB, name
@@ -518,7 +543,8 @@ def test_settings_are_accepted_by_the_connector():
                     if c.transfer == "prefill":
                         assert c.transfer_host == "10.1.2.3"  # from the downward API, not the 127.0.0.1 default
                     seen += 1
-    assert seen == 5  # agg, agg TP=2, the two disaggregated prefill workers and the decode worker with hand-off
+    # agg, agg TP=2, the two disaggregated prefill workers, the decode worker with hand-off, and the two pool workers
+    assert seen == 7
 
 
 # ---------------------------------------------------------------------------------------------------------- negative

@@ -1,7 +1,10 @@
 """The compressed tiers' blocks as vLLM KV cache events, the one path by which Dynamo's router hears of them.
 
 - :class:`EventQueue` (worker) turns the store's stored/removed notifications into vLLM ``BlockStored`` /
-  ``BlockRemoved`` events (medium ``CPU``), which vLLM's KV event stream carries to Dynamo's router;
+  ``BlockRemoved`` events (medium ``CPU``), which vLLM's KV event stream carries to Dynamo's router; blocks that
+  enter or leave a tier every worker of the cluster reads (:data:`SHARED_TIERS`: the ``pool``) are published once
+  more, with medium ``EXTERNAL`` (Dynamo's ``External`` storage tier), so the router can tell "in this worker's host
+  memory" from "in the cluster's pool" (docs/cluster.md: what Dynamo's router can and cannot do with them);
   :class:`EventCollector` (scheduler) aggregates the TP workers' batches of one step and stamps the LoRA adapter of
   the blocks that belong to a LoRA request (the worker's store knows hashes only; the scheduler knows the adapter),
   so Dynamo's router hashes them with the adapter's name as vLLM's own events do.
@@ -9,7 +12,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -18,6 +23,15 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVE
 from ..tiers.keys import router_hash
 
 MEDIUM = "CPU"  # the compressed tiers live in host memory (and on local disk behind it)
+# Tiers whose blobs every worker of the cluster can restore, by the name they register under, and the medium their
+# blocks are published with: "EXTERNAL" is the wire name of Dynamo's StorageTier::External (its router maps
+# EXTERNAL / NETWORK / REMOTE / SHARED there, and drops an event whose medium it does not know). The events carry no
+# ``locality``: Dynamo 1.6 drops events marked REMOTE (it has no shared index yet), so they stay this worker's.
+SHARED_TIERS = frozenset({"pool"})
+MEDIUM_SHARED = "EXTERNAL"
+# Blocks whose tokens are kept for a later tier event (a write-through put lands shortly after the save), as 4-byte
+# token ids: about 0.2 KB a block of 32 tokens with its entry, so a few MB at most.
+REMEMBERED_BLOCKS = 1 << 15
 
 
 class KvtcKVEvents(KVConnectorKVEvents):
@@ -59,6 +73,10 @@ class EventQueue:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.events: list = []
+        # block key -> (its tokens, its parent's key), for the blocks stored lately: a tier event names keys only
+        self._tokens: OrderedDict[int, tuple[array, int | None]] = OrderedDict()
+        self._shared: set[int] = set()  # block keys published as in a shared tier (not yet removed)
+        self.unpublished = 0  # shared-tier blocks whose tokens were not known here (the router needs them)
 
     def stored(self, hashes, token_ids, parent) -> None:
         self.events.append(
@@ -72,9 +90,72 @@ class EventQueue:
                 lora_name=None,
             )
         )
+        self._remember(hashes, token_ids, parent)
 
     def removed(self, hashes) -> None:
         self.events.append(BlockRemoved(block_hashes=[router_hash(h) for h in hashes], medium=MEDIUM))
+
+    def stored_in(self, tier: str, hashes: Sequence[int]) -> None:
+        """Blocks entered tier ``tier``: for a shared tier, BlockStored events (medium EXTERNAL), one per run of
+        consecutive blocks whose tokens were stored here; blocks already published as in the tier are not again."""
+        if tier not in SHARED_TIERS:
+            return
+        run: list[int] = []
+        for h in hashes:
+            known = self._tokens.get(h)
+            if h in self._shared or known is None:
+                self.unpublished += known is None and h not in self._shared
+                self._publish_run(run)
+                run = []
+                continue
+            if run and known[1] != run[-1]:
+                self._publish_run(run)
+                run = []
+            run.append(h)
+        self._publish_run(run)
+
+    def removed_from(self, tier: str, hashes: Sequence[int]) -> None:
+        """Blocks left tier ``tier``: for a shared tier, a BlockRemoved (medium EXTERNAL) of those published."""
+        if tier not in SHARED_TIERS:
+            return
+        gone = [h for h in hashes if h in self._shared]
+        if gone:
+            self._shared.difference_update(gone)
+            self.events.append(BlockRemoved(block_hashes=[router_hash(h) for h in gone], medium=MEDIUM_SHARED))
+
+    def _publish_run(self, run: list[int]) -> None:
+        if not run:
+            return
+        parent = self._tokens[run[0]][1]
+        tokens = [t for h in run for t in self._tokens[h][0].tolist()]
+        self._shared.update(run)
+        self.events.append(
+            BlockStored(
+                block_hashes=[router_hash(h) for h in run],
+                parent_block_hash=None if parent is None else router_hash(parent),
+                token_ids=tokens,
+                block_size=self.block_size,
+                lora_id=None,
+                medium=MEDIUM_SHARED,
+                lora_name=None,
+            )
+        )
+
+    def _remember(self, hashes, token_ids, parent) -> None:
+        bs = self.block_size
+        if len(token_ids) < bs * len(hashes):
+            return  # stored without tokens (the vLLM kvtc tier's chunks): nothing to publish a tier event with
+        prev = parent
+        for i, h in enumerate(hashes):
+            try:
+                toks = array("I", token_ids[i * bs : (i + 1) * bs])
+            except (OverflowError, TypeError):  # not token ids the router could hash either
+                return
+            self._tokens[h] = (toks, prev)
+            self._tokens.move_to_end(h)
+            prev = h
+        while len(self._tokens) > REMEMBERED_BLOCKS:
+            self._tokens.popitem(last=False)
 
     def take(self) -> KvtcKVEvents | None:
         """This step's events as vLLM's connector event batch (None when there are none)."""

@@ -1,5 +1,7 @@
 """The block index: which blob holds each stored block, the metadata of every indexed blob, and the listeners told
-when blocks become available or go away (the connector's KV events)."""
+when blocks become available or go away (the connector's KV events), and in which tier
+(:meth:`BlockIndex.announce_tier`: a tier every worker of a cluster reads, such as the ``pool``, is published to the
+router apart from this worker's own)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ class BlockIndex:
     """Sequence hash -> (blob id, block in blob), and blob id -> :class:`BlobMeta`, under its own lock.
 
     Owns the mapping and the listener list (objects with ``stored(hashes, token_ids, parent)`` and
-    ``removed(hashes)``); a failing listener is logged and counted (``listener_errors``), never raised. It never reads
-    or writes blob bytes and never knows which tier holds a blob: callers ask the tiers."""
+    ``removed(hashes)``, and optionally ``stored_in(tier, hashes)`` / ``removed_from(tier, hashes)``: a blob's blocks
+    entered or left the named tier); a failing listener is logged and counted (``listener_errors``), never raised. It
+    never reads or writes blob bytes and never knows which tier holds a blob: callers ask the tiers, and whoever moves
+    a blob into or out of a tier (the placement, a write-through tier) says so through :meth:`announce_tier`."""
 
     def __init__(self, stats: StoreStats) -> None:
         self._lock = threading.RLock()
@@ -51,8 +55,17 @@ class BlockIndex:
     def announce_stored(self, hashes: Sequence[int], token_ids: Sequence[int], parent: int | None) -> None:
         self._notify("stored", list(hashes), list(token_ids), parent)
 
-    def _notify(self, what: str, *args: Any) -> None:
+    def announce_tier(self, what: str, tier: str, hashes: Sequence[int]) -> None:
+        """Blocks ``hashes`` (one blob's) were ``"stored"`` in or ``"removed"`` from the tier named ``tier``; told to
+        the listeners that have ``stored_in`` / ``removed_from`` (others do not hear of tiers)."""
+        if what not in ("stored", "removed"):
+            raise ValueError(f"announce_tier: {what!r} is neither 'stored' nor 'removed'")
+        self._notify("stored_in" if what == "stored" else "removed_from", tier, list(hashes), optional=True)
+
+    def _notify(self, what: str, *args: Any, optional: bool = False) -> None:
         for listener in list(self.listeners):
+            if optional and not hasattr(listener, what):
+                continue
             try:
                 getattr(listener, what)(*args)
             except Exception as e:  # a listener never breaks the data path

@@ -29,8 +29,10 @@ class Placement:
     (``<tier>_admission_dropped``). A read walks the chain and promotes a hit into the first tier. A blob that cannot
     be used is dropped from every tier. The transit lock covers a put and the moves it causes, so a reader that misses
     a blob in every tier waits for the move and looks once more. Owns that lock and the use counts; a blob leaving the
-    chain is reported through one hook, ``on_gone(blob_id)`` (the index's ``remove``). Tiers keep a blob's meta as
-    the plain map :meth:`BlobMeta.to_dict` gives. It never encodes or decodes, and never decides what to store."""
+    chain is reported through one hook, ``on_gone(blob_id)`` (the index's ``remove``); a blob entering or leaving a
+    tier through the placement is told to the index's tier listeners (:meth:`BlockIndex.announce_tier`). Tiers keep
+    a blob's meta as the plain map :meth:`BlobMeta.to_dict` gives. It never encodes or decodes, and never decides
+    what to store."""
 
     def __init__(
         self,
@@ -92,6 +94,7 @@ class Placement:
                 self.index.add(meta)
                 self._uses[blob_id] = self._admits(i)  # it was admitted to this tier before the restart
                 st.recovered_blobs += 1
+                self.index.announce_tier("stored", tier.name, meta.hashes)
 
     def where(self, blob_id: str) -> str | None:
         """The name of the fastest tier holding the blob, or None."""
@@ -115,10 +118,13 @@ class Placement:
 
     def _store(self, i: int, blob_id: str, blob: Any, rec: dict) -> None:
         """Put into tier i; its victims go down the chain."""
-        evicted = self.tiers[i].put(blob_id, blob, rec, keep_evicted=i + 1 < len(self.tiers))
-        st = self.stats.tier(self.tiers[i].name)
+        tier = self.tiers[i]
+        evicted = tier.put(blob_id, blob, rec, keep_evicted=i + 1 < len(self.tiers))
+        self.index.announce_tier("stored", tier.name, _hashes(rec))
+        st = self.stats.tier(tier.name)
         for ev in evicted:
             st.evictions += 1
+            self.index.announce_tier("removed", tier.name, _hashes(ev.meta))
             self._spill(i + 1, ev.blob_id, ev.blob, ev.meta)
 
     def _spill(self, i: int, blob_id: str, blob: Any, rec: Any, admit: bool = True) -> None:
@@ -157,6 +163,7 @@ class Placement:
             finally:
                 view.release()
             first.discard(blob_id)
+            self.index.announce_tier("removed", first.name, _hashes(rec))
             self._spill(1, blob_id, data, rec, admit=False)
             return True
 
@@ -165,7 +172,10 @@ class Placement:
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
         self.stats.blobs_dropped += 1
         for tier in self.tiers:
+            rec = tier.meta(blob_id)
             tier.discard(blob_id)
+            if rec is not None:
+                self.index.announce_tier("removed", tier.name, _hashes(rec))
         self._gone(blob_id)
 
     # ------------------------------------------------------------------ reads
@@ -211,3 +221,8 @@ class Placement:
             return view.tobytes()
         finally:
             view.release()
+
+
+def _hashes(rec: Any) -> list[int]:
+    """The block hashes a tier's record of a blob names (none when the record is not a map)."""
+    return list(rec.get("hashes", ())) if isinstance(rec, Mapping) else []
