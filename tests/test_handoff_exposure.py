@@ -191,3 +191,70 @@ def test_a_holder_of_the_decode_agents_metadata_reads_zeros_and_cannot_change_wh
             assert again.ok and expect.check(hashes, 0, again.k, again.v) == (0, 0)
     finally:
         close_store(dst)
+
+
+def _outcome(third, target: tuple[int, int], peer: str) -> str:
+    """What a READ of ``target`` through the metadata ``third`` holds gives: ``refused`` (NIXL or the transport
+    failed it), ``zeros``, or ``data``."""
+    seen = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+    try:
+        _third_party(third, "READ", seen, target, peer)
+    except TransferError:
+        return "refused"
+    return "zeros" if int(seen.count_nonzero()) == 0 else "data"
+
+
+def _extent(reply: dict) -> tuple[int, int]:
+    """(address, length) of what a fetch reply's lease staged: its first blob's start to its last blob's end."""
+    descs = [d for b in reply["blobs"] for d in b["descs"]]
+    return descs[0][0], descs[-1][0] + descs[-1][1] - descs[0][0]
+
+
+def test_a_prefill_grant_reaches_its_own_lease_alone_and_nothing_once_it_ended(world):
+    """Issue 36 hole 1, the prefill side: the metadata a fetch reply carries names that lease's staging extent alone.
+    A third agent holding lease A's metadata reads lease A's blobs while A is open, is refused lease B's extent
+    (open at the same time) for READ and WRITE, and once A was released reads nothing of A's or of a later lease's
+    blobs (the extent was zeroed and deregistered; a later lease is staged elsewhere). Before, the reply carried the
+    agent's whole metadata, which reached every lease in the arena."""
+    from dynamo_kvtc.connector.handoff.messages import LIMITS, fetch_request
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+    from dynamo_kvtc.transport.channel import ReqClient
+
+    third = PeerAgent("UCX", "kvtc-third-party")
+    with in_process_peers(world, "cpu", seqs=2, timeout=20.0) as (srv, client, seqs):
+        keys = [sequence_hashes(t[: len(t) // BS * BS], BS) for t in seqs]
+        ch = ReqClient(f"tcp://127.0.0.1:{srv.port}", LIMITS, 20.0, name="test decode")
+        try:
+            me, other = (third.name, third.metadata()), (client.agent.name, client.agent.metadata())
+            lease_a = ch.ask(fetch_request(keys[0], *me))  # the third agent is lease A's decode side
+            lease_b = ch.ask(fetch_request(keys[1], *other))  # another decode worker's lease, open at once
+            prefill = lease_a["agent"]
+            assert lease_a["agent_md"] != lease_b["agent_md"]  # one grant per lease
+            with third.lock:
+                third.add_remote(prefill, lease_a["agent_md"])  # all the third agent holds
+            a, b = _extent(lease_a), _extent(lease_b)
+            assert a[0] + a[1] <= b[0] or b[0] + b[1] <= a[0]
+            assert _outcome(third, a, prefill) == "data"  # its own lease: the blobs
+            assert _outcome(third, b, prefill) == "refused"  # another open lease: NIXL finds no registration
+            garbage = torch.randint(1, 256, (b[1],), dtype=torch.uint8)
+            with pytest.raises(TransferError):
+                _third_party(third, "WRITE", garbage, b, prefill)
+            assert ch.ask({"op": "release", "lease": lease_a["lease"], "agent": third.name})["ok"]
+            lease_c = ch.ask(fetch_request(keys[0], *other))  # a later lease of the same blobs
+            c = _extent(lease_c)
+            assert a[0] + a[1] <= c[0] or c[0] + c[1] <= a[0]  # next fit: not where lease A was
+            after = _outcome(third, a, prefill)
+            # on this loopback (UCX over TCP / shared memory) a remote key is an address and is not revoked by the
+            # deregistration, so the READ completes: it reads the zeros the extent was wiped to
+            assert after in ("refused", "zeros"), after
+            assert _outcome(third, c, prefill) == "refused"
+            assert _outcome(third, b, prefill) == "refused"
+            for lease in (lease_b, lease_c):
+                assert ch.ask({"op": "release", "lease": lease["lease"], "agent": client.agent.name})["ok"]
+            assert srv.open_leases == 0 and srv.staged_bytes == 0
+            arena = srv.arena("DRAM")
+            assert arena.registrations == 3 and not arena._regs  # one registration per lease, none left
+            assert int(arena.buf.count_nonzero()) == 0
+        finally:
+            ch.close()

@@ -183,7 +183,7 @@ class HandoffClient:
         total = runs[-1].offset + runs[-1].size
         with self.agent.lock:
             try:
-                self.agent.add_remote(peer, md)
+                self.agent.add_remote(peer, md, grant=True)  # this lease's extent
             except self.agent.errors as e:
                 raise TransferError(f"NIXL could not load the peer's metadata: {type(e).__name__}: {e}") from e
             self.quarantine.admit()  # a miss while too many bytes are quarantined, before a fresh buffer is taken
