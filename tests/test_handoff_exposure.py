@@ -22,7 +22,7 @@ pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings  # noqa: E402
 from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
-from dynamo_kvtc.errors import TransferError  # noqa: E402
+from dynamo_kvtc.errors import PeerUnreachableError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Sink, World, close_store, make_store, offload  # noqa: E402
 from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
 
@@ -51,26 +51,36 @@ def _disk_restore_s(world, store, hashes) -> float:
     return time.perf_counter() - t
 
 
-def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path):
+@pytest.mark.parametrize("peer", ["dead", "silent"])
+def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path, peer):
+    """Three requests naming a peer that is not there (``dead``: port 1, nothing listening; ``silent``: a listener
+    that accepts and never answers) cost the peer lane one short handshake deadline, the next ones are refused at once
+    (the peer's cool-down), and a disk restore started behind them is not delayed."""
     store, (first, second) = _disk_store(world, tmp_path)
     cfg = ConnectorConfig(transfer_timeout_s=2.0, **handoff_settings())  # the issue's 2 s deadline
     client = HandoffClient(cfg, "cpu")
+    silent = socket.create_server(("127.0.0.1", 0)) if peer == "silent" else None  # backlog accepts; never answers
+    port = silent.getsockname()[1] if silent is not None else 1
     try:
         alone = _disk_restore_s(world, store, first)
+        t = time.perf_counter()
         dead = [
             store.start_onboard(first, sink=Sink(world.L, 8 * BS, world.H, world.D),
-                                source=lambda: client.fetch("127.0.0.1", 1, first))  # fmt: skip
+                                source=lambda: client.fetch("127.0.0.1", port, first))  # fmt: skip
             for _ in range(3)
         ]
         delayed = _disk_restore_s(world, store, second)
         assert delayed - alone <= 0.05 + alone, f"a disk restore took {delayed:.3f} s behind dead-peer fetches"
-        t = time.perf_counter()
-        for h in dead:
-            assert not h.wait(30) and isinstance(h.error, TransferError)
-            assert "no handshake" in str(h.error)
+        for i, h in enumerate(dead):
+            assert not h.wait(30) and isinstance(h.error, PeerUnreachableError)
+            assert ("no handshake" if i == 0 else "failed its handshake") in str(h.error)
         assert client.connect_timeout_s == 1.0  # half the transfer deadline here
-        assert time.perf_counter() - t < 3 * (client.connect_timeout_s + 0.5)  # each a short deadline, not 2 s
+        # one short deadline for all three, not one each (and far from three 2 s transfer deadlines)
+        assert time.perf_counter() - t < client.connect_timeout_s + 1.5
+        assert client.gate.refused == 2
     finally:
+        if silent is not None:
+            silent.close()
         client.close()
         close_store(store)
 
@@ -258,3 +268,48 @@ def test_a_prefill_grant_reaches_its_own_lease_alone_and_nothing_once_it_ended(w
             assert int(arena.buf.count_nonzero()) == 0
         finally:
             ch.close()
+
+
+def test_fetches_waiting_on_one_peer_and_on_all_peers_are_capped(world):
+    """Per-peer and total limits: while two fetches wait on a listener that never answers, a third to it is refused
+    at once without a byte sent; with the total cap reached, a fetch to another peer is refused at once too."""
+    from dynamo_kvtc.connector.handoff.peer_gate import PeerGate
+
+    cfg = ConnectorConfig(transfer_timeout_s=4.0, **handoff_settings())
+    client = HandoffClient(cfg, "cpu")
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [s.getsockname()[1] for s in silent]
+    errors: list[BaseException] = []
+
+    def fetch(port: int) -> None:
+        try:
+            client.fetch("127.0.0.1", port, [1 << 100])
+        except TransferError as e:
+            errors.append(e)
+
+    try:
+        client.gate = PeerGate(per_peer=2, total=3, cooldown_s=0.0)
+        waiting = [threading.Thread(target=fetch, args=(ports[0],)) for _ in range(2)]
+        for th in waiting:
+            th.start()
+        deadline = time.monotonic() + 5
+        while sum(client.gate._open.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t = time.perf_counter()
+        with pytest.raises(PeerUnreachableError, match="already wait on it"):
+            client.fetch("127.0.0.1", ports[0], [1 << 100])
+        assert time.perf_counter() - t < 0.5  # at once, not a handshake deadline
+        other = threading.Thread(target=fetch, args=(ports[1],))
+        other.start()
+        while sum(client.gate._open.values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(PeerUnreachableError, match="in flight"):
+            client.fetch("127.0.0.1", 9, [1 << 100])  # a third peer: the total is reached
+        for th in [*waiting, other]:
+            th.join(10)
+        assert len(errors) == 3 and all(isinstance(e, PeerUnreachableError) for e in errors)
+        assert client.gate.refused == 2 and not client.gate._open
+    finally:
+        for s in silent:
+            s.close()
+        client.close()
