@@ -110,8 +110,10 @@ def scenario_metadata_holder(world: World, ledger: Ledger, rounds: int) -> None:
                         ledger.add(kind, wrong_kv_served=wrong, faults_detected=int(wrong == 0))
                         if wrong:
                             ledger.problem(kind, f"round {r}: {wrong} wrong blocks served after a WRITE")
-                    else:
+                    else:  # refused, e.g. a section CRC that a WRITE racing the copy-out broke
                         ledger.add(kind, faults_detected=1, recomputes=1)
+                        ledger.detail(kind, **{f"refused_{type(out.error).__name__}": 1})
+                        ledger.detail(kind, last_refusal=str(out.error)[:200])
                 ch.ask({"op": "release", "lease": own["lease"], "agent": third.name})
             finally:
                 ch.close()
