@@ -76,3 +76,9 @@ class BlobKeyError(TierError):
 
 class TransferError(TierError):
     """A NIXL transfer failed, timed out or the peer disappeared."""
+
+
+class PeerUnreachableError(TransferError):
+    """A peer did not complete the control channel's handshake in time (nothing listening, a listener that never
+    answers, or one without the cluster key), or was refused at once because it did so recently or has too many
+    fetches waiting on it."""

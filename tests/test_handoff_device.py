@@ -1,9 +1,10 @@
 """The hand-off's registered-memory path (connector/handoff/staging.py, server, client) in one process over UCX
-loopback: the prefill side stages blobs in one arena registered once, one descriptor per blob; the decode side READs
-into one receive buffer registered once. On the CPU both are host memory (what make test runs); the ``gpu`` variant
-stages and receives in device memory (VRAM) and restores from it, the same code. Faults: a stale receive
-registration, replies that describe the staged bytes wrongly (past the arena, a short blob, another device), a peer
-gone — each a failed restore (the engine recomputes), no wrong KV, no lease left open, and the next fetch works."""
+loopback: the prefill side stages blobs in one arena, each lease's extent registered on its own, one descriptor per
+blob; the decode side READs into one receive buffer registered once. On the CPU both are host memory (what make test
+runs); the ``gpu`` variant stages and receives in device memory (VRAM) and restores from it, the same code. Faults: a
+stale receive registration, replies that describe the staged bytes wrongly (past the arena, a short blob, another
+device), a peer gone — each a failed restore (the engine recomputes), no wrong KV, no lease left open, and the next
+fetch works."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_peer_gone_before_the_read_is_a_recompute(world):
         close_store(dst)
 
 
-def test_staging_arena_extents_are_contiguous_first_fit_and_merge():
+def test_staging_arena_extents_are_contiguous_next_fit_and_merge():
     agent = PeerAgent("UCX", "kvtc-test")
     arena = StagingArena(agent, 4096, torch.device("cpu"))
     try:
@@ -135,8 +136,11 @@ def test_staging_arena_extents_are_contiguous_first_fit_and_merge():
         with pytest.raises(TierFullError):
             arena.take("d", 2000)
         arena.give("b")
-        assert arena.take("e", 900) == 1024  # first fit reuses the hole
-        arena.give("a"), arena.give("e"), arena.give("c")
+        assert arena.take("e", 900) == 3072  # next fit: the free run after the last extent before the freed hole
+        assert arena.take("x", 900) == 1024  # ... then, wrapped, the hole
+        assert arena.registrations == 5 and len(arena._regs) == 4  # one registration per open extent
+        arena.give("a"), arena.give("e"), arena.give("c"), arena.give("x")
+        assert not arena._regs
         assert arena.used == 0 and arena.take("f", 4096) == 0  # the holes merged back into one extent
         arena.give("f")
         blobs = [bytes(range(200)), b"\x07" * 300]

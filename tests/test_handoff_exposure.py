@@ -22,7 +22,7 @@ pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig, handoff_settings  # noqa: E402
 from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
-from dynamo_kvtc.errors import TransferError  # noqa: E402
+from dynamo_kvtc.errors import PeerUnreachableError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Sink, World, close_store, make_store, offload  # noqa: E402
 from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
 
@@ -51,26 +51,36 @@ def _disk_restore_s(world, store, hashes) -> float:
     return time.perf_counter() - t
 
 
-def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path):
+@pytest.mark.parametrize("peer", ["dead", "silent"])
+def test_requests_naming_a_dead_peer_do_not_delay_a_disk_restore(world, tmp_path, peer):
+    """Three requests naming a peer that is not there (``dead``: port 1, nothing listening; ``silent``: a listener
+    that accepts and never answers) cost the peer lane one short handshake deadline, the next ones are refused at once
+    (the peer's cool-down), and a disk restore started behind them is not delayed."""
     store, (first, second) = _disk_store(world, tmp_path)
     cfg = ConnectorConfig(transfer_timeout_s=2.0, **handoff_settings())  # the issue's 2 s deadline
     client = HandoffClient(cfg, "cpu")
+    silent = socket.create_server(("127.0.0.1", 0)) if peer == "silent" else None  # backlog accepts; never answers
+    port = silent.getsockname()[1] if silent is not None else 1
     try:
         alone = _disk_restore_s(world, store, first)
+        t = time.perf_counter()
         dead = [
             store.start_onboard(first, sink=Sink(world.L, 8 * BS, world.H, world.D),
-                                source=lambda: client.fetch("127.0.0.1", 1, first))  # fmt: skip
+                                source=lambda: client.fetch("127.0.0.1", port, first))  # fmt: skip
             for _ in range(3)
         ]
         delayed = _disk_restore_s(world, store, second)
         assert delayed - alone <= 0.05 + alone, f"a disk restore took {delayed:.3f} s behind dead-peer fetches"
-        t = time.perf_counter()
-        for h in dead:
-            assert not h.wait(30) and isinstance(h.error, TransferError)
-            assert "no handshake" in str(h.error)
+        for i, h in enumerate(dead):
+            assert not h.wait(30) and isinstance(h.error, PeerUnreachableError)
+            assert ("no handshake" if i == 0 else "failed its handshake") in str(h.error)
         assert client.connect_timeout_s == 1.0  # half the transfer deadline here
-        assert time.perf_counter() - t < 3 * (client.connect_timeout_s + 0.5)  # each a short deadline, not 2 s
+        # one short deadline for all three, not one each (and far from three 2 s transfer deadlines)
+        assert time.perf_counter() - t < client.connect_timeout_s + 1.5
+        assert client.gate.refused == 2
     finally:
+        if silent is not None:
+            silent.close()
         client.close()
         close_store(store)
 
@@ -191,3 +201,115 @@ def test_a_holder_of_the_decode_agents_metadata_reads_zeros_and_cannot_change_wh
             assert again.ok and expect.check(hashes, 0, again.k, again.v) == (0, 0)
     finally:
         close_store(dst)
+
+
+def _outcome(third, target: tuple[int, int], peer: str) -> str:
+    """What a READ of ``target`` through the metadata ``third`` holds gives: ``refused`` (NIXL or the transport
+    failed it), ``zeros``, or ``data``."""
+    seen = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+    try:
+        _third_party(third, "READ", seen, target, peer)
+    except TransferError:
+        return "refused"
+    return "zeros" if int(seen.count_nonzero()) == 0 else "data"
+
+
+def _extent(reply: dict) -> tuple[int, int]:
+    """(address, length) of what a fetch reply's lease staged: its first blob's start to its last blob's end."""
+    descs = [d for b in reply["blobs"] for d in b["descs"]]
+    return descs[0][0], descs[-1][0] + descs[-1][1] - descs[0][0]
+
+
+def test_a_prefill_grant_reaches_its_own_lease_alone_and_nothing_once_it_ended(world):
+    """Issue 36 hole 1, the prefill side: the metadata a fetch reply carries names that lease's staging extent alone.
+    A third agent holding lease A's metadata reads lease A's blobs while A is open, is refused lease B's extent
+    (open at the same time) for READ and WRITE, and once A was released reads nothing of A's or of a later lease's
+    blobs (the extent was zeroed and deregistered; a later lease is staged elsewhere). Before, the reply carried the
+    agent's whole metadata, which reached every lease in the arena."""
+    from dynamo_kvtc.connector.handoff.messages import LIMITS, fetch_request
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+    from dynamo_kvtc.transport.channel import ReqClient
+
+    third = PeerAgent("UCX", "kvtc-third-party")
+    with in_process_peers(world, "cpu", seqs=2, timeout=20.0) as (srv, client, seqs):
+        keys = [sequence_hashes(t[: len(t) // BS * BS], BS) for t in seqs]
+        ch = ReqClient(f"tcp://127.0.0.1:{srv.port}", LIMITS, 20.0, name="test decode")
+        try:
+            me, other = (third.name, third.metadata()), (client.agent.name, client.agent.metadata())
+            lease_a = ch.ask(fetch_request(keys[0], *me))  # the third agent is lease A's decode side
+            lease_b = ch.ask(fetch_request(keys[1], *other))  # another decode worker's lease, open at once
+            prefill = lease_a["agent"]
+            assert lease_a["agent_md"] != lease_b["agent_md"]  # one grant per lease
+            with third.lock:
+                third.add_remote(prefill, lease_a["agent_md"])  # all the third agent holds
+            a, b = _extent(lease_a), _extent(lease_b)
+            assert a[0] + a[1] <= b[0] or b[0] + b[1] <= a[0]
+            assert _outcome(third, a, prefill) == "data"  # its own lease: the blobs
+            assert _outcome(third, b, prefill) == "refused"  # another open lease: NIXL finds no registration
+            garbage = torch.randint(1, 256, (b[1],), dtype=torch.uint8)
+            with pytest.raises(TransferError):
+                _third_party(third, "WRITE", garbage, b, prefill)
+            assert ch.ask({"op": "release", "lease": lease_a["lease"], "agent": third.name})["ok"]
+            lease_c = ch.ask(fetch_request(keys[0], *other))  # a later lease of the same blobs
+            c = _extent(lease_c)
+            assert a[0] + a[1] <= c[0] or c[0] + c[1] <= a[0]  # next fit: not where lease A was
+            after = _outcome(third, a, prefill)
+            # on this loopback (UCX over TCP / shared memory) a remote key is an address and is not revoked by the
+            # deregistration, so the READ completes: it reads the zeros the extent was wiped to
+            assert after in ("refused", "zeros"), after
+            assert _outcome(third, c, prefill) == "refused"
+            assert _outcome(third, b, prefill) == "refused"
+            for lease in (lease_b, lease_c):
+                assert ch.ask({"op": "release", "lease": lease["lease"], "agent": client.agent.name})["ok"]
+            assert srv.open_leases == 0 and srv.staged_bytes == 0
+            arena = srv.arena("DRAM")
+            assert arena.registrations == 3 and not arena._regs  # one registration per lease, none left
+            assert int(arena.buf.count_nonzero()) == 0
+        finally:
+            ch.close()
+
+
+def test_fetches_waiting_on_one_peer_and_on_all_peers_are_capped(world):
+    """Per-peer and total limits: while two fetches wait on a listener that never answers, a third to it is refused
+    at once without a byte sent; with the total cap reached, a fetch to another peer is refused at once too."""
+    from dynamo_kvtc.connector.handoff.peer_gate import PeerGate
+
+    cfg = ConnectorConfig(transfer_timeout_s=4.0, **handoff_settings())
+    client = HandoffClient(cfg, "cpu")
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    ports = [s.getsockname()[1] for s in silent]
+    errors: list[BaseException] = []
+
+    def fetch(port: int) -> None:
+        try:
+            client.fetch("127.0.0.1", port, [1 << 100])
+        except TransferError as e:
+            errors.append(e)
+
+    try:
+        client.gate = PeerGate(per_peer=2, total=3, cooldown_s=0.0)
+        waiting = [threading.Thread(target=fetch, args=(ports[0],)) for _ in range(2)]
+        for th in waiting:
+            th.start()
+        deadline = time.monotonic() + 5
+        while sum(client.gate._open.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t = time.perf_counter()
+        with pytest.raises(PeerUnreachableError, match="already wait on it"):
+            client.fetch("127.0.0.1", ports[0], [1 << 100])
+        assert time.perf_counter() - t < 0.5  # at once, not a handshake deadline
+        other = threading.Thread(target=fetch, args=(ports[1],))
+        other.start()
+        while sum(client.gate._open.values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(PeerUnreachableError, match="in flight"):
+            client.fetch("127.0.0.1", 9, [1 << 100])  # a third peer: the total is reached
+        for th in [*waiting, other]:
+            th.join(10)
+        assert len(errors) == 3 and all(isinstance(e, PeerUnreachableError) for e in errors)
+        assert client.gate.refused == 2 and not client.gate._open
+    finally:
+        for s in silent:
+            s.close()
+        client.close()

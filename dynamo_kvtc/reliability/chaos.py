@@ -20,7 +20,8 @@ wrapper around the real agent; ENOSPC by a small tmpfs; allocation failure by an
 - ``recomputes``  restores that failed or missed blocks that had been stored: the engine recomputes them.
 
 The scenarios live beside this module (``disk_faults``, ``memory_faults``, ``process``, ``nixl_faults``,
-``transfer_faults``, ``calibration_faults``, ``soak``); ``world`` and ``ledger`` are what they share.
+``transfer_faults``, ``calibration_faults``, ``network_faults``, ``soak``); ``world`` and ``ledger`` are what they
+share.
 ``python -m dynamo_kvtc.reliability`` runs the same command as ``dynamo-kvtc bench chaos``.
 """
 
@@ -44,6 +45,12 @@ from .calibration_faults import scenario_calibration
 from .disk_faults import FILE_OPS, scenario_disk_files, scenario_enospc
 from .ledger import KEYS, KINDS, Ledger
 from .memory_faults import child_rlimit, scenario_host_alloc, scenario_host_flips
+from .network_faults import (
+    scenario_cancel_timeout,
+    scenario_dead_peer_stall,
+    scenario_metadata_holder,
+    scenario_multipart_flood,
+)
 from .nixl_faults import scenario_nixl_disk
 from .peer_faults import POISON_MODES, scenario_hostile_params, scenario_poisoning_peer, scenario_slow_peer
 from .process import child_kill9, scenario_kill9
@@ -107,6 +114,10 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("hostile_params", lambda: scenario_hostile_params(world, ledger, max(len(POISON_MODES), plan.rlimit_ops * 8))),
         ("poisoning_peer", lambda: scenario_poisoning_peer(world, ledger, max(4, plan.transfer_rounds // 2))),
         ("slow_peer", lambda: scenario_slow_peer(world, ledger, max(2, plan.transfer_rounds // 8))),
+        ("metadata_holder", lambda: scenario_metadata_holder(world, ledger, max(2, plan.transfer_rounds // 4))),
+        ("multipart_flood", lambda: scenario_multipart_flood(world, ledger, max(1, plan.transfer_rounds // 16))),
+        ("dead_peer_stall", lambda: scenario_dead_peer_stall(world, ledger, max(1, plan.transfer_rounds // 8))),
+        ("cancel_timeout", lambda: scenario_cancel_timeout(world, ledger, max(2, plan.host_rounds // 4))),
     ]
     wanted = set(plan.kinds)
     for name, fn in steps:

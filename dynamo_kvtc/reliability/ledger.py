@@ -36,6 +36,10 @@ KINDS = (
     "hostile_params",
     "poisoning_peer",
     "slow_peer",
+    "metadata_holder",
+    "multipart_flood",
+    "dead_peer_stall",
+    "cancel_timeout",
 )
 
 

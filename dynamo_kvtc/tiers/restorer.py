@@ -269,6 +269,8 @@ class Restorer:
     # ------------------------------------------------------------------ the worker
     def _restore(self, handle: OnboardHandle, hashes: list[int], dst_blocks, sink, source: Source | None) -> None:
         try:
+            if handle.cancelled:  # given up on while queued: no fetch, no read, no write
+                raise TierError("restore cancelled by its caller before it started")
             decoder = self.decoder()
             if source is not None:
                 runs, ids = self._from_source(handle, hashes, source), None

@@ -53,7 +53,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import ConfigError, KvtcError, TransferError
+from ..errors import ConfigError, KvtcError, PeerUnreachableError, TransferError
 from .curve import ZapHandler, curve_keys, secure_client, secure_server
 
 log = logging.getLogger(__name__)
@@ -470,7 +470,7 @@ class ReqClient:
         try:
             self._sock.connect(self.endpoint)
             if not mon.poll(max(1, int(self.connect_timeout_s * 1000))):
-                raise TransferError(
+                raise PeerUnreachableError(
                     f"{self.name} at {self.endpoint}: no handshake within {self.connect_timeout_s:g} s "
                     "(nothing listening, or not a holder of the cluster key)"
                 )

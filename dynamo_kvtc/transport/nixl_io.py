@@ -43,6 +43,7 @@ _names = itertools.count()
 
 QUARANTINE_CAP_BYTES = 1 << 30
 MAX_REMOTES = 256
+GRANTS_PER_LOAD = 64  # per-lease metadata loads of one peer before it is unloaded and loaded afresh
 
 
 class Quarantine:
@@ -368,7 +369,7 @@ class PeerAgent:
             self.agent = new_agent(self.name, [backend], progress_us)
         except self.errors + (RuntimeError,) as e:
             raise TransferError(f"NIXL {backend} backend unavailable: {type(e).__name__}: {e}") from e
-        self._remotes: OrderedDict[str, None] = OrderedDict()
+        self._remotes: OrderedDict[str, int] = OrderedDict()  # name -> metadata loads since it was loaded
         self.max_remotes = max(1, max_remotes)
         self.lock = threading.Lock()
 
@@ -380,17 +381,25 @@ class PeerAgent:
         """Remote agents loaded now, least recently used first."""
         return list(self._remotes)
 
-    def add_remote(self, name: str, md: bytes) -> None:
+    def add_remote(self, name: str, md: bytes, grant: bool = False) -> None:
+        """Load ``name``'s metadata ``md`` unless ``name`` is loaded already. ``grant``: ``md`` names one lease's
+        registration (a prefill's fetch reply) and is loaded even then, on top of what was loaded before; after
+        :data:`GRANTS_PER_LOAD` of them the remote is unloaded first, so what is kept of earlier leases stays bounded
+        (one reconnection that often)."""
         if name in self._remotes:
             self._remotes.move_to_end(name)
-            return
+            if not grant:
+                return
+            if self._remotes[name] >= GRANTS_PER_LOAD:
+                del self._remotes[name]
+                self._unload(name)
         got = self.agent.add_remote_agent(md)
         got = got.decode() if isinstance(got, bytes) else str(got)
         if got != name:
             if got not in self._remotes:  # loaded under a name nobody vouched for: not kept
                 self._unload(got)
             raise TransferError(f"NIXL peer metadata names agent {got[:256]!r}, expected {name!r}")
-        self._remotes[name] = None
+        self._remotes[name] = self._remotes.get(name, 0) + 1
         while len(self._remotes) > self.max_remotes:
             self._unload(self._remotes.popitem(last=False)[0])
 

@@ -1,11 +1,13 @@
-"""NIXL-registered memory of the hand-off, registered once: the prefill side's staging arena, the decode side's
-receive buffer. Host (DRAM) or device (VRAM) alike, so the CPU loopback in the test suite runs the same code as two
-GPUs.
+"""NIXL-registered memory of the hand-off: the prefill side's staging arena (registered per lease), the decode side's
+receive buffer (registered once). Host (DRAM) or device (VRAM) alike, so the CPU loopback in the test suite runs the
+same code as two GPUs.
 
-- :class:`StagingArena` (prefill): one buffer registered at start-up; each fetch takes one contiguous extent of it
-  (first fit), its blobs are copied in back to back (CUDA copies on a GPU — one DMA each from the host tier's pinned
-  pages when the blobs come as views of them —, one numpy copy per blob on the host) and described by one
-  descriptor per blob — a handful of descriptors where the host tier's pages needed hundreds.
+- :class:`StagingArena` (prefill): one buffer allocated at start-up; each fetch takes one contiguous extent of it
+  (next fit: a just-freed extent is the last to be taken again), registered with NIXL for that lease alone, its
+  blobs copied in back to back (CUDA copies on a GPU — one DMA each from the host tier's pinned pages when the blobs
+  come as views of them —, one numpy copy per blob on the host) and described by one descriptor per blob. The
+  metadata a fetch reply carries (:meth:`StagingArena.grant`) names that one registration: through NIXL it reaches
+  that lease's extent and nothing else; when the lease ends the extent is zeroed and deregistered.
 - :class:`RecvBuffer` (decode): one buffer registered once and reused by every fetch (grown, re-registered, when a
   fetch is larger), zeroed when made; the hand-off client copies each landed range out of it into memory no agent
   can write and zeroes what a fetch used once it is over, so a holder of the decode agent's metadata reads zeros
@@ -88,13 +90,16 @@ def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
 
 
 class StagingArena:
-    """The prefill side's staging memory: one NIXL-registered buffer (VRAM on a GPU, else DRAM) cut into contiguous
-    extents, one per open lease.
+    """The prefill side's staging memory: one buffer (VRAM on a GPU, else DRAM) cut into contiguous extents, one per
+    open lease, each registered with NIXL on its own for as long as its lease is open.
 
-    Owns the buffer, its registration and the extent bookkeeping. It never frees the buffer while a lease holds an
-    extent of it, never hands out overlapping extents, and never leaves a released lease's bytes behind: the buffer
-    starts zeroed and each extent is zeroed when its lease is given back, so what a peer can READ through the
-    arena's registration is the blobs of leases open now and zeros (see docs/reliability.md, threat model)."""
+    Owns the buffer, the extents' registrations and the extent bookkeeping. It never frees the buffer while a lease
+    holds an extent of it, never hands out overlapping extents, and never leaves a released lease's bytes behind: the
+    buffer starts zeroed and an extent is zeroed, then deregistered, when its lease is given back. The metadata of a
+    lease (:meth:`grant`) names only that lease's registration, so a holder's NIXL refuses descriptors outside it.
+    On transports whose remote key is the address (UCX over TCP or shared memory, what loopback uses) deregistering
+    does not revoke a key a holder already has: what it then reaches is zeros until the extent is taken again, and
+    extents are taken next-fit so that is as late as the arena allows (see docs/reliability.md, threat model)."""
 
     def __init__(self, agent: PeerAgent, nbytes: int, device: torch.device) -> None:
         self.agent = agent
@@ -102,10 +107,11 @@ class StagingArena:
         self.mem, self.dev = mem_kind(device)
         self.buf = torch.zeros(_up(nbytes), dtype=torch.uint8, device=device)  # no stale process memory exposed
         self.base = self.buf.data_ptr()
-        with agent.lock:
-            self._reg = agent.agent.register_memory(self.buf)
         self._free: list[tuple[int, int]] = [(0, self.buf.numel())]  # sorted (offset, length)
         self._held: dict[str, tuple[int, int]] = {}
+        self._regs: dict[str, Any] = {}  # lease -> its extent's NIXL registration
+        self._next = 0  # next fit starts here: the end of the extent taken last
+        self.registrations = 0  # extents registered so far (one per lease)
 
     @property
     def capacity(self) -> int:
@@ -116,24 +122,58 @@ class StagingArena:
         return sum(n for _, n in self._held.values())
 
     def take(self, key: str, nbytes: int) -> int:
-        """Reserve a contiguous extent of ``nbytes`` for ``key``; its offset. TierFullError when none is free."""
+        """Reserve a contiguous extent of ``nbytes`` for ``key`` and register it with NIXL; its offset.
+        TierFullError when none is free, TransferError when NIXL refuses the registration."""
         need = _up(max(nbytes, 1))
-        for i, (off, n) in enumerate(self._free):
-            if n >= need:
-                self._free[i : i + 1] = [(off + need, n - need)] if n > need else []
-                self._held[key] = (off, need)
-                return off
+        runs = sorted(enumerate(self._free), key=lambda r: r[1][0] + r[1][1] <= self._next)  # stable sort
+        for i, (off, n) in runs:  # free runs reaching past the last extent taken first, then from the start
+            at = max(off, self._next)
+            if at + need > off + n:
+                at = off
+                if need > n:
+                    continue
+            rest = [(o, m) for o, m in ((off, at - off), (at + need, off + n - at - need)) if m > 0]
+            with self.agent.lock:
+                try:
+                    reg = self.agent.agent.register_memory(self.buf[at : at + need])
+                except self.agent.errors as e:
+                    raise TransferError(f"NIXL could not register a {need}-byte staging extent: {e}") from e
+            self._free[i : i + 1] = rest
+            self._held[key] = (at, need)
+            self._regs[key] = reg
+            self._next = at + need
+            self.registrations += 1
+            return at
         raise TierFullError(
             f"transfer staging arena is full ({self.used} of {self.capacity} bytes held; raise transfer_staging_mb)"
         )
 
+    def grant(self, key: str) -> bytes:
+        """NIXL metadata naming ``key``'s extent alone (with the agent's connection info): what a fetch reply
+        carries. KeyError if ``key`` holds no extent."""
+        off, n = self._held[key]
+        a = self.agent.agent
+        with self.agent.lock:
+            return bytes(a.get_partial_agent_metadata(a.get_reg_descs(self.buf[off : off + n]), True))
+
     def give(self, key: str) -> None:
-        """Free ``key``'s extent (merged with free neighbours); nothing if ``key`` holds none."""
+        """Zero and deregister ``key``'s extent, then free it (merged with free neighbours); nothing if ``key`` holds
+        none. An extent NIXL could not deregister is zeroed and never taken again."""
         got = self._held.pop(key, None)
         if got is None:
             return
         off, n = got
-        self.buf[off : off + n].zero_()  # a released lease's blobs are not readable through the registration
+        self.buf[off : off + n].zero_()  # a released lease's blobs are not readable, whatever key a holder kept
+        if self.buf.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        reg = self._regs.pop(key, None)
+        if reg is not None:
+            with self.agent.lock:
+                try:
+                    self.agent.agent.deregister_memory(reg)
+                except self.agent.errors:
+                    log.warning("NIXL could not deregister a hand-off staging extent; it is never reused")
+                    return
         i = bisect.bisect(self._free, (off, n))
         self._free.insert(i, (off, n))
         merged: list[tuple[int, int]] = []
@@ -156,11 +196,8 @@ class StagingArena:
         return [[self.base + off + o, n] for o, n in placed]
 
     def close(self) -> None:
-        with self.agent.lock:
-            try:
-                self.agent.agent.deregister_memory(self._reg)
-            except self.agent.errors:
-                log.warning("NIXL could not deregister the hand-off staging arena")
+        for key in list(self._held):
+            self.give(key)
 
 
 class RecvBuffer:

@@ -35,6 +35,7 @@ from ...transport.staging import RecvBuffer, memory_device
 from ..config import ConnectorConfig
 from .link_choice import LinkChoice, LinkPolicy
 from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
+from .peer_gate import COOLDOWN_S, PeerGate
 from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class HandoffClient:
         self.last: dict[str, float] = {}  # the last fetch: ask_s, read_s, bytes
         self.quarantine = Quarantine()
         self.connect_timeout_s = min(CONNECT_TIMEOUT_S, cfg.transfer_timeout_s / 2)
+        self.gate = PeerGate(cooldown_s=max(COOLDOWN_S, cfg.transfer_timeout_s))  # per-peer and total fetch limits
         self._peers: dict[tuple[str, int], ReqClient] = {}
         self._lock = threading.Lock()
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvtc-handoff-release")  # off the fetch's path
@@ -135,11 +137,12 @@ class HandoffClient:
         """The blob runs covering ``hashes`` from the prefill worker at ``host:port``, returned once the READs are
         posted (the blobs' bytes land range by range: see :class:`~dynamo_kvtc.transport.arriving.ArrivingView`);
         TransferError on any fault found before that, the waiting restore's TransferError on any fault after."""
-        self._settle()
-        ch = self._channel(host, port)
-        t = time.perf_counter()
-        reply = ch.ask(fetch_request(hashes, self.agent.name, self.agent.metadata(), self.recv.mem))
-        ask_s = time.perf_counter() - t
+        with self.gate.enter(f"{host}:{port}"):  # a dead peer: one short handshake deadline, then refused at once
+            self._settle()
+            ch = self._channel(host, port)
+            t = time.perf_counter()
+            reply = ch.ask(fetch_request(hashes, self.agent.name, self.agent.metadata(), self.recv.mem))
+            ask_s = time.perf_counter() - t
         lease = str(reply.get("lease", ""))
         try:
             return self._post(reply, hashes, (host, port, lease), ask_s)
@@ -183,7 +186,7 @@ class HandoffClient:
         total = runs[-1].offset + runs[-1].size
         with self.agent.lock:
             try:
-                self.agent.add_remote(peer, md)
+                self.agent.add_remote(peer, md, grant=True)  # this lease's extent
             except self.agent.errors as e:
                 raise TransferError(f"NIXL could not load the peer's metadata: {type(e).__name__}: {e}") from e
             self.quarantine.admit()  # a miss while too many bytes are quarantined, before a fresh buffer is taken

@@ -4,10 +4,11 @@ A ``fetch`` names blocks by sequence hash; when the prompt's encode has not land
 parked (:class:`~dynamo_kvtc.transport.channel.Deferred`, up to half the transfer deadline, then refused) and the
 serving thread goes on answering other peers, releases and expiry meanwhile. It copies the covering blobs (from the
 host tier's pinned pages in place, under a lease) back to back into one contiguous extent of a staging arena
-registered with NIXL once (:class:`StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``,
-host memory otherwise), and replies with its agent metadata, the arena's memory type, one descriptor per blob and
-where each blob's layer groups end (the decode side READs group by group) under a lease. The decode side READs
-them and sends ``release``; a lease that is never released expires after four deadlines.
+(:class:`StagingArena`: device memory on a GPU worker when the decode side asks for ``VRAM``, host memory otherwise),
+registered with NIXL for that lease alone, and replies with NIXL metadata naming only that extent, the arena's memory
+type, one descriptor per blob and where each blob's layer groups end (the decode side READs group by group) under a
+lease. The decode side READs them and sends ``release``; a lease that is never released expires after four
+deadlines; either way its extent is zeroed and deregistered.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ log = logging.getLogger(__name__)
 class HandoffServer:
     """Serves blobs of one store to decode workers (in the prefill worker process, TP rank 0).
 
-    Owns a NIXL agent, the staging arenas (each registered with NIXL once: host memory, made on the first ``DRAM``
-    fetch, and device memory on a GPU worker) and the leases on them. It reads the store only through its public
-    lookup and leased export (host-tier leases, released as soon as the blobs are staged); it never writes to the
-    store and never serves bytes it did not stage."""
+    Owns a NIXL agent, the staging arenas (host memory, made on the first ``DRAM`` fetch, and device memory on a GPU
+    worker; each lease's extent registered with NIXL while it is open) and the leases on them. It reads the store
+    only through its public lookup and leased export (host-tier leases, released as soon as the blobs are staged);
+    it never writes to the store and never serves bytes it did not stage."""
 
     def __init__(self, cfg: ConnectorConfig, store: Any, device: Any = None) -> None:
         self.cfg = cfg
@@ -149,7 +150,12 @@ class HandoffServer:
                 b["ranges"] = e
         self._leases[lease] = (arena, time.monotonic() + 4 * self.cfg.transfer_timeout_s, peer)
         self.served += 1
-        reply = {"lease": lease, "agent": self.agent.name, "agent_md": self.agent.metadata(), "blobs": blobs}
+        try:
+            grant = arena.grant(lease)  # this lease's extent alone, not the agent's every registration
+        except Exception:
+            arena.give(lease)
+            raise
+        reply = {"lease": lease, "agent": self.agent.name, "agent_md": grant, "blobs": blobs}
         return {**reply, "mem": arena.mem, "dev": arena.dev}
 
     def _release(self, lease: str, peer: str | None = None) -> bool:
