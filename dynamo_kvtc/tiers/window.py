@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ..errors import KvtcError
 from .blobs import OffloadRequest, OffloadResult
-
-if TYPE_CHECKING:
-    from .offloader import Offloader
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +53,11 @@ class RawTails:
         return len(self._tails)
 
 
-def absorb(off: Offloader, req: OffloadRequest, res: OffloadResult) -> tuple[OffloadRequest, str] | None:
-    """When ``req`` extends a prefix whose raw window :attr:`Offloader.tails` holds: a request covering that window's
-    blocks and then ``req``'s new blocks (K/V as tensors, ``tail``: it now ends the stored prefix) and the id of the
-    window's blob to retire once the new blobs are kept; else None (``req`` is stored as it is)."""
+def absorb(off: Any, req: OffloadRequest, res: OffloadResult) -> tuple[OffloadRequest, str] | None:
+    """When ``req`` extends a prefix whose raw window the offloader ``off`` holds in its ``tails``: a request
+    covering that window's blocks and then ``req``'s new blocks (K/V as tensors, ``tail``: it now ends the stored
+    prefix) and the id of the window's blob to retire once the new blobs are kept; else None (``req`` is stored as
+    it is)."""
     if req.start >= req.end or req.end != req.n:
         return None
     prev = req.hashes[req.start - 1] if req.start else req.parent
@@ -109,7 +107,7 @@ def absorb(off: Offloader, req: OffloadRequest, res: OffloadResult) -> tuple[Off
     return out, old
 
 
-def retire(off: Offloader, old: str, kept: list[str]) -> None:
+def retire(off: Any, old: str, kept: list[str]) -> None:
     """Drop the replaced raw window ``old`` from every tier unless a new blob took its id."""
     if old not in kept:
         off.placement.retire(old)
