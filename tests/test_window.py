@@ -144,3 +144,21 @@ async def test_restores_during_a_replacement_are_exact_or_misses(cal, smol_heldo
             assert torch.equal(sink.k, ref.k) and torch.equal(sink.v, ref.v)
     assert any(outcomes)  # the exact case happened (the restore leases its blobs before the encode lands)
     store.close()
+
+
+def test_bench_tiers_reports_the_effective_ratio_per_conversation(tmp_path):
+    """`bench tiers --conversations`: per workload the effective ratio held, the one-raw-window bound, and the same
+    conversation with a raw window per save (synthetic KV here: the numbers' mechanics, not their values)."""
+    import json
+
+    from dynamo_kvtc.cli.main import main
+
+    out = tmp_path / "conv.json"
+    argv = ["bench", "tiers", "--synthetic", "smollm2-135m", "--tokens", "1024", "--conversations", "demo"]
+    assert main([*argv, "--conversations-only", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]["conversations"]["demo"]
+    moving, before = r["moving_window"], r["window_per_offload"]
+    assert r["tokens"] == 1584 and r["effective_ratio"] == moving["effective_ratio"]
+    assert moving["held_raw_bytes"] == before["held_raw_bytes"] == 1584 * 30 * 3 * 64 * 2 * 2
+    assert 0.9 * r["bound"] < r["effective_ratio"] <= r["bound"] and r["effective_ratio"] > before["effective_ratio"]
+    assert moving["windows_recoded"] == 5 and before["windows_recoded"] == 0  # every save after the first
