@@ -78,6 +78,9 @@ async def test_a_conversation_keeps_one_raw_window_after_every_turn(cal, smol_he
         assert sum(len(m.hashes) for m in metas) == n  # no block held twice
     st = store.stats
     assert st.offload_window_recoded == len(TURNS) - 1 and st.blobs_retired == len(TURNS) - 1
+    # the offload byte counters add what each offload added (a replaced window deducted): nothing evicted, so they
+    # sum to what the tiers hold
+    assert (st.offload_raw_bytes, st.offload_stored_bytes) == (st.held_raw_bytes, st.held_stored_bytes)
     snap = store.snapshot()
     assert snap["host_blobs"] == len(store.index.metas())  # the retired windows left the host tier
     store.close()

@@ -301,7 +301,10 @@ class Offloader:
                 if w and w == (b - a) * self.block_size and not raw and self._moving() and res.blobs:
                     self.tails.remember(req.hashes[b - 1], res.blobs[-1])
             if old is not None:  # the new blobs are indexed: the superseded raw window goes from every tier
-                retire(self, old, res.blobs)
+                gone = retire(self, old, res.blobs)
+                if gone is not None:  # count what this offload added: its new blocks, the bytes held beyond the old
+                    res.raw_bytes -= gone.raw_bytes
+                    res.stored_bytes = max(0, res.stored_bytes - gone.stored_bytes)
         res.ratio = req.ratio
         res.seconds = time.perf_counter() - t0
         st = self.stats

@@ -63,7 +63,7 @@ class StoreStats:
     # offloader
     offload_blocks: int = 0  # blocks encoded into the host tier
     offload_raw_bytes: int = 0  # uncompressed bytes of those blocks (the engine's dtype)
-    offload_stored_bytes: int = 0  # their blobs' bytes
+    offload_stored_bytes: int = 0  # their blobs' bytes (less a replaced raw window's: the bytes each offload added)
     offload_raw: int = 0  # offloads stored uncompressed (``raw``/``raw_first`` ratio policies)
     offload_filtered: int = 0  # offloads the admission filter refused
     offload_tp_disagreed: int = 0  # saves skipped on every TP rank: the ranks' votes differed (joint codec)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import KvtcError
-from .blobs import OffloadRequest, OffloadResult
+from .blobs import BlobMeta, OffloadRequest, OffloadResult
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +107,14 @@ def absorb(off: Any, req: OffloadRequest, res: OffloadResult) -> tuple[OffloadRe
     return out, old
 
 
-def retire(off: Any, old: str, kept: list[str]) -> None:
-    """Drop the replaced raw window ``old`` from every tier unless a new blob took its id."""
-    if old not in kept:
-        off.placement.retire(old)
+def retire(off: Any, old: str, kept: list[str]) -> BlobMeta | None:
+    """Drop the replaced raw window ``old`` from every tier unless a new blob took its id; its metadata (None when
+    kept or already gone), so the offload's byte counts can deduct what it held."""
+    if old in kept:
+        return None
+    meta = off.index.meta(old)
+    off.placement.retire(old)
+    return meta
 
 
 __all__ = ["RawTails", "absorb", "retire"]
