@@ -92,7 +92,8 @@ def test_inspect_disk_tier_file_says_which_decoder_it_needs(tmp_path, synth_cal)
     info = json.loads(p.stdout)
     assert info["disk_record"]["id"] == files[0].stem and info["header"]["tokens"] > 0
     keys = info["disk_record"]["meta"]["hashes"]  # the blob carries its blocks' keys, shown as hex
-    assert info["header"]["keys"] == [f"{h:032x}" for h in keys] and len(keys) == 256 // 16
+    # two files of 8 blocks: the coded span and the 128-token raw window (a blob of its own)
+    assert len(files) == 2 and info["header"]["keys"] == [f"{h:032x}" for h in keys] and len(keys) == 128 // 16
     assert info["needs"]["entropy_codecs"] == ["deflate"] or "store" in info["needs"]["entropy_codecs"]
     assert info["needs"]["readable_on_cpu"] is True and heavy == []
     damaged = tmp_path / "damaged.kvtc"

@@ -61,6 +61,8 @@ def test_roundtrip_restores_exact_blocks_and_identical_reply(scenario):
     assert r["restored_tokens"] >= 800  # the first turn's history (prompt + reply) came back from the tier
     assert r["bit_exact"] is True and r["rel_err_k"] == 0.0
     assert r["tokens"] == r["reference_tokens"] and r["reply"]
+    # the reply's save extended the prompt's stored raw window and replaced its blob before the restore read it
+    assert r["store"]["offload_window_recoded"] >= 1 and r["store"]["blobs_retired"] >= 1
     (restore,) = r["restores"]
     assert restore["asynchronous"] is False  # a host hit is restored inside the forward pass
 
@@ -87,6 +89,7 @@ def test_roundtrip_16x_within_codec_error_and_layerwise(scenario):
     assert m['kvtc_onboard_blocks_total{tier="host"}'] == restore["blocks"]
     assert m["kvtc_matched_tokens_total"] == restore["tokens"]
     assert 0 < m["kvtc_hit_rate"] < 1 and m["kvtc_effective_ratio"] > 4
+    assert r["store"]["offload_window_recoded"] >= 1  # the reply's save coded the prompt's raw window
     assert m['kvtc_offload_bytes_total{kind="raw"}'] > 4 * m['kvtc_offload_bytes_total{kind="stored"}']
     assert m["kvtc_time_to_first_layer_seconds_count"] == 1
 

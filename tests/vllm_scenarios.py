@@ -146,6 +146,8 @@ def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
     found = calibration_dir(w.cfg.calibration, w.model, "extra")
     out = {"calibration_found": str(found), "calibration_set": w.cfg.calibration}
     out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
+    snap = w.store.snapshot()
+    out["store"] = {k: snap[k] for k in ("offload_window_recoded", "blobs_retired", "effective_ratio")}
     if w.metrics_port is not None:  # what Prometheus would scrape from this worker
         with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
             out["metrics"] = r.read().decode()

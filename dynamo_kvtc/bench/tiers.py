@@ -267,7 +267,12 @@ def run_bench_tiers(args) -> int:
     k, v, _ = spans[0]
     bench = TierBench(cal, k.to(dev), v.to(dev), args)
     ratio = (args.ratios or (16,))[0]
-    results = bench.run(ratio)
+    results = {} if args.conversations_only else bench.run(ratio)
+    names = [n for n in (args.conversations or "").split(",") if n]
+    if names:
+        from .conversation import run_workloads
+
+        results["conversations"] = run_workloads(cal, bench.k, bench.v, names, args, bench.store)
     data = {
         "benchmark": "tiers",
         "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
@@ -282,6 +287,14 @@ def run_bench_tiers(args) -> int:
         "source": source,
         "results": results,
     }
-    _print_results(results)
+    if not args.conversations_only:
+        _print_results(results)
+    for name, r in results.get("conversations", {}).items():
+        print(
+            f"  {name}: {r['tokens']} tokens, {r['turns']} turns: effective {r['effective_ratio']:.2f}x "
+            f"(bound {r['bound']:.2f}x, codec {r['codec_ratio']:.2f}x; window per offload: "
+            f"{r['window_per_offload']['effective_ratio']:.2f}x), extra encode "
+            f"{r['extra_encode_ms_per_turn']['mean']:.0f} ms/turn"
+        )
     write_json(args.json_path, data)
     return 0

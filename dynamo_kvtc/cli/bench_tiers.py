@@ -20,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--disk-dir", type=types.existing_dir, default=None, help="where the disk tier's temporary directory goes"
     )
     p.add_argument("--repeat", type=types.positive_int, default=3)
+    p.add_argument(
+        "--conversations",
+        default="",
+        help="multi-turn workloads to store, comma-separated (lmbench, chat4k, demo): each reports its effective "
+        "ratio (raw / stored bytes held) against the one-raw-window bound",
+    )
+    p.add_argument("--conversations-only", action="store_true", help="skip the single-span offload/onboard timings")
     p.add_argument("--json", dest="json_path")
 
 

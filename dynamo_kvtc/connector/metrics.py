@@ -35,6 +35,8 @@ GAUGES: dict[str, str] = {
     "policy_ratio": "Compression ratio the kvtc policy picks for an offload now (the default, higher under host-tier "
     "pressure); disk blobs keep the ratio they were encoded at",
     "host_fill": "Share of the kvtc host tier's pages in use",
+    "effective_ratio": "Raw / stored bytes of the KV the kvtc tiers hold now, each blob once (raw windows, sinks and "
+    "headers included): the ratio stored conversations get",
 }
 
 
@@ -180,13 +182,7 @@ class _SnapshotCollector:
             st_bytes = s.get(f"{t}_stored_bytes", 0)
             ratio.add_metric([t], s.get(f"{t}_raw_bytes", 0) / st_bytes if st_bytes else 0.0)
         yield from (blocks, raw, stored, ratio)
-        total_raw = sum(s.get(f"{t}_raw_bytes", 0) for t in tiers)
-        total_stored = sum(s.get(f"{t}_stored_bytes", 0) for t in tiers)
-        yield _gauge(
-            "effective_ratio",
-            total_raw / total_stored if total_stored else 0.0,
-            doc="Raw / stored bytes over both tiers",
-        )
+        yield _gauge("effective_ratio", st.effective_ratio)
         yield _gauge("policy_ratio", policy_ratio(self.m.store))
         yield _gauge("host_fill", s.get("host_fill", 0.0))
         off = _counter("offload_blocks")

@@ -93,7 +93,9 @@ class OffloadRequest:
     """One queued encode: blocks ``start .. end`` (indices into ``hashes``) of a sequence's blocks ``first_block ..
     first_block + len(hashes)``, at ``ratio``. K/V come from ``keys``/``values`` [L, len(hashes)*block_size, H, D] or
     from the registered paged cache at ``block_ids`` (one per hash). ``parent`` is the sequence hash of the block
-    before ``hashes[0]``; ``tail``: this offload ends the sequence (its last blob keeps the raw window)."""
+    before ``hashes[0]``; ``tail``: this offload ends the sequence (its last blob keeps the raw window).
+    ``announce_from``: the first block not stored before (a request that codes a stored raw window starts with that
+    window's blocks, already announced; ``token_ids`` then cover blocks ``announce_from ..`` only)."""
 
     hashes: Sequence[int]
     token_ids: Sequence[int]
@@ -107,6 +109,7 @@ class OffloadRequest:
     block_ids: Sequence[int] | None = None
     ready_event: Any = None
     tail: bool = True
+    announce_from: int = 0  # blocks before this one are a replaced raw window: ``token_ids`` start here
 
     @property
     def n(self) -> int:

@@ -37,7 +37,9 @@ class BlockIndex:
     # ------------------------------------------------------------------ changes
     def add(self, meta: BlobMeta) -> None:
         with self._lock:
+            self._held(self._blobs.get(meta.id), -1)
             self._blobs[meta.id] = meta
+            self._held(meta, 1)
             for i, h in enumerate(meta.hashes):
                 self._index[h] = (meta.id, i)
 
@@ -47,10 +49,17 @@ class BlockIndex:
             meta = self._blobs.pop(blob_id, None)
             if meta is None:
                 return
+            self._held(meta, -1)
             gone = [h for h in meta.hashes if self._index.get(h, (None,))[0] == blob_id]
             for h in gone:
                 del self._index[h]
         self._notify("removed", gone)
+
+    def _held(self, meta: BlobMeta | None, sign: int) -> None:
+        """Keep the stats' held-bytes gauges in step with the indexed blobs (under the lock)."""
+        if meta is not None:
+            self._stats.held_raw_bytes += sign * meta.raw_bytes
+            self._stats.held_stored_bytes += sign * meta.stored_bytes
 
     def announce_stored(self, hashes: Sequence[int], token_ids: Sequence[int], parent: int | None) -> None:
         self._notify("stored", list(hashes), list(token_ids), parent)

@@ -24,6 +24,7 @@ from .layout import PagedKV
 from .placement import Placement
 from .stats import StoreStats
 from .streams import codec_stream
+from .window import RawTails, absorb, retire
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,11 @@ class Offloader:
         # Every save then queues a job on every rank, skipped ones too, so the ranks' collectives stay in step.
         self.agree: Callable[[tuple[int, ...]], tuple[float, bool] | None] | None = None
         self._votes = 0
+        # The raw-window blobs of stored prefixes, by their last block: the next offload that extends one codes it
+        # (see :mod:`~dynamo_kvtc.tiers.window`). Off for sliding-window calibrations (their groups hold only a blob's
+        # last tokens) and tensor parallel with the joint codec (every rank must encode the same spans).
+        self.tails = RawTails()
+        self.moving_window = cfg.window > 0 and not any(g.tokens for g in cal.groups)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -234,19 +240,43 @@ class Offloader:
 
     # ------------------------------------------------------------------ the worker
     def cuts(self, req: OffloadRequest, raw: bool = False) -> list[tuple[int, int, int]]:
-        """(first block, end block, raw window) of each blob of the request; the sequence's last blob holds the whole
-        raw window (it grows past ``span_blocks`` rather than leave part of the window in a compressed blob). ``raw``:
-        every blob's window is the whole blob (stored uncompressed)."""
+        """(first block, end block, raw window) of each blob of the request. A request that ends the sequence
+        (``tail``) keeps its last ``window`` tokens raw: with the moving window (:attr:`moving_window`) in a blob of
+        their own (whole blocks, all raw), every block before them coded in blobs of at most ``span_blocks`` (a short
+        remainder joins the blob before it), so the next offload that extends the sequence codes that blob's tokens and
+        replaces it (:mod:`~dynamo_kvtc.tiers.window`); without it the sequence's last blob holds the whole raw window
+        (it grows past ``span_blocks`` rather than leave part of the window in a compressed blob). ``raw``: every
+        blob's window is the whole blob (stored uncompressed)."""
         bs, window = self.block_size, self.cfg.window
+        tail = req.tail and req.end == req.n
+        if tail and not raw and self._moving():
+            k = -(-window // bs)  # blocks of the raw window
+            coded_end = max(req.start, req.end - k)
+            if (coded_end - req.start) * bs < self.codec(req.ratio).config.min_tokens:
+                coded_end = req.start  # too few to code: they wait raw in the tail for the next offload
+            out = []
+            a = req.start
+            while a < coded_end:
+                b = min(coded_end, a + self.span_blocks)
+                if coded_end - b < max(1, self.span_blocks // 4):
+                    b = coded_end
+                out.append((a, b, 0))
+                a = b
+            if coded_end < req.end:
+                out.append((coded_end, req.end, (req.end - coded_end) * bs))
+            return out
         out = []
         a = req.start
         while a < req.end:
             b = min(req.end, a + self.span_blocks)
-            if req.tail and req.end == req.n and (req.end - b) * bs <= window:
+            if tail and (req.end - b) * bs <= window:
                 b = req.end
-            out.append((a, b, (b - a) * bs if raw else window if (req.tail and b == req.n) else 0))
+            out.append((a, b, (b - a) * bs if raw else window if (tail and b == req.n) else 0))
             a = b
         return out
+
+    def _moving(self) -> bool:
+        return self.moving_window and self.agree is None
 
     def _run(self, req: OffloadRequest, res: OffloadResult, raw: bool = False) -> None:
         t0 = time.perf_counter()
@@ -255,14 +285,26 @@ class Offloader:
         with ctx:
             if req.ready_event is not None and self._stream is not None:
                 self._stream.wait_event(req.ready_event)
+            old = None
+            if not raw and self._moving():  # it extends a prefix whose raw window is still stored: code that too
+                got = absorb(self, req, res)
+                if got is not None:
+                    req, old = got
             cuts = self.cuts(req, raw)
             if raw:
                 self.stats.offload_raw += 1
             encoded = self._encode(codec, req, cuts)
             if encoded.fused:
                 self.stats.offload_fused_batches += 1
-            for (a, b, _), blob in zip(cuts, encoded.blobs):
+            for (a, b, w), blob in zip(cuts, encoded.blobs):
                 self._keep(req, a, b, blob, self._raw_bytes(b - a, req.keys), res)
+                if w and w == (b - a) * self.block_size and not raw and self._moving() and res.blobs:
+                    self.tails.remember(req.hashes[b - 1], res.blobs[-1])
+            if old is not None:  # the new blobs are indexed: the superseded raw window goes from every tier
+                gone = retire(self, old, res.blobs)
+                if gone is not None:  # count what this offload added: its new blocks, the bytes held beyond the old
+                    res.raw_bytes -= gone.raw_bytes
+                    res.stored_bytes = max(0, res.stored_bytes - gone.stored_bytes)
         res.ratio = req.ratio
         res.seconds = time.perf_counter() - t0
         st = self.stats
@@ -310,10 +352,12 @@ class Offloader:
             len(blob),
         )
         self.placement.put(meta, blob)
-        if self.index.has_blob(meta.id):
-            prev = hashes[a - 1] if a else req.parent
-            self.index.announce_stored(meta.hashes, list(req.token_ids[a * bs : b * bs]), prev)
+        x = max(a, req.announce_from)  # blocks before it were announced when first stored (a replaced raw window)
+        if self.index.has_blob(meta.id) and x < b:
+            prev = hashes[x - 1] if x else req.parent
+            tokens = req.token_ids[(x - req.announce_from) * bs : (b - req.announce_from) * bs]
+            self.index.announce_stored(hashes[x:b], list(tokens), prev)
         res.blobs.append(meta.id)
-        res.stored_blocks += b - a
+        res.stored_blocks += max(0, b - x)
         res.raw_bytes += raw
         res.stored_bytes += len(blob)

@@ -178,7 +178,33 @@ class Placement:
                 self.index.announce_tier("removed", tier.name, _hashes(rec))
         self._gone(blob_id)
 
+    def retire(self, blob_id: str) -> None:
+        """Forget a superseded blob everywhere (every tier through its ``discard``, the index): its blocks are held
+        by newer blobs already (the moving raw window's replacement). A reader holding a host-tier lease on it keeps
+        its pages until it releases them; one that reads it after this misses."""
+        with self._transit:
+            for tier in self.tiers:
+                tier.discard(blob_id)
+            self._gone(blob_id)
+        self.stats.blobs_retired += 1
+
     # ------------------------------------------------------------------ reads
+    def peek(self, blob_id: str) -> bytes | None:
+        """A copy of a blob's bytes from the fastest tier holding it, or None: no promotion, no use or hit counted
+        (the offload reading back a raw window it replaces)."""
+        for tier in self.tiers:
+            try:
+                view = tier.read(blob_id)
+            except TierError:
+                continue
+            if view is None:
+                continue
+            try:
+                return view.tobytes()
+            finally:
+                view.release()
+        return None
+
     def read(self, blob_id: str, _retry: bool = False) -> BlobView:
         """The blob as a view, without copies: walks the chain; a hit below the first tier is promoted into it and
         then read from there (a host-tier lease: read in place, the caller calls ``release()`` once its device copy

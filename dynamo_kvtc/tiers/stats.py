@@ -33,6 +33,13 @@ class TierCounters:
     foreign_blobs: int = 0  # blobs of another calibration or block size found in it at start (left alone)
     bad_records: int = 0  # blobs whose metadata had a missing or wrong-typed field (deleted at start)
     write_errors: Counter[str] = field(default_factory=Counter)  # error class -> demotions into it that failed
+    raw_held: int = 0  # gauge, refreshed by ``KvtcStore.snapshot()``: the KV it holds, uncompressed ...
+    stored_held: int = 0  # ... and as stored (its blobs' bytes)
+
+    @property
+    def effective_ratio(self) -> float:
+        """Raw / stored bytes this tier holds (0 when empty), as of the last snapshot."""
+        return self.raw_held / self.stored_held if self.stored_held else 0.0
 
 
 # TierCounters field -> its flat key in :meth:`StoreStats.as_dict` (``{t}``: the tier's name)
@@ -46,6 +53,8 @@ FLAT = {
     "recovered_blobs": "{t}_recovered_blobs",
     "foreign_blobs": "{t}_foreign_blobs",
     "bad_records": "{t}_bad_records",
+    "raw_held": "{t}_raw_bytes",
+    "stored_held": "{t}_stored_bytes",
 }
 
 
@@ -54,12 +63,14 @@ class StoreStats:
     # offloader
     offload_blocks: int = 0  # blocks encoded into the host tier
     offload_raw_bytes: int = 0  # uncompressed bytes of those blocks (the engine's dtype)
-    offload_stored_bytes: int = 0  # their blobs' bytes
+    offload_stored_bytes: int = 0  # their blobs' bytes (less a replaced raw window's: the bytes each offload added)
     offload_raw: int = 0  # offloads stored uncompressed (``raw``/``raw_first`` ratio policies)
     offload_filtered: int = 0  # offloads the admission filter refused
     offload_tp_disagreed: int = 0  # saves skipped on every TP rank: the ranks' votes differed (joint codec)
     offload_queue_full: int = 0  # saves skipped, nothing copied: the offload queue held its byte budget already
     offload_fused_batches: int = 0  # encodes that went through the fused CUDA path
+    offload_window_recoded: int = 0  # stored raw windows coded by the offload that extended their prefix
+    offload_window_blocks: int = 0  # their blocks (encoded again, on top of ``offload_blocks``)
     encode_seconds_x1e6: int = 0  # encode time, microseconds
     offload_errors: Counter[str] = field(default_factory=Counter)  # error class (or "unexpected") -> offloads lost
     # restorer
@@ -72,11 +83,20 @@ class StoreStats:
     # placement (and the restorer's blocks per tier)
     tiers: dict[str, TierCounters] = field(default_factory=lambda: {t: TierCounters() for t in BUILT_IN})
     blobs_dropped: int = 0  # unusable blobs removed from every tier
+    blobs_retired: int = 0  # superseded blobs removed from every tier (replaced raw windows)
     # index
     listener_errors: int = 0  # store listeners (KV events) that raised
+    held_raw_bytes: int = 0  # gauge: the KV of every indexed blob (each blob once, whichever tiers hold it), raw ...
+    held_stored_bytes: int = 0  # ... and as stored: their ratio is :attr:`effective_ratio`
     # store
     warm_up_errors: int = 0
     timings: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=4096))  # (kind, s), drained
+
+    @property
+    def effective_ratio(self) -> float:
+        """Raw / stored bytes of what the tiers hold now, each blob once (0 when empty): the ratio the stored
+        conversations get, raw windows, sinks and headers included, where the codec's own ratio counts none."""
+        return self.held_raw_bytes / self.held_stored_bytes if self.held_stored_bytes else 0.0
 
     def time(self, kind: str, seconds: float) -> None:
         """Record one duration of ``kind`` (one of :data:`TIMED`) for the metrics' histograms."""
@@ -113,7 +133,7 @@ class StoreStats:
                 out[prefix + name] = n
         return out
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         """Every counter, flat, under its historical key (a tier's as :data:`FLAT` names them; errors as
         ``<kind>_error_<Error>``); no timings."""
         out = {
@@ -124,4 +144,5 @@ class StoreStats:
         for t, c in list(self.tiers.items()):
             out.update({key.format(t=t): getattr(c, name) for name, key in FLAT.items()})
         out.update(self.faults())
+        out["effective_ratio"] = self.effective_ratio
         return out

@@ -386,8 +386,10 @@ class KvtcStore:
             blobs = [m for m in metas if tier is not None and m.id in tier]
             out[f"{name}_blobs"] = len(blobs)
             out[f"{name}_blocks"] = sum(len(m.hashes) for m in blobs)
-            out[f"{name}_raw_bytes"] = sum(m.raw_bytes for m in blobs)
-            out[f"{name}_stored_bytes"] = sum(m.stored_bytes for m in blobs)
+            c = self.stats.tier(name)
+            c.raw_held, c.stored_held = sum(m.raw_bytes for m in blobs), sum(m.stored_bytes for m in blobs)
+            out[f"{name}_raw_bytes"], out[f"{name}_stored_bytes"] = c.raw_held, c.stored_held
+            out[f"{name}_effective_ratio"] = c.effective_ratio
         out["host_capacity_bytes"] = host.capacity
         budget = self.offloader.budget
         out["offload_queue_bytes"], out["offload_queue_peak_bytes"] = budget.held, budget.peak

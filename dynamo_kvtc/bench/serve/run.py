@@ -140,6 +140,8 @@ class ServeBench:
         finally:
             close(store)
         summary = summarize(ms, self.cfg.slo_s, self.cfg.slo_tpot_s, engine.steps)
+        # raw / stored bytes the kvtc tiers held at the end (each blob once): what the workload's conversations got
+        summary["effective_ratio"] = snap.get("effective_ratio")
         rec = RunRecord(system_name, fraction, host if store is not None else 0, summary)
         rec.requests = [m.to_json() for m in ms]
         rec.metrics = ms
@@ -174,7 +176,8 @@ def sweep(
                 f"TPOT p50 {_ms(s['tpot_p50_s'])} p99 {_ms(s['tpot_p99_s'])}  ITL p99 {_ms(s['itl_p99_s'])}  "
                 f"stretch {_x(s.get('step_stretch'))}  "
                 f"{s['output_tok_s']:.1f} out tok/s  goodput {s['goodput_rps']:.3f} req/s "
-                f"(with TPOT {s['goodput_ttft_tpot_rps']:.3f})  ({time.perf_counter() - t0:.1f} s)",
+                f"(with TPOT {s['goodput_ttft_tpot_rps']:.3f})  held {_x(s.get('effective_ratio'))}  "
+                f"({time.perf_counter() - t0:.1f} s)",
                 flush=True,
             )
             rec.qps = bench.w.params.get("qps")

@@ -23,7 +23,7 @@ __all__ = ["FAMILIES", "TierStats", "metric_definitions"]
 
 PREFIX = "vllm:kvtc_"
 FAMILIES = ("offload_blocks", "onboard_blocks", "offload_bytes", "fallbacks")  # the counters a store feeds
-GAUGE_FAMILIES = ("policy_ratio", "host_fill")
+GAUGE_FAMILIES = ("policy_ratio", "host_fill", "effective_ratio")
 ENABLED = PREFIX + "tier_enabled"  # not KvtcConnector's vllm:kvtc_enabled (no label there): both may share an engine
 
 
@@ -83,4 +83,5 @@ class TierStats:
         self._last = now
         stats.set_gauge(PREFIX + "policy_ratio", policy_ratio(self.store))
         stats.set_gauge(PREFIX + "host_fill", float(self.store.host.fill))
+        stats.set_gauge(PREFIX + "effective_ratio", float(self.store.stats.effective_ratio))
         return stats

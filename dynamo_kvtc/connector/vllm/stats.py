@@ -47,6 +47,7 @@ def gauges(worker: Any) -> dict[str, float]:
     if worker.store is not None:
         g["policy_ratio"] = policy_ratio(worker.store)
         g["host_fill"] = float(worker.store.host.fill)
+        g["effective_ratio"] = float(worker.store.stats.effective_ratio)
     return g
 
 
