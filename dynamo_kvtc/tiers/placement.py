@@ -183,9 +183,14 @@ class Placement:
         by newer blobs already (the moving raw window's replacement). A reader holding a host-tier lease on it keeps
         its pages until it releases them; one that reads it after this misses."""
         with self._transit:
-            for tier in self.tiers:
+            held = [(tier, tier.meta(blob_id)) for tier in self.tiers]
+            for tier, _ in held:
                 tier.discard(blob_id)
             self._gone(blob_id)
+            for tier, rec in held:  # the router hears only of blocks no newer blob holds
+                gone = [h for h in _hashes(rec) if h not in self.index]
+                if gone:
+                    self.index.announce_tier("removed", tier.name, gone)
         self.stats.blobs_retired += 1
 
     # ------------------------------------------------------------------ reads
