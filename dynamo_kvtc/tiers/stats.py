@@ -33,6 +33,7 @@ class TierCounters:
     foreign_blobs: int = 0  # blobs of another calibration or block size found in it at start (left alone)
     bad_records: int = 0  # blobs whose metadata had a missing or wrong-typed field (deleted at start)
     write_errors: Counter[str] = field(default_factory=Counter)  # error class -> demotions into it that failed
+    skipped: int = 0  # write-through puts it could not take then (the pool's queue over budget, or disconnected)
 
 
 # TierCounters field -> its flat key in :meth:`StoreStats.as_dict` (``{t}``: the tier's name)
@@ -46,6 +47,7 @@ FLAT = {
     "recovered_blobs": "{t}_recovered_blobs",
     "foreign_blobs": "{t}_foreign_blobs",
     "bad_records": "{t}_bad_records",
+    "skipped": "{t}_skipped",
 }
 
 
