@@ -94,7 +94,7 @@ async def test_forged_and_corrupted_objects_are_misses(mooncake_master, synth, s
     a = _store(synth_cal, mooncake_master)
     toks = _tokens(128, 21)
     k, v, _ = synth.sample(128)
-    res = offload_seq(a, toks, k, v)
+    offload_seq(a, toks, k, v)
     assert _pool(a).wait_idle(60) and len(a.index.blob_ids()) == 1
     pool, (blob_id,) = _pool(a), a.index.blob_ids()
     client = pool._client
