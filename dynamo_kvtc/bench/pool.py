@@ -48,6 +48,92 @@ def _stats(ms: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(s), "p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
 
 
+def _sink(layer, start, kk, vv) -> None:
+    pass
+
+
+def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> tuple[list[float], list]:
+    """Store A saves the history under new token ids each round; store B (never saw it) restores it from the pool:
+    B's restore times (ms, after a warm-up round) and the first timed round's blobs as (bytes, block keys)."""
+    T = k.shape[1]
+    pool = a.placement.tier("pool")
+    restore, blobs = [], []
+    for rep in range(repeat + 1):  # rep 0: warm-up
+        tokens = [(rep + 1) * T + t for t in range(T)]
+        r = a.submit_offload(a.hashes(tokens), tokens, keys=k, values=v).result()
+        if not pool.wait_idle(120):
+            raise RuntimeError("the pool's write-through did not finish")
+        hashes = b.hashes(tokens)[: r.stored_blocks]
+        t0 = time.perf_counter()
+        n = b.match(hashes)
+        ok = b.start_onboard(hashes[:n], sink=_sink).wait()
+        dt = time.perf_counter() - t0
+        if not ok or n != len(hashes):
+            raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
+        if rep:
+            restore.append(dt * 1e3)
+        if rep == 1:
+            blobs = [(a.placement.fetch(i), a.index.meta(i).hashes) for i in a.index.blob_ids()
+                     if a.index.meta(i).hashes[0] in set(hashes)]  # fmt: skip
+    return restore, blobs
+
+
+def _seal_cost(sealer: Any, blobs: list, aads: list[bytes], repeat: int) -> tuple[list[bytes], float, float]:
+    """The sealed blobs and the median seal / open seconds of all of them (the first pass warms the AEAD up)."""
+    seal_t, open_t = [], []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        sealed = [sealer.seal(d, aad) for (d, _), aad in zip(blobs, aads)]
+        seal_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for obj, aad in zip(sealed, aads):
+            sealer.open(obj, aad)
+        open_t.append(time.perf_counter() - t0)
+    return sealed, statistics.median(seal_t[1:]), statistics.median(open_t[1:])
+
+
+def _put_get(client: Any, kinds: dict[str, list[bytes]], sealer: Any, aads: list[bytes], repeat: int):
+    """Put/get GB/s (stored bytes) of each kind of object, and the sealed blobs' get + open times (ms)."""
+    put, get, fetch_open = {}, {}, []
+    for name, objs in kinds.items():
+        nbytes = sum(map(len, objs))
+        pt, gt = [], []
+        for rep in range(repeat + 1):  # rep 0: warm-up, not timed
+            keys = [f"bench/{name}/{rep}/{i}" for i in range(len(objs))]
+            p_s, g_s = _timed(_put_all, client, keys, objs), _timed(_get_all, client, keys)
+            if rep:
+                pt.append(p_s)
+                gt.append(g_s)
+            if name == "kvtc_sealed" and rep:  # the restore's network and unseal part alone (no decode)
+                t0 = time.perf_counter()
+                for key, aad in zip(keys, aads):
+                    sealer.open(client.get(key), aad)
+                fetch_open.append((time.perf_counter() - t0) * 1e3)
+            for key in keys:
+                client.remove(key, True)
+        put[name], get[name] = _gbps(nbytes, statistics.median(pt)), _gbps(nbytes, statistics.median(gt))
+    return put, get, fetch_open
+
+
+def _raw_restores(client: Any, kv: torch.Tensor, raw_objs: list[bytes], repeat: int) -> list[float]:
+    """Fetching the raw K/V of the same history back into one tensor (ms per restore)."""
+    times = []
+    for rep in range(repeat):
+        keys = [f"bench/rawrestore/{rep}/{i}" for i in range(len(raw_objs))]
+        _put_all(client, keys, raw_objs)
+        out = torch.empty_like(kv)
+        t0 = time.perf_counter()
+        at = 0
+        for key in keys:
+            got = client.get(key)
+            out[at : at + len(got)] = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+            at += len(got)
+        times.append((time.perf_counter() - t0) * 1e3)
+        for key in keys:
+            client.remove(key, True)
+    return times
+
+
 def run_bench_pool(args) -> int:
     from ..tiers import KvtcStore, TierConfig
     from ..tiers.mooncake_master import MooncakeMaster
@@ -72,79 +158,18 @@ def run_bench_pool(args) -> int:
             raise RuntimeError("the pool tier did not connect")
         return s
 
-    def sink(layer, start, kk, vv) -> None:
-        pass
-
     try:
         a, b = store(), store()
-        pool = a.placement.tier("pool")
-        client = pool._client
-        restore, raw_restore = [], []
-        blobs: list[tuple[bytes, list[int]]] = []
-        for rep in range(args.repeat + 1):  # rep 0: warm-up
-            tokens = [(rep + 1) * T + t for t in range(T)]
-            r = a.submit_offload(a.hashes(tokens), tokens, keys=k, values=v).result()
-            assert pool.wait_idle(120)
-            hashes = b.hashes(tokens)[: r.stored_blocks]
-            t0 = time.perf_counter()
-            n = b.match(hashes)
-            ok = b.start_onboard(hashes[:n], sink=sink).wait()
-            dt = time.perf_counter() - t0
-            if not ok or n != len(hashes):
-                raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
-            if rep:
-                restore.append(dt * 1e3)
-            if rep == 1:
-                blobs = [(a.placement.fetch(i), a.index.meta(i).hashes) for i in a.index.blob_ids()
-                         if a.index.meta(i).hashes[0] in set(hashes)]  # fmt: skip
+        client = a.placement.tier("pool")._client
+        restore, blobs = _restores(a, b, k, v, args.repeat)
         kv = torch.cat([k.contiguous().view(torch.uint8).reshape(-1), v.contiguous().view(torch.uint8).reshape(-1)])
-        raw_parts = list(torch.tensor_split(kv, len(blobs)))
-        raw_objs = [p.numpy().tobytes() for p in raw_parts]
+        raw_objs = [p.numpy().tobytes() for p in torch.tensor_split(kv, len(blobs))]
         sealer = Sealer(secret)
         aads = [associated("blob", cal.id, "-", h) for _, h in blobs]
-        seal_t, open_t = [], []
-        for _ in range(args.repeat + 1):  # the first pass warms up (the AEAD's set-up), the median of the rest
-            t0 = time.perf_counter()
-            sealed = [sealer.seal(d, aad) for (d, _), aad in zip(blobs, aads)]
-            seal_t.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for obj, aad in zip(sealed, aads):
-                sealer.open(obj, aad)
-            open_t.append(time.perf_counter() - t0)
-        seal_s, open_s = statistics.median(seal_t[1:]), statistics.median(open_t[1:])
+        sealed, seal_s, open_s = _seal_cost(sealer, blobs, aads, args.repeat)
         kinds = {"kvtc_sealed": sealed, "kvtc": [d for d, _ in blobs], "raw": raw_objs}
-        put, get, fetch_open = {}, {}, []
-        for name, objs in kinds.items():
-            nbytes = sum(map(len, objs))
-            pt, gt = [], []
-            for rep in range(args.repeat + 1):  # rep 0: warm-up, not timed
-                keys = [f"bench/{name}/{rep}/{i}" for i in range(len(objs))]
-                p_s, g_s = _timed(_put_all, client, keys, objs), _timed(_get_all, client, keys)
-                if rep:
-                    pt.append(p_s)
-                    gt.append(g_s)
-                if name == "kvtc_sealed" and rep:  # the restore's network and unseal part alone (no decode)
-                    t0 = time.perf_counter()
-                    for key, aad in zip(keys, aads):
-                        sealer.open(client.get(key), aad)
-                    fetch_open.append((time.perf_counter() - t0) * 1e3)
-                for kk in keys:
-                    client.remove(kk, True)
-            put[name], get[name] = _gbps(nbytes, statistics.median(pt)), _gbps(nbytes, statistics.median(gt))
-        for rep in range(args.repeat):
-            keys = [f"bench/rawrestore/{rep}/{i}" for i in range(len(raw_objs))]
-            for kk, o in zip(keys, raw_objs):
-                client.put(kk, o)
-            out = torch.empty_like(kv)
-            t0 = time.perf_counter()
-            at = 0
-            for kk in keys:
-                got = client.get(kk)
-                out[at : at + len(got)] = torch.frombuffer(bytearray(got), dtype=torch.uint8)
-                at += len(got)
-            raw_restore.append((time.perf_counter() - t0) * 1e3)
-            for kk in keys:
-                client.remove(kk, True)
+        put, get, fetch_open = _put_get(client, kinds, sealer, aads, args.repeat)
+        raw_restore = _raw_restores(client, kv, raw_objs, args.repeat)
         stored = sum(map(len, sealed))
         results = {
             "put_gbps": put,
