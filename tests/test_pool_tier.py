@@ -168,3 +168,23 @@ def test_write_through_over_budget_is_skipped_and_counted(mooncake_master, synth
     assert store.snapshot()["pool_skipped"] == 1
     assert pool.wait_idle(60) and pool.counts["put"] == 1
     store.close()
+
+
+def test_both_ways_in_configure_the_pool_by_settings_alone(tmp_path, monkeypatch):
+    """KvtcConnector's extra config (and the environment) and the vLLM kvtc tier's options set the pool tier's rows;
+    the cluster secret comes from the hand-off's rows and seals it."""
+    from dynamo_kvtc.connector.config import ConnectorConfig
+    from dynamo_kvtc.connector.offloading.options import KvtcTierOptions
+    from dynamo_kvtc.connector.offloading.storage import pool_settings
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET + b"\n")
+    env = {"DYN_KVTC_TRANSFER_SECRET_FILE": str(secret)}
+    cfg = ConnectorConfig.from_sources({"pool_master": "10.0.0.5:50051", "pool_replicas": 2}, env=env).tiers
+    assert (cfg.pool_master, cfg.pool_replicas, cfg.pool_secret) == ("10.0.0.5:50051", 2, SECRET)
+    assert ConnectorConfig.from_sources({}, env=env).tiers.pool_master is None
+    opts = KvtcTierOptions.from_config({"pool_master": "10.0.0.5:50051", "pool_timeout_s": 0.5})
+    monkeypatch.setenv("DYN_KVTC_TRANSFER_SECRET_FILE", str(secret))
+    kw = pool_settings(opts)
+    assert kw["pool_master"] == "10.0.0.5:50051" and kw["pool_timeout_s"] == 0.5 and kw["pool_secret"] == SECRET
+    assert pool_settings(KvtcTierOptions.from_config({})) == {}
