@@ -6,7 +6,8 @@ copies (``nixl_cu13.libs/libibverbs-<hash>.so``, ``libnl-3-<hash>.so``, ``libnl-
 packages installed, any process that asks for ``libibverbs.so.1`` by name (mooncake's ``store.so``; torch's
 ``libtorch_cpu`` dlopens it for its RPC transport) loads a second libibverbs and a second libnl beside NIXL's; libnl's
 route library registers its traffic-control modules in global lists from constructors and takes them out again in
-destructors, and two copies of it in one process are what died with SIGSEGV in ``rtnl_tc_unregister`` at exit.
+destructors (``rtnl_tc_unregister``, where the engine processes of issue 35 died with SIGSEGV at exit with the Debian
+packages installed; ``LD_DEBUG=files`` shows both copies loaded in such a process).
 
 The fix is one copy: NIXL's. :func:`load` preloads NIXL's bundled libnl and libibverbs (by path), plus a copy of
 NIXL's libibverbs whose ``DT_SONAME`` reads ``libibverbs.so.1`` (:func:`native_dir` makes it once; the name is
