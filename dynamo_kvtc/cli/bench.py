@@ -12,6 +12,7 @@ BENCHMARKS = {
     "transfer": "bench_transfer",
     "codec": "bench_codec",
     "tiers": "bench_tiers",
+    "pool": "bench_pool",
     "gpu": "bench_gpu",
     "serve": "bench_serve",
     "cluster": "bench_cluster",

@@ -21,7 +21,7 @@ from typing import Any
 from .. import settings
 from ..errors import ConfigError
 from ..tiers.config import PROCESS_KEYS as TIER_PROCESS_KEYS
-from ..tiers.config import TierConfig
+from ..tiers.config import SECRET_KEYS, TierConfig
 
 HANDOFF_KEYS = (
     "handoff_choice", "handoff_memory", "link_gbps", "handoff_restore_gbs", "nixl_progress_us", "transfer_secret"
@@ -94,7 +94,7 @@ class ConnectorConfig:
         values = settings.resolve(scopes, extra, env)
         own = {f.name for f in fields(cls)} - {"tiers"}
         try:
-            tiers = TierConfig.from_values({k: v for k, v in values.items() if k not in own})
+            tiers = TierConfig.from_values({k: v for k, v in values.items() if k not in own or k in SECRET_KEYS})
             return cls(tiers=tiers, **{k: v for k, v in values.items() if k in own})
         except ConfigError as e:  # name the key or variable a bad value came from
             raise settings.blame(e, settings.sources(scopes, extra, env)) from None

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .pool import POOL_ROWS
 from .row import SCOPES, TYPES, WAYS, Setting  # noqa: F401 - the package exports the row's words too
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
        "that would go over is skipped, nothing copied, and counted "
        "(`kvtc_fallbacks_total{reason=\"offload_queue_full\"}`): a later miss, never a wrong block", "tier",
        field="offload_queue_bytes", lo=0, lo_open=True, hi=1 << 20),
+    *POOL_ROWS,  # the pool tier's (pool.py)
     # -- connector (ConnectorConfig fields) ------------------------------------------------------------------------
     _s("calibration", "path", None, "calibration dir (TP: a `rank<r>` folder per rank; the LMCache serde: required, "
        "it is told no model name)", "connector",

@@ -27,6 +27,7 @@ _d = settings.default  # field defaults are the table's
 AUTO = "auto"  # ratio: the calibration's checked safe ratio (calibration/verdict.py), resolved at start-up
 CODEC_KEYS = tuple(f.name for f in fields(CodecOptions))  # the table's process keys of the same names
 PROCESS_KEYS = ("codec_sms", *CODEC_KEYS)  # the process-wide knobs a TierConfig carries down
+SECRET_KEYS = ("transfer_secret_file", "transfer_secret")  # the cluster secret: the hand-off's, and the pool's seal
 _TABLE = {s.field: s.key for s in settings.select("tier")} | {"codec_sms": "codec_sms"}  # field -> key
 
 __all__ = ["AUTO", "GB", "TierConfig", "codec_options"]
@@ -43,6 +44,14 @@ def process_settings(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     (``TierConfig(host_bytes=..., **process_settings())``)."""
     values = settings.resolve(PROCESS_KEYS, None, env)
     return {"codec": codec_options(values), "codec_sms": values.get("codec_sms", _d("codec_sms"))}
+
+
+def cluster_secret(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The cluster secret from the environment (``DYN_KVTC_TRANSFER_SECRET_FILE`` wins over
+    ``DYN_KVTC_TRANSFER_SECRET``), or None: for ways in whose options hold no secret (the vLLM ``kvtc`` tier)."""
+    from ..transport.auth import load_secret
+
+    return load_secret(settings.env_value("transfer_secret_file", env), settings.env_value("transfer_secret", env))
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,16 @@ class TierConfig:
     offload_queue_bytes: int = _d("offload_queue_gb")  # K/V copies the offload queue may hold (over: save skipped)
     codec_sms: int = _d("codec_sms")  # SMs of the codec streams' green context; 0: all, at the lowest priority
     tiers: tuple[str, ...] = ()  # registered tiers beyond host and disk to chain (tiers/registry.py), in order
+    pool_master: str | None = _d("pool_master")  # the pool tier (tiers/pool.py): mooncake_master's "host:port"
+    pool_metadata_server: str | None = _d("pool_metadata_server")
+    pool_segment_gb: float = _d("pool_segment_gb")
+    pool_replicas: int = _d("pool_replicas")
+    pool_protocol: str = _d("pool_protocol")
+    pool_device: str | None = _d("pool_device")
+    pool_timeout_s: float = _d("pool_timeout_s")
+    pool_queue_mb: int = _d("pool_queue_mb")
+    pool_insecure: bool = _d("pool_insecure")
+    pool_secret: bytes | None = field(default=None, repr=False)  # the cluster secret (transfer_secret_file/_secret)
 
     def __post_init__(self) -> None:
         for name, key in _TABLE.items():  # bounds, choices and types: the table's rule, through settings.check
@@ -85,6 +104,8 @@ class TierConfig:
             raise ConfigError("disk_cache_gb is set but disk_cache_dir is not (the disk tier's directory)")
         if self.max_ratio is not None and self.ratio != AUTO and self.max_ratio < self.ratio:
             raise ConfigError(f"ratio {self.ratio} must be positive and <= max_ratio {self.max_ratio}")
+        if self.pool_secret is not None and not isinstance(self.pool_secret, bytes):
+            raise ConfigError("pool_secret must be bytes")  # never shown: it is the secret
         if self.page_bytes & (self.page_bytes - 1):
             raise ConfigError(f"page_bytes must be a power of two >= 512, got {self.page_bytes}")
 
@@ -97,7 +118,7 @@ class TierConfig:
         bad = set(overrides) - known
         if bad:
             raise ConfigError(f"unknown tier settings: {sorted(bad)}")
-        keys = ("tier", *PROCESS_KEYS)
+        keys = ("tier", *PROCESS_KEYS, *SECRET_KEYS)
         try:
             return cls.from_values({**settings.resolve(keys, None, env), **overrides})
         except ConfigError as e:  # name the variable a bad value came from
@@ -110,6 +131,10 @@ class TierConfig:
         ``codec`` (unless ``values`` holds one), other fields that are not the tiers' are ignored."""
         own = {f.name for f in fields(cls)}
         kw = {k: v for k, v in values.items() if k in own}
+        if "pool_secret" not in kw and any(values.get(k) for k in SECRET_KEYS):  # the cluster secret seals the pool
+            from ..transport.auth import load_secret
+
+            kw["pool_secret"] = load_secret(values.get("transfer_secret_file"), values.get("transfer_secret"))
         if "codec" not in kw:
             kw["codec"] = codec_options(values)
         return cls(**kw)

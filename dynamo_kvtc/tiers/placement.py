@@ -78,6 +78,9 @@ class Placement:
         """Index blobs the tiers held at start (a restart's disk files; only this calibration and block size)."""
         for i, tier in enumerate(self.tiers):
             st = self.stats.tier(tier.name)
+            bind = getattr(tier, "bind", None)  # a shared tier names its objects by calibration (the pool)
+            if bind is not None:
+                bind(cal_id, block_size)
             for blob_id in tier.ids():
                 try:
                     meta = BlobMeta.from_dict(tier.meta(blob_id))
@@ -115,6 +118,21 @@ class Placement:
                     self._gone(meta.id)
                     raise
                 self._spill(1, meta.id, blob, rec)  # larger than the whole first tier: straight down
+            self._write_through(meta.id, blob, rec)
+
+    def _write_through(self, blob_id: str, blob: Any, rec: dict) -> None:
+        """A tier below the first that asks for every saved blob (``write_through``: the shared pool, which another
+        worker reads on the next turn) gets it now too; one that cannot take it now skips it, counted."""
+        for tier in self.tiers[1:]:
+            if not getattr(tier, "write_through", False) or blob_id in tier:
+                continue
+            st = self.stats.tier(tier.name)
+            try:
+                tier.put(blob_id, blob, rec, keep_evicted=False)
+            except TierFullError:
+                st.skipped += 1
+            except TierError as e:
+                st.write_errors[type(e).__name__] += 1
 
     def _store(self, i: int, blob_id: str, blob: Any, rec: dict) -> None:
         """Put into tier i; its victims go down the chain."""

@@ -23,6 +23,7 @@ from .base import BlobTier
 from .config import TierConfig
 from .disk import DiskTier
 from .host import HostTier
+from .pool import PoolTier
 from .stats import PEER
 
 
@@ -100,3 +101,12 @@ def _disk_min_uses(cfg: TierConfig) -> int:  # disk_min_uses: one-off prompts sp
 # the built-in tiers, fastest first: one line each
 register(TierKind("host", HostTier, lambda c: HostTier(c.host_bytes, c.page_bytes), ("cpu_cache_gb", "page_bytes")))
 register(TierKind("disk", DiskTier, _disk, ("disk_cache_gb", "disk_cache_dir", "disk_fsync"), _disk_min_uses))
+
+
+def _pool(cfg: TierConfig) -> PoolTier | None:  # also pool_metadata_server ... pool_insecure, and the cluster secret
+    return PoolTier(cfg) if cfg.pool_master else None
+
+
+_POOL = ("pool_master", "pool_metadata_server", "pool_segment_gb", "pool_replicas", "pool_protocol", "pool_device",
+         "pool_timeout_s", "pool_queue_mb", "pool_insecure")  # fmt: skip
+register(TierKind("pool", PoolTier, _pool, _POOL))

@@ -33,6 +33,7 @@ class TierCounters:
     foreign_blobs: int = 0  # blobs of another calibration or block size found in it at start (left alone)
     bad_records: int = 0  # blobs whose metadata had a missing or wrong-typed field (deleted at start)
     write_errors: Counter[str] = field(default_factory=Counter)  # error class -> demotions into it that failed
+    skipped: int = 0  # write-through puts it could not take then (the pool's queue over budget, or disconnected)
     raw_held: int = 0  # gauge, refreshed by ``KvtcStore.snapshot()``: the KV it holds, uncompressed ...
     stored_held: int = 0  # ... and as stored (its blobs' bytes)
 
@@ -55,6 +56,7 @@ FLAT = {
     "bad_records": "{t}_bad_records",
     "raw_held": "{t}_raw_bytes",
     "stored_held": "{t}_stored_bytes",
+    "skipped": "{t}_skipped",
 }
 
 

@@ -220,12 +220,28 @@ class KvtcStore:
         return sequence_hashes(token_ids, self.block_size)
 
     def match(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``hashes`` the tiers hold."""
+        """How many leading blocks of ``hashes`` the tiers hold (a shared tier is asked for those this store's index
+        lacks)."""
+        self.discover(hashes)
         return self.index.match(hashes)
+
+    def discover(self, hashes: Sequence[int]) -> None:
+        """Index the blobs a shared tier (the pool: another worker wrote them) holds for the blocks of ``hashes``
+        past those this store's index holds; a tier without ``discover`` is not asked."""
+        for tier in self.placement.tiers:
+            find = getattr(tier, "discover", None)
+            if find is None:
+                continue
+            n = self.index.match(hashes)
+            if n >= len(hashes):
+                return
+            for meta in find(list(hashes[n:]), self.block_size):
+                self.index.add(meta)
 
     def match_tiers(self, hashes: Sequence[int]) -> tuple[int, int]:
         """(leading blocks the tiers can restore, leading blocks of those held in the first tier, host memory)."""
         host = self.host
+        self.discover(hashes)
         n, n_host = self.index.match_tiers(hashes, host.__contains__)
         held = min((g.tokens for g in self.cal.groups if g.tokens), default=0)
         if held:

@@ -45,6 +45,15 @@ class KvtcTierOptions:
     page_layout: str = settings.default("page_layout")
     threads: int = settings.default("threads")
     locality: str | None = settings.default("locality")
+    pool_master: str | None = settings.default("pool_master")  # the cluster-wide pool tier (tiers/pool.py)
+    pool_metadata_server: str | None = settings.default("pool_metadata_server")
+    pool_segment_gb: float = settings.default("pool_segment_gb")
+    pool_replicas: int = settings.default("pool_replicas")
+    pool_protocol: str = settings.default("pool_protocol")
+    pool_device: str | None = settings.default("pool_device")
+    pool_timeout_s: float = settings.default("pool_timeout_s")
+    pool_queue_mb: int = settings.default("pool_queue_mb")
+    pool_insecure: bool = settings.default("pool_insecure")
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> KvtcTierOptions:

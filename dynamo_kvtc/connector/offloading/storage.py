@@ -12,10 +12,13 @@ from typing import Any
 import torch
 
 from ...errors import KvtcError
-from ...tiers.config import TierConfig, process_settings
+from ...tiers.config import TierConfig, cluster_secret, process_settings
 from ...tiers.disk import DiskTier
 from ...tiers.store import KvtcStore
 from .options import KvtcTierOptions, option_error
+
+POOL_FIELDS = ("pool_master", "pool_metadata_server", "pool_segment_gb", "pool_replicas", "pool_protocol",
+               "pool_device", "pool_timeout_s", "pool_queue_mb", "pool_insecure")  # fmt: skip
 
 __all__ = ["KeyBook", "make_store", "offload_hash"]
 
@@ -34,6 +37,7 @@ def make_store(cal: Any, opts: KvtcTierOptions, device: torch.device, tokens: in
         ratio_policy=opts.ratio_policy,
         window=opts.chunk_window,
         disk_min_uses=1,
+        **pool_settings(opts),
         **process_settings(),
     )
     disk = None
@@ -43,6 +47,16 @@ def make_store(cal: Any, opts: KvtcTierOptions, device: torch.device, tokens: in
         except KvtcError as e:
             raise option_error("disk_cache_dir", str(e)) from None
     return KvtcStore(cal, cfg, device=device, block_size=tokens, span_tokens=tokens, disk=disk)
+
+
+def pool_settings(opts: KvtcTierOptions) -> dict[str, Any]:
+    """The pool tier's fields from the tier's options, and the cluster secret that seals it from the environment
+    (``DYN_KVTC_TRANSFER_SECRET_FILE`` / ``DYN_KVTC_TRANSFER_SECRET``); nothing when ``pool_master`` is unset."""
+    if not opts.pool_master:
+        return {}
+    kw = {f: getattr(opts, f) for f in POOL_FIELDS}
+    kw["pool_secret"] = cluster_secret()
+    return kw
 
 
 def offload_hash(key: bytes) -> int:

@@ -1,0 +1,197 @@
+"""``dynamo-kvtc bench pool``: the pool tier (tiers/pool.py) on a real Mooncake master over TCP loopback.
+
+In one run and on the same history of real KV (``--model``'s captured K/V and its calibration, as ``bench tiers``):
+put and get throughput of the kvtc blobs sealed (what the pool tier stores), the same blobs unsealed, and the raw
+K/V of the same blocks (one object per blob's span, uncompressed), as stored bytes per second; the latency of one
+conversation's restore by a second store (discovery, sealed get, open, decode into the sink; and its get + open
+alone) against fetching its raw K/V; bytes per token stored; and AES-GCM seal/open throughput. A master is started
+on free loopback ports unless ``--master`` names one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .inputs import load_inputs
+from .output import machine, write_json
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def _put_all(client: Any, keys: list[str], objs: list[bytes]) -> None:
+    for key, obj in zip(keys, objs):
+        if client.put(key, obj) != 0:
+            raise RuntimeError(f"pool put of {key} failed")
+
+
+def _get_all(client: Any, keys: list[str]) -> None:
+    for key in keys:
+        if not client.get(key):
+            raise RuntimeError(f"pool get of {key} failed")
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    s = sorted(ms)
+    return {"mean": statistics.fmean(s), "p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))]}
+
+
+def _sink(layer, start, kk, vv) -> None:
+    pass
+
+
+def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> tuple[list[float], list]:
+    """Store A saves the history under new token ids each round; store B (never saw it) restores it from the pool:
+    B's restore times (ms, after a warm-up round) and the first timed round's blobs as (bytes, block keys)."""
+    T = k.shape[1]
+    pool = a.placement.tier("pool")
+    restore, blobs = [], []
+    for rep in range(repeat + 1):  # rep 0: warm-up
+        tokens = [(rep + 1) * T + t for t in range(T)]
+        r = a.submit_offload(a.hashes(tokens), tokens, keys=k, values=v).result()
+        if not pool.wait_idle(120):
+            raise RuntimeError("the pool's write-through did not finish")
+        hashes = b.hashes(tokens)[: r.stored_blocks]
+        t0 = time.perf_counter()
+        n = b.match(hashes)
+        ok = b.start_onboard(hashes[:n], sink=_sink).wait()
+        dt = time.perf_counter() - t0
+        if not ok or n != len(hashes):
+            raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
+        if rep:
+            restore.append(dt * 1e3)
+        if rep == 1:
+            blobs = [(a.placement.fetch(i), a.index.meta(i).hashes) for i in a.index.blob_ids()
+                     if a.index.meta(i).hashes[0] in set(hashes)]  # fmt: skip
+    return restore, blobs
+
+
+def _seal_cost(sealer: Any, blobs: list, aads: list[bytes], repeat: int) -> tuple[list[bytes], float, float]:
+    """The sealed blobs and the median seal / open seconds of all of them (the first pass warms the AEAD up)."""
+    seal_t, open_t = [], []
+    for _ in range(repeat + 1):
+        t0 = time.perf_counter()
+        sealed = [sealer.seal(d, aad) for (d, _), aad in zip(blobs, aads)]
+        seal_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for obj, aad in zip(sealed, aads):
+            sealer.open(obj, aad)
+        open_t.append(time.perf_counter() - t0)
+    return sealed, statistics.median(seal_t[1:]), statistics.median(open_t[1:])
+
+
+def _put_get(client: Any, kinds: dict[str, list[bytes]], sealer: Any, aads: list[bytes], repeat: int):
+    """Put/get GB/s (stored bytes) of each kind of object, and the sealed blobs' get + open times (ms)."""
+    put, get, fetch_open = {}, {}, []
+    for name, objs in kinds.items():
+        nbytes = sum(map(len, objs))
+        pt, gt = [], []
+        for rep in range(repeat + 1):  # rep 0: warm-up, not timed
+            keys = [f"bench/{name}/{rep}/{i}" for i in range(len(objs))]
+            p_s, g_s = _timed(_put_all, client, keys, objs), _timed(_get_all, client, keys)
+            if rep:
+                pt.append(p_s)
+                gt.append(g_s)
+            if name == "kvtc_sealed" and rep:  # the restore's network and unseal part alone (no decode)
+                t0 = time.perf_counter()
+                for key, aad in zip(keys, aads):
+                    sealer.open(client.get(key), aad)
+                fetch_open.append((time.perf_counter() - t0) * 1e3)
+            for key in keys:
+                client.remove(key, True)
+        put[name], get[name] = _gbps(nbytes, statistics.median(pt)), _gbps(nbytes, statistics.median(gt))
+    return put, get, fetch_open
+
+
+def _raw_restores(client: Any, kv: torch.Tensor, raw_objs: list[bytes], repeat: int) -> list[float]:
+    """Fetching the raw K/V of the same history back into one tensor (ms per restore)."""
+    times = []
+    for rep in range(repeat):
+        keys = [f"bench/rawrestore/{rep}/{i}" for i in range(len(raw_objs))]
+        _put_all(client, keys, raw_objs)
+        out = torch.empty_like(kv)
+        t0 = time.perf_counter()
+        at = 0
+        for key in keys:
+            got = client.get(key)
+            out[at : at + len(got)] = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+            at += len(got)
+        times.append((time.perf_counter() - t0) * 1e3)
+        for key in keys:
+            client.remove(key, True)
+    return times
+
+
+def run_bench_pool(args) -> int:
+    from ..tiers import KvtcStore, TierConfig
+    from ..tiers.mooncake_master import MooncakeMaster
+    from ..tiers.seal import Sealer, associated
+
+    cal, spans, source = load_inputs(args)
+    k, v, _ = spans[0]
+    T = k.shape[1]
+    raw_bytes = 2 * k.numel() * k.element_size()
+    master = None if args.master else MooncakeMaster().start()
+    addr = args.master or master.master
+    meta_url = args.metadata_server or (master.metadata_server if master else None)
+    ratio = (args.ratios or (16,))[0]
+    secret = b"bench pool: a cluster secret of 32B"
+
+    def store() -> Any:
+        cfg = TierConfig(host_bytes=1 << 30, ratio=ratio, window=args.window, pool_master=addr,
+                         pool_metadata_server=meta_url, pool_segment_gb=args.segment_gb, pool_secret=secret,
+                         pool_timeout_s=30.0, pool_queue_mb=4096)  # fmt: skip
+        s = KvtcStore(cal, cfg, block_size=args.block_size, span_tokens=args.span_tokens)
+        if not s.placement.tier("pool").wait_idle(180):
+            raise RuntimeError("the pool tier did not connect")
+        return s
+
+    try:
+        a, b = store(), store()
+        client = a.placement.tier("pool")._client
+        restore, blobs = _restores(a, b, k, v, args.repeat)
+        kv = torch.cat([k.contiguous().view(torch.uint8).reshape(-1), v.contiguous().view(torch.uint8).reshape(-1)])
+        raw_objs = [p.numpy().tobytes() for p in torch.tensor_split(kv, len(blobs))]
+        sealer = Sealer(secret)
+        aads = [associated("blob", cal.id, "-", h) for _, h in blobs]
+        sealed, seal_s, open_s = _seal_cost(sealer, blobs, aads, args.repeat)
+        kinds = {"kvtc_sealed": sealed, "kvtc": [d for d, _ in blobs], "raw": raw_objs}
+        put, get, fetch_open = _put_get(client, kinds, sealer, aads, args.repeat)
+        raw_restore = _raw_restores(client, kv, raw_objs, args.repeat)
+        stored = sum(map(len, sealed))
+        results = {
+            "put_gbps": put,
+            "get_gbps": get,
+            "restore_ms": {"kvtc_sealed": _stats(restore), "raw": _stats(raw_restore),
+                           "kvtc_sealed_get_and_open": _stats(fetch_open)},  # fmt: skip
+            "tokens_per_restore": T,
+            "raw_bytes_per_token": raw_bytes / T,
+            "stored_bytes_per_token": {"kvtc_sealed": stored / T, "raw": raw_bytes / T},
+            "seal_gbps": _gbps(sum(len(d) for d, _ in blobs), seal_s),
+            "open_gbps": _gbps(stored, open_s),
+            "ratio": ratio,
+            "objects_per_restore": len(blobs),
+        }
+        a.close()
+        b.close()
+    finally:
+        if master is not None:
+            master.stop()
+    data = {"bench": "pool", "machine": machine(), "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
+            "source": source, "transport": "tcp loopback", "results": results}  # fmt: skip
+    for key, val in results.items():
+        print(f"{key:>24}: {val}")
+    write_json(args.json_path, data)
+    return 0

@@ -1,0 +1,347 @@
+"""Pool tier: sealed blobs in a cluster-wide Mooncake Store, so any worker restores any conversation.
+
+The ``pool`` tier is a :class:`~dynamo_kvtc.tiers.base.BlobTier` at the end of the chain (host -> pool, or host ->
+disk -> pool). It differs from the per-node tiers in three ways:
+
+- **Write-through** (``write_through = True``): :meth:`Placement.put` hands every saved blob to it as well as to the
+  first tier, so another worker finds it on the next turn. :meth:`put` only copies the blob into a bounded queue
+  (``pool_queue_mb``) and returns; one thread seals and writes it. Over the budget a put is skipped and counted
+  (TierFullError, ``pool_skipped``): the engine never waits for the network.
+- **Discovery**: a store asks :meth:`discover` for blocks its own index does not hold. One batched existence check
+  (``batch_is_exist``) over the blocks' locator keys finds the pool's blobs that start at the first missing block;
+  their metadata objects (sealed) are read, checked (the calibration, block keys equal to the ones asked for) and
+  indexed: the pool then holds them (``in``) and a restore reads them through :meth:`read`.
+- **Misses, not errors**: an unreachable, slow or restarted master, a vanished object (its worker left, Mooncake
+  evicted it), a forged or corrupted one: :meth:`read` returns None (counted in :attr:`counts`), within
+  ``pool_timeout_s``. The client connects (and reconnects after failures) in the background with backoff; until it
+  is connected every read is a miss and every put is dropped (counted).
+
+Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
+keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob (whole:
+its layer groups are checked one by one by the restore as for every tier), and ``kvtc/<cal>/<salt>/at/<first block
+key, 32 hex>`` its sealed metadata (the locator). Sealing: :mod:`.seal` (AES-GCM; the blob's associated data binds
+its calibration, salt and every block key; the locator's its first key).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ..codec.blob import BlobView
+from ..errors import BadRecordError, ConfigError, TierError, TierFullError
+from ..transport.channel import pack, unpack
+from .base import BlobTier, Evicted
+from .blobs import BlobMeta
+from .config import TierConfig
+from .disk_format import RECORD_LIMITS
+from .seal import Sealer, SealError, associated
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = (0.5, 30.0)  # reconnect backoff: first wait, longest wait
+REFUSED_KEPT = 4096  # refused blob ids remembered (a corrupted object is not read again and again)
+NOT_LOST = (-704,)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS)
+
+
+class PoolTier(BlobTier):
+    """The ``pool`` tier (see the module docstring). Owns its Mooncake client, its write-through queue and the ids of
+    the pool's blobs this store wrote or discovered (``_entries``: id -> BlobMeta map); never serves an object that
+    does not open under its secret and answer for the keys asked."""
+
+    name = "pool"
+    write_through = True
+
+    def __init__(self, cfg: TierConfig, *, salt: str = "-", connect: bool = True) -> None:
+        if not cfg.pool_master:
+            raise ConfigError("the pool tier needs pool_master (mooncake_master's host:port)")
+        self.sealer = Sealer(cfg.pool_secret, insecure=cfg.pool_insecure)  # ConfigError without a secret
+        self.cfg = cfg
+        self.salt = salt
+        self.cal: str | None = None  # bound by the store (Placement.adopt): the calibration its keys name
+        host = cfg.pool_master.rsplit(":", 1)[0]
+        self.metadata_server = cfg.pool_metadata_server or f"http://{host}:8080/metadata"
+        self.capacity = int(cfg.pool_segment_gb * (1 << 30))
+        self.used_bytes = 0  # bytes this worker wrote to the pool (Mooncake evicts; this is not what it holds)
+        self._entries: OrderedDict[str, dict] = OrderedDict()
+        self._refused: OrderedDict[str, None] = OrderedDict()  # blobs that did not open: not discovered again
+        self._lock = threading.RLock()
+        self.counts: Counter[str] = Counter()  # put, skipped, put_failed, hit, miss, refused, timeout, unreachable
+        self._queue: deque[tuple[str, bytes, dict]] = deque()
+        self._queued = 0
+        self._budget = cfg.pool_queue_mb << 20
+        self._wake = threading.Condition(self._lock)
+        self._client: Any = None
+        self._closed = False
+        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtc-pool-read")
+        self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
+        if connect:
+            self._writer.start()
+
+    # ------------------------------------------------------------------ keys
+    def bind(self, cal_id: str, block_size: int) -> None:
+        self.cal = cal_id
+
+    def _key(self, blob_id: str) -> str:
+        return f"kvtc/{self.cal}/{self.salt}/{blob_id}"
+
+    def _at(self, h: int) -> str:
+        return f"kvtc/{self.cal}/{self.salt}/at/{h:032x}"
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    # ------------------------------------------------------------------ the client
+    def _connect(self) -> Any:
+        from . import mooncake_lib
+
+        store = mooncake_lib.load().MooncakeDistributedStore()
+        rc = store.setup("127.0.0.1" if self._loopback() else _local_host(), self.metadata_server,
+                         self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
+                         self.cfg.pool_master)  # fmt: skip
+        if rc != 0:
+            _close(store)
+            raise TierError(f"pool: mooncake setup against {self.cfg.pool_master} failed ({rc})")
+        return store
+
+    def _loopback(self) -> bool:
+        return self.cfg.pool_master.startswith(("127.", "localhost"))
+
+    def _lost(self, client: Any, why: str) -> None:
+        """A failed operation: drop this client (the writer reconnects with backoff)."""
+        with self._lock:
+            if self._client is client and client is not None:
+                log.warning("kvtc pool: lost the master (%s); reconnecting in the background", why)
+                self._client = None
+                self.counts["disconnects"] += 1
+                self._wake.notify_all()
+        if client is not None:
+            threading.Thread(target=_close, args=(client,), daemon=True).start()
+
+    def _run(self) -> None:
+        wait = BACKOFF_S[0]
+        while not self._closed:
+            if self._client is None:
+                try:
+                    client = self._connect()
+                except Exception as e:  # an unreachable master: the engine serves without the pool meanwhile
+                    self.counts["connect_failed"] += 1
+                    log.warning("kvtc pool: cannot reach %s (%s); retrying in %.1f s", self.cfg.pool_master, e, wait)
+                    with self._lock:
+                        self._wake.wait(wait)
+                    wait = min(wait * 2, BACKOFF_S[1])
+                    continue
+                with self._lock:
+                    self._client = client
+                wait = BACKOFF_S[0]
+                log.info("kvtc pool: connected to %s", self.cfg.pool_master)
+            with self._lock:
+                while not self._queue and not self._closed and self._client is not None:
+                    self._wake.wait(1.0)
+                if self._closed or self._client is None or not self._queue:
+                    continue
+                blob_id, data, meta = self._queue[0]  # left on the queue (readers use it) until written
+                client = self._client
+            try:
+                self._write(client, blob_id, data, meta)
+            except Exception as e:  # one blob lost to the pool, never the writer
+                log.warning("kvtc pool: writing %s failed: %s", blob_id, e)
+                self.counts["put_failed"] += 1
+            with self._lock:
+                self._queue.popleft()
+                self._queued -= len(data)
+
+    def _write(self, client: Any, blob_id: str, data: bytes, meta: dict) -> None:
+        from . import mooncake_lib
+
+        hashes = meta["hashes"]
+        blob = self.sealer.seal(data, associated("blob", self.cal, self.salt, hashes))
+        rec = self.sealer.seal(pack(meta), associated("meta", self.cal, self.salt, hashes[:1]))
+        rc = mooncake_lib.load().ReplicateConfig()
+        rc.replica_num = self.cfg.pool_replicas
+        try:
+            got = client.put(self._key(blob_id), blob, rc)
+            got = got or client.put(self._at(hashes[0]), rec, rc)
+        except Exception as e:  # the binding raises on a broken connection
+            got = str(e)
+        ok = got == 0
+        if not ok and got not in NOT_LOST:
+            self._lost(client, f"put returned {got}")
+        if ok:
+            self.counts["put"] += 1
+            self.used_bytes += len(blob)
+        else:
+            self.counts["put_failed"] += 1
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(client, *args)`` within ``pool_timeout_s``; TierError on a timeout, no client or a failure."""
+        client = self._client
+        if client is None:
+            self.counts["unreachable"] += 1
+            raise TierError("pool: not connected")
+        fut = self._reads.submit(fn, client, *args)
+        try:
+            return fut.result(timeout=self.cfg.pool_timeout_s)
+        except FutureTimeout:
+            self.counts["timeout"] += 1
+            raise TierError(f"pool: no answer within {self.cfg.pool_timeout_s} s") from None
+        except Exception as e:
+            self._lost(client, str(e))
+            raise TierError(f"pool: {type(e).__name__}: {e}") from None
+
+    # ------------------------------------------------------------------ BlobTier
+    def put(self, blob_id: str, blob: Any, meta: Any, *, keep_evicted: bool = True) -> list[Evicted]:
+        """Queue the blob for the pool (a copy) and return at once; TierFullError (skipped, counted) when the queue
+        holds its budget or the pool is not connected."""
+        with self._lock:
+            if blob_id in self._entries:
+                self._entries.move_to_end(blob_id)
+                return []
+            if self._client is None:
+                self.counts["skipped"] += 1
+                raise TierFullError("pool: not connected, put skipped")
+            data = bytes(BlobView.of(blob).host())
+            if self._queued + len(data) > self._budget:
+                self.counts["skipped"] += 1
+                raise TierFullError(f"pool: write-through queue holds {self._queued} bytes, put skipped")
+            self._queue.append((blob_id, data, meta))
+            self._queued += len(data)
+            self._entries[blob_id] = meta
+            self._wake.notify_all()
+        return []
+
+    def read(self, blob_id: str) -> BlobView | None:
+        """The blob, opened and checked, or None (not known here, missing from the pool, unreachable, past the
+        deadline, or refused: it does not open under the secret for its keys)."""
+        with self._lock:
+            meta = self._entries.get(blob_id)
+            queued = next((d for i, d, _ in self._queue if i == blob_id), None)
+        if meta is None:
+            return None
+        if queued is not None:  # still on its way out: this worker has the bytes
+            return BlobView(queued)
+        try:
+            obj = self._call(_get, self._key(blob_id))
+        except TierError:
+            return None
+        if not obj:
+            self.counts["miss"] += 1
+            self.discard(blob_id)
+            return None
+        try:
+            data = self.sealer.open(obj, associated("blob", self.cal, self.salt, meta["hashes"]))
+        except SealError as e:
+            log.warning("kvtc pool: refusing blob %s: %s", blob_id, e)
+            self.counts["refused"] += 1
+            self.discard(blob_id)
+            with self._lock:
+                self._refused[blob_id] = None
+                while len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+            return None
+        self.counts["hit"] += 1
+        return BlobView(data)
+
+    def discard(self, blob_id: str) -> None:
+        with self._lock:
+            self._entries.pop(blob_id, None)
+
+    def ids(self) -> list[str]:
+        return []  # the pool is not listed at start: a store discovers what it needs (discover)
+
+    def meta(self, blob_id: str) -> Any:
+        with self._lock:
+            return self._entries.get(blob_id)
+
+    # ------------------------------------------------------------------ discovery
+    def discover(self, hashes: Sequence[int], block_size: int) -> list[BlobMeta]:
+        """The pool's blobs that cover ``hashes`` from its first block on, in order (each starts where the last
+        ended), each checked: it opens under the secret, is of this calibration and block size, and its keys are the
+        ones asked for. One batched existence check, then one metadata read per blob found."""
+        if self.cal is None or not hashes or self._client is None:
+            return []
+        try:
+            exists = self._call(_exist, [self._at(h) for h in hashes])
+        except TierError:
+            return []
+        found, pos = [], 0
+        while pos < len(hashes) and pos < len(exists) and exists[pos] == 1:
+            meta = self._locate(hashes, pos, block_size)
+            if meta is None:
+                break
+            with self._lock:
+                self._entries[meta.id] = meta.to_dict()
+            found.append(meta)
+            pos += len(meta.hashes)
+        return found
+
+    def _locate(self, hashes: Sequence[int], pos: int, block_size: int) -> BlobMeta | None:
+        try:
+            obj = self._call(_get, self._at(hashes[pos]))
+            if not obj:
+                return None
+            rec = self.sealer.open(obj, associated("meta", self.cal, self.salt, hashes[pos : pos + 1]))
+            meta = BlobMeta.from_dict(unpack(rec, RECORD_LIMITS, what="pool locator", error=BadRecordError))
+        except (SealError, BadRecordError) as e:
+            log.warning("kvtc pool: refusing the locator of block %032x: %s", hashes[pos], e)
+            self.counts["refused"] += 1
+            return None
+        except TierError:
+            return None
+        n = len(meta.hashes)
+        if meta.id in self._refused:
+            return None
+        if meta.cal != self.cal or meta.block_size != block_size or list(hashes[pos : pos + n]) != meta.hashes:
+            self.counts["refused"] += 1  # another calibration, or keys that are not the ones asked for
+            return None
+        return meta
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Whether the write-through queue emptied within ``timeout`` (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and self._client is not None:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            self._wake.notify_all()
+        self._reads.shutdown(wait=False)
+        if client is not None:
+            _close(client)
+
+
+def _get(client: Any, key: str) -> bytes:
+    return client.get(key)
+
+
+def _exist(client: Any, keys: list[str]) -> list[int]:
+    got = list(client.batch_is_exist(keys))
+    if any(x < 0 for x in got):  # the master did not answer: a lost connection (the caller reconnects)
+        raise TierError(f"batch_is_exist failed ({min(got)})")
+    return got
+
+
+def _close(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a client whose master is gone: nothing left to do
+        pass
+
+
+def _local_host() -> str:
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())

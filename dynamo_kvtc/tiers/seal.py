@@ -1,0 +1,78 @@
+"""Sealing pool objects: AES-GCM under a key derived from the cluster secret, bound to what the object answers for.
+
+Whoever reaches a Mooncake master can put or get any key, and a KV cache reveals its prompt. Every object the pool
+tier (:mod:`.pool`) writes is sealed: ``MAGIC | nonce (12 bytes) | AES-256-GCM(plaintext)``, the key HKDF-SHA256 of
+the cluster secret (``info`` :data:`INFO`), and the associated data :func:`associated` binds the object's kind, the
+calibration id, the tenant salt and the block keys it holds. An object whose tag does not verify under that data (a
+forged or corrupted one, one written without the secret, or one copied under another key or calibration) raises
+:class:`SealError` (a TierError: a miss), never returns bytes. ``insecure``: no secret, objects are ``PLAIN | bytes``
+(the operator's explicit ``pool_insecure``); a sealed store refuses them and an insecure one refuses sealed ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ..errors import ConfigError, TierError
+
+INFO = b"dynamo-kvtc pool seal v1"
+MAGIC, PLAIN = b"KVTCPS1\0", b"KVTCPP1\0"
+NONCE = 12
+
+
+class SealError(TierError):
+    """A pool object that does not open: forged, corrupted, sealed for other keys, or of the other mode."""
+
+
+def associated(kind: str, cal: str, salt: str, hashes: Sequence[int]) -> bytes:
+    """The associated data of one object: its kind (``blob``, ``meta``), calibration id, tenant salt and block keys."""
+    head = b"\0".join(x.encode() for x in ("dynamo-kvtc pool", kind, cal, salt))
+    return head + b"\0" + b"".join(int(h).to_bytes(16, "big") for h in hashes)
+
+
+class Sealer:
+    """Seals and opens pool objects with one cluster secret (``None`` and ``insecure``: plain objects)."""
+
+    def __init__(self, secret: bytes | None, *, insecure: bool = False) -> None:
+        if not secret and not insecure:
+            raise ConfigError(
+                "the pool tier needs the cluster secret to seal its objects: set transfer_secret_file (or "
+                "DYN_KVTC_TRANSFER_SECRET); pool_insecure=true runs it unsealed (anyone reaching the master reads "
+                "the prompts' KV)"
+            )
+        self.insecure = not secret
+        self._aead = None
+        if secret:
+            from cryptography.hazmat.primitives import hashes
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+            from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+            key = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=INFO).derive(secret)
+            self._aead = AESGCM(key)
+
+    def overhead(self) -> int:
+        return len(MAGIC) + (0 if self._aead is None else NONCE + 16)
+
+    def seal(self, data: bytes | memoryview, aad: bytes) -> bytes:
+        if self._aead is None:
+            return PLAIN + bytes(data)
+        nonce = os.urandom(NONCE)
+        return MAGIC + nonce + self._aead.encrypt(nonce, bytes(data), aad)
+
+    def open(self, obj: bytes | memoryview, aad: bytes) -> bytes:
+        """The plaintext of a sealed object, or SealError."""
+        obj = memoryview(obj)
+        if self._aead is None:
+            if bytes(obj[: len(PLAIN)]) != PLAIN:
+                raise SealError("a sealed (or unknown) object met an unsealed pool tier")
+            return bytes(obj[len(PLAIN) :])
+        if bytes(obj[: len(MAGIC)]) != MAGIC or len(obj) < len(MAGIC) + NONCE + 16:
+            raise SealError("not a sealed pool object")
+        from cryptography.exceptions import InvalidTag
+
+        nonce = bytes(obj[len(MAGIC) : len(MAGIC) + NONCE])
+        try:
+            return self._aead.decrypt(nonce, bytes(obj[len(MAGIC) + NONCE :]), aad)
+        except InvalidTag:
+            raise SealError("pool object failed authentication (forged, corrupted or sealed for other keys)") from None
