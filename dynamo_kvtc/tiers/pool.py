@@ -72,6 +72,7 @@ class PoolTier(BlobTier):
         self._entries: OrderedDict[str, dict] = OrderedDict()
         self._refused: OrderedDict[str, None] = OrderedDict()  # blobs that did not open: not discovered again
         self._lock = threading.RLock()
+        self._own: set[str] = set()  # blobs this worker wrote (the only ones its discard deletes from the pool)
         self.counts: Counter[str] = Counter()  # put, skipped, put_failed, hit, miss, refused, timeout, unreachable
         self._queue: deque[tuple[str, bytes, dict]] = deque()
         self._queued = 0
@@ -150,13 +151,16 @@ class PoolTier(BlobTier):
                 blob_id, data, meta = self._queue[0]  # left on the queue (readers use it) until written
                 client = self._client
             try:
-                self._write(client, blob_id, data, meta)
+                if data is None:
+                    self._remove(client, blob_id)
+                else:
+                    self._write(client, blob_id, data, meta)
             except Exception as e:  # one blob lost to the pool, never the writer
-                log.warning("kvtc pool: writing %s failed: %s", blob_id, e)
-                self.counts["put_failed"] += 1
+                log.warning("kvtc pool: %s %s failed: %s", "removing" if data is None else "writing", blob_id, e)
+                self.counts["put_failed" if data is not None else "remove_failed"] += 1
             with self._lock:
                 self._queue.popleft()
-                self._queued -= len(data)
+                self._queued -= len(data or b"")
 
     def _write(self, client: Any, blob_id: str, data: bytes, meta: dict) -> None:
         from . import mooncake_lib
@@ -168,17 +172,25 @@ class PoolTier(BlobTier):
         rc.replica_num = self.cfg.pool_replicas
         try:
             got = client.put(self._key(blob_id), blob, rc)
-            got = got or client.put(self._at(hashes[0]), rec, rc)
+            got = got or client.upsert(self._at(hashes[0]), rec, rc)  # the newest blob starting at this block
         except Exception as e:  # the binding raises on a broken connection
             got = str(e)
         ok = got == 0
         if not ok and got not in NOT_LOST:
             self._lost(client, f"put returned {got}")
         if ok:
+            with self._lock:
+                self._own.add(blob_id)
             self.counts["put"] += 1
             self.used_bytes += len(blob)
         else:
             self.counts["put_failed"] += 1
+
+    def _remove(self, client: Any, blob_id: str) -> None:
+        """Delete a superseded or refused blob's object (its locator stays until a newer blob's replaces it; a
+        locator naming a removed object reads as a miss)."""
+        got = client.remove(self._key(blob_id))
+        self.counts["removed" if got == 0 else "remove_failed"] += 1
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """``fn(client, *args)`` within ``pool_timeout_s``; TierError on a timeout, no client or a failure."""
@@ -222,7 +234,7 @@ class PoolTier(BlobTier):
         deadline, or refused: it does not open under the secret for its keys)."""
         with self._lock:
             meta = self._entries.get(blob_id)
-            queued = next((d for i, d, _ in self._queue if i == blob_id), None)
+            queued = next((d for i, d, _ in self._queue if i == blob_id and d is not None), None)
         if meta is None:
             return None
         if queued is not None:  # still on its way out: this worker has the bytes
@@ -250,8 +262,15 @@ class PoolTier(BlobTier):
         return BlobView(data)
 
     def discard(self, blob_id: str) -> None:
+        """Forget the blob here and, when this worker wrote it, delete its object from the pool (queued behind its
+        own write, so the pool's memory goes to blobs still in use: a superseded raw window, an unusable blob)."""
         with self._lock:
             self._entries.pop(blob_id, None)
+            mine = blob_id in self._own  # never another worker's object (a worker with a wrong secret would refuse all)
+            self._own.discard(blob_id)
+            if mine and self._client is not None:
+                self._queue.append((blob_id, None, None))
+                self._wake.notify_all()
 
     def ids(self) -> list[str]:
         return []  # the pool is not listed at start: a store discovers what it needs (discover)
