@@ -222,3 +222,36 @@ def test_first_layer_before_all_layers_with_four_groups(synth):
     assert 0 < first < total
     entropy_marks = [ev for n, ev in job.clock.marks if n == "entropy"]
     assert len(entropy_marks) == 4 and marks["layer0"].elapsed_time(entropy_marks[1]) >= 0
+
+
+@pytest.mark.parametrize("projection", ["fp16", "fp8"])
+def test_projection_chunks_of_layers_write_the_same_kv(synth, synth_cal, projection):
+    """One GEMM per chunk of layers (``RestoreJob.gemm_bytes`` caps the chunk's K and V outputs): one layer per GEMM,
+    chunks that do not divide the group, and the whole group write the same destination bit for bit; the chunk size
+    follows the cap (at least one layer, at most the group)."""
+    from dynamo_kvtc.codec.gpu.restore import RestoreJob
+
+    fus = KvtcCodec(synth_cal, ratio=8, device=DEV, fused=True, window=32, tag=TAG, projection=projection,
+                    options=STRICT)  # fmt: skip
+    parts, blobs = _blobs(synth, fus)
+    HD = synth.fp.num_kv_heads * synth.fp.head_dim
+    Lg = [t.layers[1] - t.layers[0] for t in fus.fused.tables]
+    outs, pers = [], []
+    try:
+        for layers in (1, 3, max(Lg)):
+            dest, kk, vv = _dest(parts, float("nan"))
+            job = fus.fused.open(blobs)
+            rows = sum(n - 32 for n in (300, 200))  # coded rows: every token but the 32-token window (no sinks)
+            esize = 4 if getattr(fus.fused.projector, "out_dtype", None) is None else 2
+            RestoreJob.gemm_bytes = layers * 2 * rows * HD * esize
+            assert list(job.layers(dest=dest)) == list(range(synth.fp.num_layers))
+            job.finish()
+            pers.append([job._layers_per_gemm(n, HD) for n in Lg])
+            outs.append((kk.clone(), vv.clone()))
+    finally:
+        RestoreJob.gemm_bytes = 512 << 20
+    assert Lg == [synth.fp.num_layers] and Lg[0] > 3  # one joint basis: 3 layers do not divide the group
+    assert pers == [[1], [3], Lg]
+    for kk, vv in outs[1:]:
+        assert torch.equal(kk, outs[0][0]) and torch.equal(vv, outs[0][1])
+    assert not torch.isnan(outs[0][0]).any() and not torch.isnan(outs[0][1]).any()

@@ -39,7 +39,35 @@ def _crc_rate(dev: torch.device, nbytes: int) -> dict:
     return {"ops": type(ops).__name__, "bytes": nbytes, "seconds": s, "gb_s": nbytes / s / 1e9}
 
 
-def _one(bench: ServeBench, system: str, tokens: int, repeat: int) -> dict:
+def _trace(store, eng, n: int, bs: int, device: str, system: str, prefix: str) -> None:
+    """One more offload and restore under torch.profiler: per-kernel device times of each (``<prefix>-<system>-
+    {offload,restore}.txt``, the top 40 by device time), and the host time the restore's calls took."""
+    from torch.profiler import ProfilerActivity, profile
+
+    toks = [(99991 + i) % 32000 for i in range(n * bs)]
+    hashes = sequence_hashes(toks, bs)
+    k, v = eng.kview[:, 0, 0, : n * bs], eng.kview[:, 1, 0, : n * bs]
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    for what in ("offload", "restore"):
+        _sync(device)
+        with profile(activities=acts) as prof:
+            if what == "offload":
+                store.submit_offload(hashes, toks, keys=k, values=v).result()
+            else:
+                h = store.start_onboard(hashes, eng.slot_blocks(1, n))
+                h.wait()
+            _sync(device)
+        ka = prof.key_averages()
+        table = ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+        total = sum(e.self_device_time_total for e in ka) / 1e3
+        launches = sum(e.count for e in ka if e.device_type.name == "CUDA")
+        head = f"{system} {what}: {total:.2f} ms of device time in {launches} kernel/copy calls\n"
+        with open(f"{prefix}-{system}-{what}.txt", "w") as f:
+            f.write(head + table)
+        print(head + table, flush=True)
+
+
+def _one(bench: ServeBench, system: str, tokens: int, repeat: int, trace: str | None = None) -> dict:
     w = wl.Workload("profile", 0, {}, [wl.Request(0, 0.0, "s0", [("p", tokens)], ("a", 1))])
     eng = ServeEngine(bench.decoder, None, bench.cfg, bench.device)
     kv = eng.alloc(w)
@@ -71,6 +99,8 @@ def _one(bench: ServeBench, system: str, tokens: int, repeat: int) -> dict:
             if r:
                 rows.append({"offload_s": off_s, "restore_first_s": first, "restore_all_s": all_s,
                              "bit_exact": ok, "encode": enc, "decode": dec})  # fmt: skip
+        if trace and torch.device(bench.device).type == "cuda":
+            _trace(store, eng, n, bs, bench.device, system, trace)
         snap = {k: v for k, v in store.snapshot().items() if isinstance(v, (int, float))}
     finally:
         close(store)
@@ -99,6 +129,7 @@ def main() -> None:
     ap.add_argument("--systems", default="raw,raw_blob,kvtc16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", default=None, help="path prefix: per-kernel tables of one more offload and restore")
     a = ap.parse_args()
     cfg = EngineConfig(max_seqs=2)
     w = wl.Workload("profile", 0, {}, [])
@@ -108,7 +139,8 @@ def main() -> None:
         out["crc"] = _crc_rate(torch.device(a.device), 1 << 30)
         print(json.dumps(out["crc"]), flush=True)
     for s in a.systems.split(","):
-        res = _one(bench, s, a.tokens, a.repeat)
+        trace = a.trace or (a.json[: -len(".json")] if a.json and a.json.endswith(".json") else None)
+        res = _one(bench, s, a.tokens, a.repeat, trace if s.startswith("kvtc") else None)
         out["systems"].append(res)
         for row in res["rows"]:
             print(s, json.dumps(row), flush=True)
