@@ -95,8 +95,8 @@ async def test_forged_and_corrupted_objects_are_misses(mooncake_master, synth, s
     toks = _tokens(128, 21)
     k, v, _ = synth.sample(128)
     offload_seq(a, toks, k, v)
-    assert _pool(a).wait_idle(60) and len(a.index.blob_ids()) == 1
-    pool, (blob_id,) = _pool(a), a.index.blob_ids()
+    assert _pool(a).wait_idle(60) and len(a.index.blob_ids()) == 2  # the coded span, then the raw window
+    pool, (blob_id, _) = _pool(a), a.index.locate(a.hashes(toks)[0])  # the first: a restore's layer 0 needs it
     client = pool._client
     obj = client.get(pool._key(blob_id))
     bad = bytearray(obj)
