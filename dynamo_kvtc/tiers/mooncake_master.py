@@ -40,6 +40,7 @@ class MooncakeMaster:
 
     def __init__(self, lifetime_s: float = LIFETIME_S, extra: tuple[str, ...] = ()) -> None:
         self.rpc_port, self.http_port = free_port(), free_port()
+        self.metrics_port = free_port()  # its admin/metrics server (default 9003: two masters on one host collide)
         self.lifetime_s, self.extra = lifetime_s, extra
         self.proc: subprocess.Popen | None = None
         atexit.register(self.stop)
@@ -60,7 +61,8 @@ class MooncakeMaster:
         bound = ["timeout", "-s", "KILL", str(int(self.lifetime_s))] if shutil.which("timeout") else []
         cmd = [*bound, *mooncake_lib.master_command(), f"--rpc_port={self.rpc_port}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-               f"--http_metadata_server_port={self.http_port}", *self.extra]  # fmt: skip
+               f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+               *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, env=mooncake_lib.master_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
