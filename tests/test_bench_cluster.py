@@ -148,3 +148,17 @@ def test_targets_compare_the_kvtc_pool_at_64_workers():
     rows = targets([run("pool-kvtc", 0.9, 10.0), run("pool-raw", 0.0, None)])
     assert [r["met"] for r in rows] == [True, None]  # the raw pool restored nothing: no ratio to judge
     assert targets([run("pool-kvtc", 0.9, 10.0)], workers=8) == []
+
+
+def test_the_bench_pool_file_maps_to_the_simulated_model():
+    """bench pool's file (a real Mooncake pool, another model): its rates with the seal/open added in series, the
+    simulated model's bytes per token from the bench gpu file."""
+    path = ROOT / "docs/results/bench-pool-cpu.json"
+    p = json.loads(path.read_text())["results"]
+    c = load_costs(GPU_JSON, path)
+    assert p["raw_bytes_per_token"] != c.raw_bytes and c.pool_bytes["raw"] == c.raw_bytes
+    assert c.pool_bytes["kvtc"] == pytest.approx(c.raw_bytes / c.kvtc_ratio)
+    assert c.pool_get_gbps["raw"] == p["get_gbps"]["raw"]
+    assert c.pool_get_gbps["kvtc"] == pytest.approx(1 / (1 / p["get_gbps"]["kvtc_sealed"] + 1 / p["open_gbps"]))
+    assert c.pool_put_gbps["kvtc"] == pytest.approx(1 / (1 / p["put_gbps"]["kvtc_sealed"] + 1 / p["seal_gbps"]))
+    assert c.sources["pool_bytes"].startswith("gpu_json")

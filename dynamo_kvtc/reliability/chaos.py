@@ -20,8 +20,8 @@ wrapper around the real agent; ENOSPC by a small tmpfs; allocation failure by an
 - ``recomputes``  restores that failed or missed blocks that had been stored: the engine recomputes them.
 
 The scenarios live beside this module (``disk_faults``, ``memory_faults``, ``process``, ``nixl_faults``,
-``transfer_faults``, ``calibration_faults``, ``network_faults``, ``soak``); ``world`` and ``ledger`` are what they
-share.
+``transfer_faults``, ``calibration_faults``, ``network_faults``, ``pool_faults``, ``soak``); ``world`` and
+``ledger`` are what they share.
 ``python -m dynamo_kvtc.reliability`` runs the same command as ``dynamo-kvtc bench chaos``.
 """
 
@@ -53,6 +53,14 @@ from .network_faults import (
 )
 from .nixl_faults import scenario_nixl_disk
 from .peer_faults import POISON_MODES, scenario_hostile_params, scenario_poisoning_peer, scenario_slow_peer
+from .pool_faults import (
+    scenario_corrupt,
+    scenario_full,
+    scenario_master_killed,
+    scenario_master_late,
+    scenario_master_slow,
+    scenario_worker_leaves,
+)
 from .process import child_kill9, scenario_kill9
 from .queue_faults import scenario_offload_queue, scenario_restore_cancel, scenario_slow_restore
 from .soak import scenario_soak
@@ -118,6 +126,13 @@ def run_chaos(world: World, plan: Plan, ledger: Ledger | None = None) -> Ledger:
         ("multipart_flood", lambda: scenario_multipart_flood(world, ledger, max(1, plan.transfer_rounds // 16))),
         ("dead_peer_stall", lambda: scenario_dead_peer_stall(world, ledger, max(1, plan.transfer_rounds // 8))),
         ("cancel_timeout", lambda: scenario_cancel_timeout(world, ledger, max(2, plan.host_rounds // 4))),
+        ("pool_master_late", lambda: scenario_master_late(world, ledger, max(1, plan.host_rounds // 4))),
+        ("pool_master_killed", lambda: scenario_master_killed(world, ledger, max(1, plan.kills // 2))),
+        ("pool_worker_leaves", lambda: scenario_worker_leaves(world, ledger, max(2, plan.host_rounds // 2))),
+        ("pool_corrupt", lambda: scenario_corrupt(world, ledger, max(2, plan.host_rounds // 2), False)),
+        ("pool_forged", lambda: scenario_corrupt(world, ledger, max(2, plan.host_rounds // 2), True)),
+        ("pool_full", lambda: scenario_full(world, ledger, 48 if plan.host_rounds < 20 else 96)),
+        ("pool_slow", lambda: scenario_master_slow(world, ledger, max(2, plan.host_rounds // 2))),
     ]
     wanted = set(plan.kinds)
     for name, fn in steps:

@@ -40,6 +40,13 @@ KINDS = (
     "multipart_flood",
     "dead_peer_stall",
     "cancel_timeout",
+    "pool_master_late",
+    "pool_master_killed",
+    "pool_worker_leaves",
+    "pool_corrupt",
+    "pool_forged",
+    "pool_full",
+    "pool_slow",
 )
 
 

@@ -26,6 +26,7 @@ its calibration, salt and every block key; the locator's its first key).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -103,6 +104,11 @@ class PoolTier(BlobTier):
     def _connect(self) -> Any:
         from . import mooncake_lib
 
+        host, port = self.cfg.pool_master.rsplit(":", 1)
+        try:  # Mooncake's setup retries an absent master for ~80 s holding the GIL (every engine thread stops)
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except (OSError, ValueError) as e:
+            raise TierError(f"pool: the master {self.cfg.pool_master} does not answer ({e})") from None
         store = mooncake_lib.load().MooncakeDistributedStore()
         rc = store.setup("127.0.0.1" if self._loopback() else _local_host(), self.metadata_server,
                          self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
@@ -361,6 +367,4 @@ def _close(client: Any) -> None:
 
 
 def _local_host() -> str:
-    import socket
-
     return socket.gethostbyname(socket.gethostname())
