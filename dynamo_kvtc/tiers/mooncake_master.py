@@ -39,7 +39,9 @@ class MooncakeMaster:
     """One master: ``.master`` ("127.0.0.1:P"), ``.metadata_server`` (URL), ``.start()``, ``.stop()``."""
 
     def __init__(self, lifetime_s: float = LIFETIME_S, extra: tuple[str, ...] = ()) -> None:
-        self.rpc_port, self.http_port = free_port(), free_port()
+        # its metrics port too: the binary's default (9003) is one per machine, so a second master (two test runs
+        # side by side, a leftover one) exits at start
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.lifetime_s, self.extra = lifetime_s, extra
         self.proc: subprocess.Popen | None = None
         atexit.register(self.stop)
@@ -60,7 +62,8 @@ class MooncakeMaster:
         bound = ["timeout", "-s", "KILL", str(int(self.lifetime_s))] if shutil.which("timeout") else []
         cmd = [*bound, *mooncake_lib.master_command(), f"--rpc_port={self.rpc_port}",
                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-               f"--http_metadata_server_port={self.http_port}", *self.extra]  # fmt: skip
+               f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+               *self.extra]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, env=mooncake_lib.master_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
