@@ -26,6 +26,7 @@ its calibration, salt and every block key; the locator's its first key).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -103,6 +104,14 @@ class PoolTier(BlobTier):
     def _connect(self) -> Any:
         from . import mooncake_lib
 
+        # the binding's setup holds the GIL while it retries an absent master (20 tries, seconds each): every thread
+        # of the engine then stops, the scheduler's included. Seen with the master killed mid-run: the engine hung.
+        # So the master's port must answer first (a plain connect, which releases the GIL).
+        host, port = self.cfg.pool_master.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError as e:
+            raise TierError(f"pool: master {self.cfg.pool_master} does not answer ({e})") from None
         store = mooncake_lib.load().MooncakeDistributedStore()
         rc = store.setup("127.0.0.1" if self._loopback() else _local_host(), self.metadata_server,
                          self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
@@ -361,6 +370,4 @@ def _close(client: Any) -> None:
 
 
 def _local_host() -> str:
-    import socket
-
     return socket.gethostbyname(socket.gethostname())
