@@ -258,6 +258,12 @@ def assert_restored_reply_is_its_recompute(r: dict) -> None:
     within NEAR_TIE of each other, and until then both runs' logprobs of the chosen tokens agree within NEAR_TIE.
     Foreign KV fails the bit-exact check, and moves logprobs by far more than rounding."""
     assert r["restored_bit_exact"] is True, "the restored blocks are not the K/V the engine wrote for them"
+    assert_reply_is_its_recompute_up_to_a_near_tie(r)
+
+
+def assert_reply_is_its_recompute_up_to_a_near_tie(r: dict) -> None:
+    """The reply (``reply_ids``, ``reply_top``) is its recompute's (``reference_*``) token for token, up to a near
+    tie (see :func:`assert_restored_reply_is_its_recompute`)."""
     got, ref = r["reply_ids"], r["reference_ids"]
     mine = [{int(t): lp for t, lp in step.items()} for step in r["reply_top"]]
     theirs = [{int(t): lp for t, lp in step.items()} for step in r["reference_top"]]
