@@ -474,9 +474,8 @@ def env_is_set(key: str, env: Mapping[str, str] | None = None) -> bool:
 
 @dataclass(frozen=True)
 class ToolSettings:
-    """The process-wide settings of the offline tools (calibrate, eval, demo, bench), read once by
-    :func:`tool_settings` and passed to the functions that use them. ``calibrations`` None: the repository's
-    ``calibrations/``; ``data`` None: only the default data folders."""
+    """The offline tools' settings (calibrate, eval, demo, bench), read once by :func:`tool_settings`. ``calibrations``
+    None: the repository's ``calibrations/``; ``data`` None: only the default data folders."""
 
     cache: Path  # converted embedded models, made calibrations, downloaded data
     calibrations: Path | None = None

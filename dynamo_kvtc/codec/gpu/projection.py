@@ -284,3 +284,12 @@ class Fp8Projector(Projector):
         if out.shape[1] != rank or out.dtype != torch.float32:
             out = out[:, :rank].float().contiguous()
         return out
+
+
+def layers_per_gemm(n_layers: int, rows: int, out_dtype: torch.dtype | None, cap_bytes: int) -> int:
+    """How many layers of a group one restore projection GEMM covers: as many as keep its K and V outputs (``rows``
+    output elements per layer and kind, summed over the plans) within ``cap_bytes``, at least one, at most the group.
+    Wider GEMMs run nearer the tensor cores' peak and cut the launches per group from 2 x layers to 2 x chunks; the
+    cap bounds the restore's scratch memory. ``out_dtype`` None: fp16/emulated projections, fp32 outputs."""
+    esize = torch.empty(0, dtype=out_dtype).element_size() if out_dtype is not None else 4
+    return max(1, min(n_layers, cap_bytes // max(2 * rows * esize, 1)))

@@ -39,45 +39,20 @@ import torch
 
 from ...errors import CorruptBlobError, InputError
 from ..blob import BlobView
-from ..container import MAX_HEADER_BYTES, PREFIX, runs_to_positions
+from ..container import runs_to_positions
 from ..entropy.base import CHUNK_BYTES, chunk_sizes
 from ..model import DTYPES
 from ..plan import iter_sections
 from ..sinks import decode_sinks
 from .clock import Clock
+from .headers import header_view
 from .ops import ALIGN, align, device_tensor
+from .projection import layers_per_gemm
 
 if TYPE_CHECKING:
     from .device import FusedDevice
 
 VERIFY_MODES = ("device", "eager")
-
-
-def _header_end(prefix: Any, n: int) -> int:
-    """Where a blob's header ends, from its first bytes (clamped to the blob: parsing rejects what does not fit)."""
-    if len(prefix) < PREFIX.size:
-        return n
-    hlen = PREFIX.unpack_from(prefix, 0)[3]
-    return min(n, PREFIX.size + min(hlen, MAX_HEADER_BYTES + 1))
-
-
-def _header_view(b: BlobView) -> memoryview:
-    """A host view of a blob that the header checks can read: the blob itself on the host; for device memory a
-    zero-filled host array of the blob's length holding its prefix and header (two small copies; calloc'ed, so only
-    the header's pages are touched: parsing reads nothing else). A blob still landing is waited for up to its header
-    end first."""
-    n, head = len(b), min(len(b), PREFIX.size)
-    mv = b.host_view()
-    b.wait_for(head)
-    if mv is not None:
-        b.wait_for(_header_end(mv[:head], n))
-        return mv
-    t = b.slice()
-    end = _header_end(t[:head].cpu().numpy(), n)
-    b.wait_for(end)
-    out = np.zeros(n, dtype=np.uint8)
-    out[:end] = t[:end].cpu().numpy()
-    return memoryview(out)
 
 
 class RestoreJob:
@@ -101,7 +76,7 @@ class RestoreJob:
         self.recs: list[list] = []
         srcs = [BlobView.of(b) for b in blobs]
         for src in srcs:
-            h, recs = codec.check_blob(_header_view(src))
+            h, recs = codec.check_blob(header_view(src))
             self.heads.append(h)
             self.recs.append(recs)
         self.tokens = [h["tokens"] for h in self.heads]
@@ -423,14 +398,9 @@ class RestoreJob:
             rg.pop("coeffs", None)
 
     def _layers_per_gemm(self, n_layers: int, HD: int) -> int:
-        """How many layers of a group one projection GEMM covers: as many as keep the K and V outputs of every plan
-        within :attr:`gemm_bytes` (at least one, at most the group). Wider GEMMs run nearer the tensor cores' peak
-        and cut the launches per group from 2 x layers to 2 x chunks; the cap bounds the restore's scratch memory."""
-        rows = sum(rg["R"] for rg in self.rgroups)
-        out = getattr(self.fc.projector, "out_dtype", None)
-        esize = torch.empty(0, dtype=out).element_size() if out is not None else 4  # fp16/emulated: fp32 output
-        per_layer = 2 * rows * HD * esize
-        return max(1, min(n_layers, self.gemm_bytes // max(per_layer, 1)))
+        """Layers of a group per projection GEMM under :attr:`gemm_bytes` (:func:`.projection.layers_per_gemm`)."""
+        rows = sum(rg["R"] for rg in self.rgroups) * HD
+        return layers_per_gemm(n_layers, rows, getattr(self.fc.projector, "out_dtype", None), self.gemm_bytes)
 
     def _project(self, g: int, dest, out_dtype) -> Iterator:
         fc, dev = self.fc, self.fc.device
@@ -440,9 +410,7 @@ class RestoreJob:
         tab = fc.tables[g]
         l0, l1 = tab.layers
         ks, vs = self.extra
-        # sinks and window rows of every blob, once per group: [Lg, n_extra, H, D] (layer i is a view, no launch)
-        kx = (torch.cat(ks, dim=1) if len(ks) > 1 else ks[0]) if ks else None
-        vx = (torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]) if vs else None
+        kx, vx = (_rows(ks), _rows(vs)) if ks else (None, None)  # sinks + window rows: [Lg, n, H, D], once a group
         per = self._layers_per_gemm(l1 - l0, HD)
         ys: dict[tuple[int, str], torch.Tensor] = {}
         c0 = 0
@@ -510,3 +478,7 @@ def _positions(runs: Sequence[Sequence[int]], device: torch.device) -> torch.Ten
 
 def _ncs(job: RestoreJob, rg: dict) -> list[tuple[int, int]]:
     return [(bi, job.heads[bi]["tokens"] - job.heads[bi]["sinks"] - job.heads[bi]["window"]) for bi in rg["blobs"]]
+
+
+def _rows(parts: list) -> torch.Tensor:
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
