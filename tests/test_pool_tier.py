@@ -170,6 +170,36 @@ def test_write_through_over_budget_is_skipped_and_counted(mooncake_master, synth
     store.close()
 
 
+class _TierEvents:
+    """A router-events listener: what the index tells it about tiers (connector/kv_events.py has the same methods)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def stored_in(self, tier, hashes):
+        self.seen.append(("stored", tier, list(hashes)))
+
+    def removed_from(self, tier, hashes):
+        self.seen.append(("removed", tier, list(hashes)))
+
+
+def test_write_through_is_told_to_the_router_and_the_known_blobs_are_bounded(mooncake_master, synth, synth_cal):  # noqa: F811
+    store = _store(synth_cal, mooncake_master)
+    pool, events = _pool(store), _TierEvents()
+    store.index.listeners.append(events)
+    pool.entries_kept = 2
+    for seed in (41, 42):
+        toks = _tokens(128, seed)
+        offload_seq(store, toks, *synth.sample(128)[:2])
+    assert pool.wait_idle(60)
+    first = store.hashes(_tokens(128, 41))[: 128 // BS]
+    stored = [h for what, tier, hs in events.seen if what == "stored" and tier == "pool" for h in hs]
+    removed = [h for what, tier, hs in events.seen if what == "removed" and tier == "pool" for h in hs]
+    assert set(first) <= set(stored) and len(pool._entries) == 2  # 4 blobs written through, the 2 oldest forgotten
+    assert set(removed) == set(first) and store.match(first) == 128 // BS  # still in the host tier: still a hit
+    store.close()
+
+
 def test_both_ways_in_configure_the_pool_by_settings_alone(tmp_path, monkeypatch):
     """KvtcConnector's extra config (and the environment) and the vLLM kvtc tier's options set the pool tier's rows;
     the cluster secret comes from the hand-off's rows and seals it."""

@@ -128,11 +128,19 @@ class Placement:
                 continue
             st = self.stats.tier(tier.name)
             try:
-                tier.put(blob_id, blob, rec, keep_evicted=False)
+                evicted = tier.put(blob_id, blob, rec, keep_evicted=False)
             except TierFullError:
                 st.skipped += 1
+                continue
             except TierError as e:
                 st.write_errors[type(e).__name__] += 1
+                continue
+            self.index.announce_tier("stored", tier.name, _hashes(rec))  # the router counts it for every worker
+            for ev in evicted:  # a tier that forgets what it wrote through (the pool's bounded list of its blobs)
+                st.evictions += 1
+                self.index.announce_tier("removed", tier.name, _hashes(ev.meta))
+                if not any(ev.blob_id in t for t in self.tiers):
+                    self._gone(ev.blob_id)
 
     def _store(self, i: int, blob_id: str, blob: Any, rec: dict) -> None:
         """Put into tier i; its victims go down the chain."""

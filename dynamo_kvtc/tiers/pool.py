@@ -58,6 +58,7 @@ class PoolTier(BlobTier):
 
     name = "pool"
     write_through = True
+    entries_kept = 1 << 18  # blobs (written or discovered) this worker remembers; ~1 KiB each
 
     def __init__(self, cfg: TierConfig, *, salt: str = "-", connect: bool = True) -> None:
         if not cfg.pool_master:
@@ -233,7 +234,17 @@ class PoolTier(BlobTier):
             self._queued += len(data)
             self._entries[blob_id] = meta
             self._wake.notify_all()
-        return []
+            return self._forget_oldest()
+
+    def _forget_oldest(self) -> list[Evicted]:
+        """Keep at most :attr:`entries_kept` blobs known here (the pool itself evicts; what this worker forgets is
+        found again by discovery): the oldest are returned as victims, their objects left in the pool."""
+        out = []
+        while len(self._entries) > self.entries_kept:
+            blob_id, meta = self._entries.popitem(last=False)
+            self._own.discard(blob_id)
+            out.append(Evicted(blob_id, b"", meta))
+        return out
 
     def read(self, blob_id: str) -> BlobView | None:
         """The blob, opened and checked, or None (not known here, missing from the pool, unreachable, past the
@@ -303,6 +314,7 @@ class PoolTier(BlobTier):
                 break
             with self._lock:
                 self._entries[meta.id] = meta.to_dict()
+                self._forget_oldest()  # victims of discovery: the index finds them gone at their read (a miss)
             found.append(meta)
             pos += len(meta.hashes)
         return found
