@@ -89,4 +89,4 @@ def test_manifests_mount_the_calibrations_where_their_paths_point():
                 assert m["mountPath"] == "/opt/dynamo_kvtc/calibrations" and m["readOnly"] is True
                 assert vols["kvtc-calibrations"]["persistentVolumeClaim"]["claimName"] == "kvtc-calibrations"
                 seen += 1
-    assert seen == 5  # every KvtcConnector service of manifests/ (the TP=2 worker included)
+    assert seen == 7  # every KvtcConnector service of manifests/ (the TP=2 worker and the two pool workers included)

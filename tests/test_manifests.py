@@ -524,9 +524,11 @@ def test_prefill_worker_resolves_a_pd_protocol(protocols, monkeypatch, where):
     assert proto.decode_request_kv_transfer_params(SimpleNamespace(kv_transfer_params=marker)) is marker
 
 
-def test_settings_are_accepted_by_the_connector():
+def test_settings_are_accepted_by_the_connector(tmp_path):
     """Parse each KvtcConnector entry (extra config + DYN_KVTC_* variables) with the connector's own config code."""
     cfgmod = pytest.importorskip("dynamo_kvtc.connector.config")
+    secret = tmp_path / "secret"  # what the mounted Kubernetes Secret holds in a pod (read at config time)
+    secret.write_bytes(b"a cluster secret of at least 16 bytes")
     seen = 0
     for path in MANIFESTS:
         for doc in load(path):
@@ -535,6 +537,8 @@ def test_settings_are_accepted_by_the_connector():
                     extra = e.get("kv_connector_extra_config", {})
                     if not POOL_ROWS:  # before the pool tier's rows exist the connector refuses their keys
                         extra = {k: v for k, v in extra.items() if k not in POOL_KEYS}
+                    if "transfer_secret_file" in extra:
+                        extra = {**extra, "transfer_secret_file": str(secret)}
                     variables = {k: v.get("value", "10.1.2.3") for k, v in env(s).items() if k.startswith("DYN_KVTC_")}
                     c = cfgmod.ConnectorConfig.from_sources(extra, env=variables)
                     assert c.tiers.host_bytes == extra["cpu_cache_gb"] * GIB, name

@@ -90,7 +90,10 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
         u1 = b.ask({"messages": c2})
         assert b.ask({"wait_pool": True})["idle"]
         u2 = a.ask({"messages": tw.next_turn(c2, u1["reply"], QUESTION)})
-        assert u2["restored_tokens"] >= 800 and _pool_blocks(u2) > 0, (u2["restored_tokens"], u2["pool_counts"])
+        # A never computed c2: what it restores beyond nothing came from blobs it read from the pool (its pool hits;
+        # the per-tier onboard counter has once credited such a restore to the host tier: the blobs were promoted first)
+        assert u2["restored_tokens"] >= 800 and u2["pool_counts"].get("hit", 0) >= 1, (u2["restored_tokens"],
+                                                                                        u2["pool_counts"])
         assert _leading_same(u2["reply_ids"], u2["reference_ids"]) >= 8, (u2["reply"], u2["reference_reply"])
 
         # 4. planted objects: the outsider replaces the locators of a conversation A saved; B refuses them

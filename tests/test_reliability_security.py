@@ -236,7 +236,7 @@ def test_host_tier_allocation_failure_is_a_clean_error():
         ({"ratio": float("nan")}, "ratio=nan is invalid: expected a finite number"),
         ({"ratio": 32, "max_ratio": 16}, "max_ratio"),
         ({"fsync": "yes"}, "fsync='yes' is invalid: expected true or false"),
-        ({"disk_bytes": 1 << 30}, "DIR"),
+        ({"disk_bytes": 1 << 30}, "disk_cache_gb is set but disk_cache_dir is not"),
         ({"disk_dir": ""}, "disk_dir='' is invalid: expected a path"),
         ({"page_bytes": 1000}, "power of two"),
         ({"page_bytes": 256}, "page_bytes=256 is invalid: must be >= 512"),
