@@ -340,29 +340,9 @@ def _rss_mib(pid: int) -> float:
 
 
 def _zmtp_flood(port: int, frames: int, frame_bytes: int, deadline_s: float):
-    """A raw ZMTP 3.0 client (NULL mechanism, a DEALER) sending ``frames`` frames with MORE set and never the last
-    one; (the open connection, the bytes the server took before it hung up or the deadline passed)."""
-    import socket
+    from dynamo_kvtc.reliability.network_faults import zmtp_flood  # the chaos kind's raw ZMTP client
 
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
-    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    chunk = os.urandom(1 << 20)
-    sent = 0
-    end = time.monotonic() + deadline_s
-    s = socket.create_connection(("127.0.0.1", port), timeout=2)
-    try:
-        s.sendall(greeting)
-        s.sendall(b"\x04" + bytes([len(ready)]) + ready)
-        for _ in range(frames):
-            s.sendall(b"\x03" + struct.pack(">Q", frame_bytes))  # LONG | MORE: never a last frame
-            for _ in range(frame_bytes // len(chunk)):
-                if time.monotonic() > end:
-                    return s, sent
-                s.sendall(chunk)
-                sent += len(chunk)
-    except OSError:  # the server hung up on us
-        pass
-    return s, sent
+    return zmtp_flood(port, frames, frame_bytes, deadline_s)
 
 
 @pytest.mark.parametrize("sealed", [True, False], ids=["secret", "no-secret"])
