@@ -38,6 +38,8 @@ from dynamo_kvtc.connector.offloading.tier import served_config  # noqa: E402
 from dynamo_kvtc.connector.vllm.worker import KvtcWorker  # noqa: E402
 from dynamo_kvtc.errors import ConfigError, KvtcError  # noqa: E402
 
+from .offload_config import tiering_manager  # noqa: E402
+
 SMOL = "smollm2-135m-instruct"
 BS, BPC, CHUNKS = 32, 2, 6  # the tier's primary chunks: 2 blocks of 32 tokens, 6 slots
 
@@ -98,31 +100,9 @@ def start_connector(model: Model, extra: dict, env: dict | None = None) -> KvtcW
 def start_tier(model: Model, options: dict):
     """The ``kvtc`` tier's start-up: vLLM's TieringOffloadingSpec manager builds it through vLLM's secondary-tier
     factory from an ``OffloadingConfig`` of the served model (vLLM's classes, as the engine fills them)."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    from dynamo_kvtc.connector.offloading import register
-    from dynamo_kvtc.connector.offloading.cpu_worker import KvtcTieringSpec
-
-    register.register()
     kv_bytes = model.layers * BPC * BS * model.heads * model.head_dim * 2 * 2  # a chunk's K and V in bf16
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(BS, tuple(f"model.layers.{i}.self_attn.attn" for i in range(model.layers)), 0),),
-        worker_kv_bytes_per_block=kv_bytes // BPC,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": CHUNKS * (kv_bytes + 4096),
-                      "secondary_tiers": [{"type": "kvtc", "page_layout": "nhd", **options}]},  # fmt: skip
-        engine_id=f"rule-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(model.name, "bfloat16"),
-        cache=OffloadingCacheConfig(BS, BPC),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
-    )
-    return KvtcTieringSpec(cfg).get_manager()
+    tier = {"type": "kvtc", "page_layout": "nhd", **options}
+    return tiering_manager(model.name, model.layers, kv_bytes, tier, bs=BS, bpc=BPC, chunks=CHUNKS, engine="rule")[1]
 
 
 def start_serde(model: Model, options: dict) -> KvtcChunkCoder:

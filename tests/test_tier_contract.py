@@ -31,6 +31,8 @@ pytest.importorskip("vllm")
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: E402
 
+from .offload_config import tiering_manager  # noqa: E402
+
 L, BS, BPC, H, D = 30, 32, 2, 3, 64  # SmolLM2-135M: 30 layers x 3 KV heads x 64; chunks of 2 blocks of 32 tokens
 KV_BYTES = L * BPC * BS * H * D * 2 * 2  # a chunk's K and V in bf16
 CHUNKS = 6  # primary tier slots
@@ -41,37 +43,19 @@ class Rig:
     """One tier of ``kind`` behind vLLM's TieringOffloadingManager, and the primary tier's rows as a tensor."""
 
     def __init__(self, kind: str, tmp: Path, events: bool = False, **options) -> None:
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-
         from dynamo_kvtc.calibration.catalog import find_calibration
-        from dynamo_kvtc.connector.offloading import register
-        from dynamo_kvtc.connector.offloading.cpu_worker import KvtcTieringSpec
 
-        register.register()
         if kind == "kvtc":
             tier_cfg = {"type": "kvtc", "ratio_policy": "raw", "page_layout": "nhd", "cpu_cache_gb": 0.05}
             tier_cfg["calibration"] = str(find_calibration("smollm2-135m-instruct"))
             tier_cfg.update(options)
         else:
             tier_cfg = {"type": "fs", "root_dir": str(tmp / "fs"), "n_read_threads": 1, "n_write_threads": 1}
-        self.cfg = OffloadingConfig(
-            groups=(OffloadingGroupConfig(BS, tuple(f"model.layers.{i}.self_attn.attn" for i in range(L)), 0),),
-            worker_kv_bytes_per_block=KV_BYTES // BPC,
-            enable_kv_cache_events=events,
-            extra_config={"cpu_bytes_to_use": CHUNKS * (KV_BYTES + 4096), "secondary_tiers": [tier_cfg]},
-            engine_id=f"contract-{uuid.uuid4().hex[:8]}",
-            model=OffloadingModelConfig("smollm2-135m-instruct", "bfloat16"),
-            cache=OffloadingCacheConfig(BS, BPC),
-            parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, False),
+        model = "smollm2-135m-instruct"
+        self.cfg, self.manager = tiering_manager(
+            model, L, KV_BYTES, tier_cfg, bs=BS, bpc=BPC, chunks=CHUNKS, events=events, engine="contract"
         )
         self.kind = kind
-        self.manager = KvtcTieringSpec(self.cfg).get_manager()
         self.tier = self.manager.secondary_tiers[0]
         view = self.manager.primary_tier.get_kv_memoryview()
         self._flat = view.cast("B") if view.ndim != 1 else view[:]
