@@ -31,6 +31,14 @@ def add_inputs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=types.positive_int, default=1, help="spans per measurement (synthetic only)")
 
 
+def add_store_shape(p: argparse.ArgumentParser) -> None:
+    """How a store saves the KV (shared by ``bench tiers``, ``bench pool`` and ``bench serve``): block size, span and
+    raw window."""
+    p.add_argument("--block-size", type=types.positive_int, default=16)
+    p.add_argument("--span-tokens", type=types.positive_int, default=1024)
+    p.add_argument("--window", type=types.nonneg_int, default=128, help="raw tokens at the end of a saved sequence")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_inputs(p)
     p.add_argument("--ratios", type=types.ratios, default=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import types
-from .bench_codec import add_inputs
+from .bench_codec import add_inputs, add_store_shape
 
 HELP = "the cluster pool tier on Mooncake Store: put/get GB/s and restore latency, kvtc sealed vs raw, seal cost"
 
@@ -13,9 +13,7 @@ HELP = "the cluster pool tier on Mooncake Store: put/get GB/s and restore latenc
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_inputs(p)
     p.add_argument("--ratios", type=types.ratios, default=None, help="the ratio to store at (first value)")
-    p.add_argument("--block-size", type=types.positive_int, default=16)
-    p.add_argument("--span-tokens", type=types.positive_int, default=1024)
-    p.add_argument("--window", type=types.nonneg_int, default=128)
+    add_store_shape(p)
     p.add_argument("--master", default=None, help="mooncake_master host:port (default: start one on loopback)")
     p.add_argument("--metadata-server", default=None, help="its metadata server URL (with --master)")
     p.add_argument("--segment-gb", type=float, default=1.0, help="memory each of the two stores contributes")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import types
+from .bench_codec import add_store_shape
 
 HELP = "trace-driven multi-turn serving benchmark: TTFT, TPOT/ITL, goodput, hit rate per system vs host budget and QPS"
 MODELS = ("llama-3.1-8b", "mistral-nemo-12b", "smollm2-135m", "tiny")  # bench.serve.run.SERVE_MODELS
@@ -89,9 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--token-budget", type=types.positive_int, default=8192, help="tokens per engine step")
     p.add_argument("--max-seqs", type=types.positive_int, default=8, help="sequences running at once")
-    p.add_argument("--block-size", type=types.positive_int, default=16)
-    p.add_argument("--span-tokens", type=types.positive_int, default=1024)
-    p.add_argument("--window", type=types.nonneg_int, default=128, help="raw tokens at the end of a saved sequence")
+    add_store_shape(p)
     p.add_argument(
         "--layer-groups", type=types.positive_int, default=1,
         help="the synthetic calibration's layer groups, each with its own basis (CUDA only; 1: one joint basis, as "

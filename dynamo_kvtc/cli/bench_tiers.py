@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from . import types
-from .bench_codec import add_inputs
+from .bench_codec import add_inputs, add_store_shape
 
 HELP = "offload/onboard throughput, time to first layer vs all layers"
 
@@ -13,9 +13,7 @@ HELP = "offload/onboard throughput, time to first layer vs all layers"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_inputs(p)
     p.add_argument("--ratios", type=types.ratios, default=None, help="the ratio to store at (first value)")
-    p.add_argument("--block-size", type=types.positive_int, default=16)
-    p.add_argument("--span-tokens", type=types.positive_int, default=1024)
-    p.add_argument("--window", type=types.nonneg_int, default=128)
+    add_store_shape(p)
     p.add_argument(
         "--disk-dir", type=types.existing_dir, default=None, help="where the disk tier's temporary directory goes"
     )
