@@ -44,7 +44,7 @@ from .base import BlobTier, Evicted
 from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
-from .pool_link import PROBE_S, MasterProbe, Readers, dial
+from .pool_link import PROBE_S, MasterProbe, Readers, dial, healthy
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class PoolTier(BlobTier):
         kept = self._kept
         if kept is None:
             return self._connect()
-        if kept.health_check() == 0:  # a flag of the client's own ping thread: no call to the master
+        if healthy(kept):  # its own pings found the master (no call to it)
             self._kept = None
             return kept
         if time.monotonic() - self._lost_at < REUSE_S:
