@@ -9,6 +9,9 @@ the pool tier, real signals (SIGKILL, SIGSTOP). Two workers: ``a`` writes a conv
   (``connect_s``) and the pool then works.
 - ``pool_master_killed``: the master is SIGKILLed mid-run and restarted on the same ports: restores from the pool
   are misses meanwhile (recomputes), saves still land in host memory, and both tiers reconnect (``reconnect_s``).
+  The first lookup after the kill must return within ``pool_timeout_s`` + 100 ms (``first_lookup_ms``), and no
+  thread of the process may stop longer than that from the kill to the restart (``worst_stall_ms``, a
+  :class:`Ticker`: Mooncake's binding holds the GIL in some calls, where a deadline on a future cannot help).
 - ``pool_worker_leaves``: the only worker contributing memory writes, then closes its client: its segment's objects
   vanish, so every restore of them is a miss.
 - ``pool_corrupt`` / ``pool_forged``: an object bit-flipped in place, and objects sealed under another secret (a
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +40,32 @@ TIMEOUT_S = 1.0  # pool_timeout_s of the chaos stores
 WAIT_S = 120.0  # bound on a (re)connect: Mooncake's setup retries an absent master for ~80 s
 SEQ_BLOCKS = 8
 FULL_BLOCKS = 64  # 1,024 tokens, 512 KiB raw: 32 of them fill a 16 MiB segment
+SLACK_S = 0.1  # a lookup's bound past pool_timeout_s
+
+
+class Ticker:
+    """A thread that ticks every 5 ms while in its ``with`` block: :attr:`worst` is the longest gap between ticks,
+    the longest time every Python thread of the process was stopped (an engine's scheduler thread is one of them)."""
+
+    def __init__(self) -> None:
+        self.last, self.worst, self._stop = time.monotonic(), 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-ticker", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self.worst, self.last = max(self.worst, now - self.last), now
+            time.sleep(0.005)
+
+    def __enter__(self) -> Ticker:
+        self.last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.worst = max(self.worst, time.monotonic() - self.last)
 
 
 def _store(world: World, m: MooncakeMaster, segment_gb: float = 1 / 64, wait: bool = True, **kw: Any):
@@ -158,9 +188,19 @@ def scenario_master_killed(world: World, ledger: Ledger, rounds: int) -> None:
         try:
             for r in range(rounds):
                 hashes = _write(world, a, ("killed", r))
-                m.stop()  # SIGKILL: the master's objects are gone with it
-                _from_pool(ledger, kind, world, b, hashes, f"round {r} master dead", True)
-                _own_tiers(ledger, kind, world, a, ("killed-own", r))
+                with Ticker() as tick:
+                    m.stop()  # SIGKILL: the master's objects are gone with it
+                    t = time.perf_counter()
+                    first = b.match(world_hashes(world, ("killed-first", r)))  # the first lookup: another worker's
+                    took = time.perf_counter() - t
+                    _from_pool(ledger, kind, world, b, hashes, f"round {r} master dead", True)
+                    _own_tiers(ledger, kind, world, a, ("killed-own", r))
+                d = ledger.details.setdefault(kind, {})
+                d["first_lookup_ms"] = max(d.get("first_lookup_ms", 0), round(1e3 * took))
+                d["worst_stall_ms"] = max(d.get("worst_stall_ms", 0), round(1e3 * tick.worst))
+                if first or took > TIMEOUT_S + SLACK_S or tick.worst > TIMEOUT_S + SLACK_S:
+                    ledger.problem(kind, f"round {r}: the first lookup after the kill took {took:.2f} s and found "
+                                   f"{first} blocks; threads stopped for up to {tick.worst:.2f} s")  # fmt: skip
                 m.start()
                 ledger.detail(kind, reconnect_s=round(_wait_connected([a, b], hashes), 1))
                 after = _write(world, a, ("killed-after", r))

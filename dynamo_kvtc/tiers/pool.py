@@ -14,7 +14,10 @@ disk -> pool). It differs from the per-node tiers in three ways:
 - **Misses, not errors**: an unreachable, slow or restarted master, a vanished object (its worker left, Mooncake
   evicted it), a forged or corrupted one: :meth:`read` returns None (counted in :attr:`counts`), within
   ``pool_timeout_s``. The client connects (and reconnects after failures) in the background with backoff; until it
-  is connected every read is a miss and every put is dropped (counted).
+  is connected every read is a miss and every put is dropped (counted). A client that lost its master is kept, never
+  closed mid-run (a Mooncake client's teardown holds the GIL for seconds: every engine thread stops), and serves
+  again once Mooncake's own pings find the master (it remounts its segment itself); :mod:`.pool_link`'s probe marks
+  the tier disconnected the moment the master goes, before a lookup calls into the client.
 
 Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
 keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob (whole:
@@ -31,7 +34,6 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -42,13 +44,18 @@ from .base import BlobTier, Evicted
 from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
+from .pool_link import PROBE_S, MasterProbe, Readers, dial, healthy
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)  # reconnect backoff: first wait, longest wait
+RESUME_S = 0.25  # how often a kept client is asked whether its pings found the master again
+REUSE_S = 60.0  # the master answers, the kept client is still unhealthy after this long: a new client
+READERS = 4  # Mooncake calls in flight at once (reads and lookups)
 REFUSED_KEPT = 4096  # refused blob ids remembered (a corrupted object is not read again and again)
-NOT_LOST = (-704,)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS)
+NOT_LOST = (-704, -200)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS; NO_AVAILABLE_HANDLE:
+# no room, in a full pool or for a second after a master restart, before the segments are mounted again)
 
 
 class PoolTier(BlobTier):
@@ -81,11 +88,17 @@ class PoolTier(BlobTier):
         self._budget = cfg.pool_queue_mb << 20
         self._wake = threading.Condition(self._lock)
         self._client: Any = None
+        self._kept: Any = None  # the client that lost its master: reused once it finds it again (never closed mid-run)
+        self._lost_at = 0.0
+        self._retired: list[Any] = []  # kept clients replaced after REUSE_S: closed with the tier
+        self._epoch = 0  # counts connections: a late failure of a call made before the last one drops nothing
         self._closed = False
-        self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtc-pool-read")
+        self._reads = Readers(READERS)
         self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
+        self._prober = threading.Thread(target=self._probe, name="kvtc-pool-probe", daemon=True)
         if connect:
             self._writer.start()
+            self._prober.start()
 
     # ------------------------------------------------------------------ keys
     def bind(self, cal_id: str, block_size: int) -> None:
@@ -105,11 +118,7 @@ class PoolTier(BlobTier):
     def _connect(self) -> Any:
         from . import mooncake_lib
 
-        host, port = self.cfg.pool_master.rsplit(":", 1)
-        try:  # Mooncake's setup retries an absent master for ~80 s holding the GIL (every engine thread stops)
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except (OSError, ValueError) as e:
-            raise TierError(f"pool: the master {self.cfg.pool_master} does not answer ({e})") from None
+        dial(self.cfg.pool_master).close()  # Mooncake's setup retries an absent master for ~80 s holding the GIL
         store = mooncake_lib.load().MooncakeDistributedStore()
         rc = store.setup("127.0.0.1" if self._loopback() else _local_host(), self.metadata_server,
                          self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
@@ -119,26 +128,60 @@ class PoolTier(BlobTier):
             raise TierError(f"pool: mooncake setup against {self.cfg.pool_master} failed ({rc})")
         return store
 
+    def _reconnect(self) -> Any:
+        """A connected client: the kept one once its pings found the master again, else (none kept, or one kept
+        past :data:`REUSE_S` while the master answers) a new one. None: the kept client is not back yet; TierError:
+        the master does not answer."""
+        dial(self.cfg.pool_master).close()
+        kept = self._kept
+        if kept is None:
+            return self._connect()
+        if healthy(kept):  # its own pings found the master (no call to it)
+            self._kept = None
+            return kept
+        if time.monotonic() - self._lost_at < REUSE_S:
+            return None
+        log.warning("kvtc pool: the kept client did not find %s again; starting a new one", self.cfg.pool_master)
+        self._retired.append(kept)
+        self._kept = None
+        return self._connect()
+
+    def _probe(self) -> None:
+        """The health probe thread: while connected, a failed :class:`MasterProbe` check disconnects the tier."""
+        probe = MasterProbe(self.cfg.pool_master)
+        while not self._closed:
+            client, epoch = self._client, self._epoch
+            if client is None:
+                probe.reset()
+                with self._lock:
+                    if self._client is None and not self._closed:
+                        self._wake.wait(PROBE_S)
+                continue
+            why = probe.check(client)
+            if why is not None:
+                self._lost(client, f"health probe: {why}", epoch)
+        probe.reset()
+
     def _loopback(self) -> bool:
         return self.cfg.pool_master.startswith(("127.", "localhost"))
 
-    def _lost(self, client: Any, why: str) -> None:
-        """A failed operation: drop this client (the writer reconnects with backoff)."""
+    def _lost(self, client: Any, why: str, epoch: int | None = None) -> None:
+        """A failed operation (of connection ``epoch``, when given): the tier is disconnected and the client kept,
+        not closed; the writer reconnects in the background (:meth:`_reconnect`)."""
         with self._lock:
-            if self._client is client and client is not None:
+            if self._client is client and client is not None and epoch in (None, self._epoch):
                 log.warning("kvtc pool: lost the master (%s); reconnecting in the background", why)
                 self._client = None
+                self._kept, self._lost_at = client, time.monotonic()
                 self.counts["disconnects"] += 1
                 self._wake.notify_all()
-        if client is not None:
-            threading.Thread(target=_close, args=(client,), daemon=True).start()
 
     def _run(self) -> None:
         wait = BACKOFF_S[0]
         while not self._closed:
             if self._client is None:
                 try:
-                    client = self._connect()
+                    client = self._reconnect()
                 except Exception as e:  # an unreachable master: the engine serves without the pool meanwhile
                     self.counts["connect_failed"] += 1
                     log.warning("kvtc pool: cannot reach %s (%s); retrying in %.1f s", self.cfg.pool_master, e, wait)
@@ -147,7 +190,12 @@ class PoolTier(BlobTier):
                     wait = min(wait * 2, BACKOFF_S[1])
                     continue
                 with self._lock:
-                    self._client = client
+                    if client is None or self._closed:  # the kept client is not back yet / closed meanwhile
+                        self._retired += [client] if client is not None else []
+                        self._wake.wait(RESUME_S)
+                        continue
+                    self._client, self._epoch = client, self._epoch + 1
+                    self._wake.notify_all()
                 wait = BACKOFF_S[0]
                 log.info("kvtc pool: connected to %s", self.cfg.pool_master)
             with self._lock:
@@ -201,18 +249,23 @@ class PoolTier(BlobTier):
 
     def _call(self, fn: Any, *args: Any) -> Any:
         """``fn(client, *args)`` within ``pool_timeout_s``; TierError on a timeout, no client or a failure."""
-        client = self._client
+        client, epoch = self._client, self._epoch
         if client is None:
             self.counts["unreachable"] += 1
             raise TierError("pool: not connected")
-        fut = self._reads.submit(fn, client, *args)
+        deadline = time.monotonic() + self.cfg.pool_timeout_s
         try:
-            return fut.result(timeout=self.cfg.pool_timeout_s)
+            fut = self._reads.submit(self.cfg.pool_timeout_s, fn, client, *args)
+        except TierError:  # every reader stuck in an earlier call (a frozen master)
+            self.counts["busy"] += 1
+            raise
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             self.counts["timeout"] += 1
             raise TierError(f"pool: no answer within {self.cfg.pool_timeout_s} s") from None
         except Exception as e:
-            self._lost(client, str(e))
+            self._lost(client, str(e), epoch)
             raise TierError(f"pool: {type(e).__name__}: {e}") from None
 
     # ------------------------------------------------------------------ BlobTier
@@ -351,12 +404,15 @@ class PoolTier(BlobTier):
         return False
 
     def close(self) -> None:
+        """Stop the threads and close the clients (a close may hold the GIL for seconds: at shutdown only)."""
         with self._lock:
             self._closed = True
-            client, self._client = self._client, None
+            clients = [c for c in (self._client, self._kept, *self._retired) if c is not None]
+            self._client = self._kept = None
+            self._retired = []
             self._wake.notify_all()
-        self._reads.shutdown(wait=False)
-        if client is not None:
+        self._reads.shutdown()
+        for client in clients:
             _close(client)
 
 
