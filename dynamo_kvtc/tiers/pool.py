@@ -16,11 +16,22 @@ disk -> pool). It differs from the per-node tiers in three ways:
   ``pool_timeout_s``. The client connects (and reconnects after failures) in the background with backoff; until it
   is connected every read is a miss and every put is dropped (counted).
 
+- **Streamed restores**: :meth:`read` returns at once an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over
+  a host buffer of the blob's size; a reader thread fetches the object's sealed parts (one per layer group) in order
+  with range reads into a registered buffer (:mod:`.pool_parts`), each within ``pool_timeout_s``, opens each and
+  copies it into place, then marks that range landed: the fused GPU restore decodes layer group 0 while later groups
+  still move (the CPU reference restore waits for the whole blob). A part that is missing, late or does not open
+  fails the arrival (the restore raises TransferError: a miss, the engine recomputes), is counted (``miss``,
+  ``timeout``, ``refused``) and the blob is forgotten, in the pool tier and (through the view's
+  :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob still on the write-through queue is
+  read from there (a plain view).
+
 Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
-keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob (whole:
-its layer groups are checked one by one by the restore as for every tier), and ``kvtc/<cal>/<salt>/at/<first block
-key, 32 hex>`` its sealed metadata (the locator). Sealing: :mod:`.seal` (AES-GCM; the blob's associated data binds
-its calibration, salt and every block key; the locator's its first key).
+keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob, its layer
+groups sealed one by one as parts back to back (a blob whose groups do not parse is one part), and
+``kvtc/<cal>/<salt>/at/<first block key, 32 hex>`` its sealed metadata (the locator: the blob's BlobMeta and where
+each part ends, sealed and plain). Sealing: :mod:`.seal` (AES-GCM; every part's associated data binds its calibration,
+salt, every block key, the part's index and the number of parts; the locator's its first key).
 """
 
 from __future__ import annotations
@@ -35,13 +46,18 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
+
 from ..codec.blob import BlobView
-from ..errors import BadRecordError, ConfigError, TierError, TierFullError
+from ..codec.container import group_ends
+from ..errors import BadRecordError, ConfigError, TierError, TierFullError, TransferError
+from ..transport.arriving import ArrivingView, GroupArrival
 from ..transport.channel import pack, unpack
 from .base import BlobTier, Evicted
 from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
+from .pool_parts import NOT_FOUND, STALE, Landing, Landings, Parts
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
@@ -49,6 +65,11 @@ log = logging.getLogger(__name__)
 BACKOFF_S = (0.5, 30.0)  # reconnect backoff: first wait, longest wait
 REFUSED_KEPT = 4096  # refused blob ids remembered (a corrupted object is not read again and again)
 NOT_LOST = (-704,)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS)
+STREAMS = 4  # blobs read at once (each reads its parts one after another)
+
+
+class _Gone(TierError):
+    """The object is not in the pool (its worker left, Mooncake evicted it, its write failed)."""
 
 
 class PoolTier(BlobTier):
@@ -72,6 +93,7 @@ class PoolTier(BlobTier):
         self.capacity = int(cfg.pool_segment_gb * (1 << 30))
         self.used_bytes = 0  # bytes this worker wrote to the pool (Mooncake evicts; this is not what it holds)
         self._entries: OrderedDict[str, dict] = OrderedDict()
+        self._parts: dict[str, Parts] = {}  # blob id -> where its parts end (written or discovered; as _entries)
         self._refused: OrderedDict[str, None] = OrderedDict()  # blobs that did not open: not discovered again
         self._lock = threading.RLock()
         self._own: set[str] = set()  # blobs this worker wrote (the only ones its discard deletes from the pool)
@@ -83,6 +105,8 @@ class PoolTier(BlobTier):
         self._client: Any = None
         self._closed = False
         self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtc-pool-read")
+        self._streams = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="kvtc-pool-stream")
+        self._landings = Landings(STREAMS)  # registered buffers the range reads land in
         self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
         if connect:
             self._writer.start()
@@ -173,8 +197,11 @@ class PoolTier(BlobTier):
         from . import mooncake_lib
 
         hashes = meta["hashes"]
-        blob = self.sealer.seal(data, associated("blob", self.cal, self.salt, hashes))
-        rec = self.sealer.seal(pack(meta), associated("meta", self.cal, self.salt, hashes[:1]))
+        plain = group_ends(data) or [len(data)]  # one sealed part per layer group
+        blob, sealed = self.sealer.seal_parts(data, plain, associated("blob", self.cal, self.salt, hashes))
+        parts = Parts.whole(sealed, plain)
+        locator = pack({"meta": meta, "parts": parts.record()})
+        rec = self.sealer.seal(locator, associated("meta", self.cal, self.salt, hashes[:1]))
         rc = mooncake_lib.load().ReplicateConfig()
         rc.replica_num = self.cfg.pool_replicas
         try:
@@ -188,6 +215,8 @@ class PoolTier(BlobTier):
         if ok:
             with self._lock:
                 self._own.add(blob_id)
+                if blob_id in self._entries:
+                    self._parts[blob_id] = parts
             self.counts["put"] += 1
             self.used_bytes += len(blob)
         else:
@@ -243,30 +272,84 @@ class PoolTier(BlobTier):
         while len(self._entries) > self.entries_kept:
             blob_id, meta = self._entries.popitem(last=False)
             self._own.discard(blob_id)
+            self._parts.pop(blob_id, None)
             out.append(Evicted(blob_id, b"", meta))
         return out
 
     def read(self, blob_id: str) -> BlobView | None:
-        """The blob, opened and checked, or None (not known here, missing from the pool, unreachable, past the
-        deadline, or refused: it does not open under the secret for its keys)."""
+        """The blob as it arrives, part by part (an :class:`ArrivingView`, returned at once; a part that does not come
+        or does not open fails it), a plain view while it is still queued here, or None (not known here, never
+        written, or not connected)."""
         with self._lock:
             meta = self._entries.get(blob_id)
+            parts = self._parts.get(blob_id)
             queued = next((d for i, d, _ in self._queue if i == blob_id and d is not None), None)
         if meta is None:
             return None
         if queued is not None:  # still on its way out: this worker has the bytes
             return BlobView(queued)
-        try:
-            obj = self._call(_get, self._key(blob_id))
-        except TierError:
+        if self._client is None:
+            self.counts["unreachable"] += 1
             return None
-        if not obj:
+        if parts is None:  # known here but never written (its put failed)
             self.counts["miss"] += 1
             self.discard(blob_id)
             return None
+        buf = torch.empty(parts.plain[-1], dtype=torch.uint8)
+        arrival = GroupArrival(len(parts.plain), 1, self.cfg.pool_timeout_s)
         try:
-            data = self.sealer.open(obj, associated("blob", self.cal, self.salt, meta["hashes"]))
-        except SealError as e:
+            self._streams.submit(self._stream, blob_id, meta["hashes"], parts, buf, arrival)
+        except RuntimeError:  # closed
+            return None
+        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain)
+
+    def _stream(self, blob_id: str, hashes: list[int], parts: Parts, buf: torch.Tensor, arrival: GroupArrival):
+        """The reader: part 0, 1, ... of the object, each range-read within the deadline into a registered landing
+        buffer, opened, copied into ``buf`` and marked landed; any failure fails the arrival (after the blob was
+        forgotten here and the arrival's listeners heard it)."""
+        aad, key, n = associated("blob", self.cal, self.salt, hashes), self._key(blob_id), len(parts.plain)
+        spans = parts.spans()
+        client, landing, settled = self._client, None, True  # settled: no read may still land in the landing
+        try:
+            size = max(s for _, s, _, _ in spans)
+            landing = self._landings.take(client, size)
+            if landing is None:
+                landing, settled = Landing(client, size), False
+                rc = self._call(_register, landing)
+                settled = True
+                if rc != 0:
+                    raise TierError(f"pool: the landing buffer was not registered ({rc})")
+            out = memoryview(buf.numpy())
+            for k, (s_off, s_len, p_off, p_len) in enumerate(spans):
+                settled = False
+                got = self._call(_read_part, landing, key, s_off, s_len)
+                settled = True
+                if got == STALE:
+                    raise TierError("pool: the client was replaced during the read")
+                if got == NOT_FOUND:
+                    raise _Gone(f"pool: object {key} is gone")
+                if got != s_len:
+                    raise SealError(f"part {k} of {n}: the object is shorter than its locator says ({got})")
+                plain = self.sealer.open_part(landing.view(s_len), aad, k, n)
+                if len(plain) != p_len:
+                    raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
+                out[p_off : p_off + p_len] = plain
+                arrival.landed(k)
+            self.counts["hit"] += 1
+        except Exception as e:  # noqa: BLE001 - any failure is a miss: the restore waiting on it must fail, not hang
+            self._failed(blob_id, e)
+            arrival.fail(e if isinstance(e, TierError) else TransferError(f"pool read: {type(e).__name__}: {e}"))
+        finally:
+            if landing is not None:
+                if settled:
+                    self._landings.give(landing, self._client)
+                else:  # a read that outlived its deadline may still land in it
+                    landing.drop(unregister=landing.client is self._client)
+            arrival.finish()
+
+    def _failed(self, blob_id: str, e: BaseException) -> None:
+        """Count a failed read and forget the blob here as :meth:`read` always did (refused: never discovered again)."""
+        if isinstance(e, SealError):
             log.warning("kvtc pool: refusing blob %s: %s", blob_id, e)
             self.counts["refused"] += 1
             self.discard(blob_id)
@@ -274,15 +357,18 @@ class PoolTier(BlobTier):
                 self._refused[blob_id] = None
                 while len(self._refused) > REFUSED_KEPT:
                     self._refused.popitem(last=False)
-            return None
-        self.counts["hit"] += 1
-        return BlobView(data)
+        elif isinstance(e, _Gone):
+            self.counts["miss"] += 1
+            self.discard(blob_id)
+        else:  # a timeout, a lost or absent master (counted by _call)
+            log.info("kvtc pool: reading blob %s failed: %s", blob_id, e)
 
     def discard(self, blob_id: str) -> None:
         """Forget the blob here and, when this worker wrote it, delete its object from the pool (queued behind its
         own write, so the pool's memory goes to blobs still in use: a superseded raw window, an unusable blob)."""
         with self._lock:
             self._entries.pop(blob_id, None)
+            self._parts.pop(blob_id, None)
             mine = blob_id in self._own  # never another worker's object (a worker with a wrong secret would refuse all)
             self._own.discard(blob_id)
             if mine and self._client is not None:
@@ -309,23 +395,29 @@ class PoolTier(BlobTier):
             return []
         found, pos = [], 0
         while pos < len(hashes) and pos < len(exists) and exists[pos] == 1:
-            meta = self._locate(hashes, pos, block_size)
-            if meta is None:
+            got = self._locate(hashes, pos, block_size)
+            if got is None:
                 break
+            meta, parts = got
             with self._lock:
                 self._entries[meta.id] = meta.to_dict()
+                self._parts[meta.id] = parts
                 self._forget_oldest()  # victims of discovery: the index finds them gone at their read (a miss)
             found.append(meta)
             pos += len(meta.hashes)
         return found
 
-    def _locate(self, hashes: Sequence[int], pos: int, block_size: int) -> BlobMeta | None:
+    def _locate(self, hashes: Sequence[int], pos: int, block_size: int) -> tuple[BlobMeta, Parts] | None:
         try:
             obj = self._call(_get, self._at(hashes[pos]))
             if not obj:
                 return None
             rec = self.sealer.open(obj, associated("meta", self.cal, self.salt, hashes[pos : pos + 1]))
-            meta = BlobMeta.from_dict(unpack(rec, RECORD_LIMITS, what="pool locator", error=BadRecordError))
+            loc = unpack(rec, RECORD_LIMITS, what="pool locator", error=BadRecordError)
+            if set(loc) != {"meta", "parts"}:
+                raise BadRecordError("pool locator: not a {meta, parts} record")
+            meta = BlobMeta.from_dict(loc["meta"])
+            parts = Parts.from_record(loc["parts"], self.sealer.overhead(), meta.stored_bytes)
         except (SealError, BadRecordError) as e:
             log.warning("kvtc pool: refusing the locator of block %032x: %s", hashes[pos], e)
             self.counts["refused"] += 1
@@ -338,7 +430,7 @@ class PoolTier(BlobTier):
         if meta.cal != self.cal or meta.block_size != block_size or list(hashes[pos : pos + n]) != meta.hashes:
             self.counts["refused"] += 1  # another calibration, or keys that are not the ones asked for
             return None
-        return meta
+        return meta, parts
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Whether the write-through queue emptied within ``timeout`` (tests, benchmarks)."""
@@ -356,12 +448,22 @@ class PoolTier(BlobTier):
             client, self._client = self._client, None
             self._wake.notify_all()
         self._reads.shutdown(wait=False)
+        self._streams.shutdown(wait=False)
+        self._landings.clear()
         if client is not None:
             _close(client)
 
 
 def _get(client: Any, key: str) -> bytes:
     return client.get(key)
+
+
+def _register(client: Any, landing: Landing) -> int:
+    return landing.register(client)
+
+
+def _read_part(client: Any, landing: Landing, key: str, offset: int, size: int) -> int:
+    return landing.read(client, key, offset, size)
 
 
 def _exist(client: Any, keys: list[str]) -> list[int]:
