@@ -134,7 +134,7 @@ async def test_a_tampered_part_is_a_miss_counted_refused_and_never_promoted(moon
     assert _pool(b).counts["refused"] == 1 and b.match(hashes) == 0  # the next turn recomputes
     time.sleep(0.5)
     assert blob_id not in b.placement.first and not b.index.has_blob(blob_id) and b.where(hashes[0]) is None
-    assert b.stats.blobs_dropped >= 1
+    assert b.stats.blobs_dropped == 1  # once, though both the read's listener and the restore saw it fail
     for s in (a, b, c):
         s.close()
 

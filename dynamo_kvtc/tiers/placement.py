@@ -194,7 +194,10 @@ class Placement:
             return True
 
     def drop(self, blob_id: str, why: BaseException) -> None:
-        """Forget an unusable blob everywhere (every tier, the index)."""
+        """Forget an unusable blob everywhere (every tier, the index); one already gone (dropped by whoever saw the
+        failure first: a pool read's listener, then the restore it failed) is not dropped again."""
+        if self.index.meta(blob_id) is None and not any(blob_id in t for t in self.tiers):
+            return
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
         self.stats.blobs_dropped += 1
         for tier in self.tiers:

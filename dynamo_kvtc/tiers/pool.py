@@ -321,6 +321,8 @@ class PoolTier(BlobTier):
                     raise TierError(f"pool: the landing buffer was not registered ({rc})")
             out = memoryview(buf.numpy())
             for k, (s_off, s_len, p_off, p_len) in enumerate(spans):
+                if self._closed:
+                    raise TierError("pool: closed during the read")
                 settled = False
                 got = self._call(_read_part, landing, key, s_off, s_len)
                 settled = True
@@ -447,8 +449,13 @@ class PoolTier(BlobTier):
             self._closed = True
             client, self._client = self._client, None
             self._wake.notify_all()
-        self._reads.shutdown(wait=False)
-        self._streams.shutdown(wait=False)
+        self._streams.shutdown(wait=False, cancel_futures=True)  # each stream stops before its next part
+        # the client must not close under a call still in it (a range read into a landing crashed the process):
+        # wait for the calls running now, as long as one may take
+        drain = threading.Thread(target=self._reads.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                 name="kvtc-pool-drain", daemon=True)  # fmt: skip
+        drain.start()
+        drain.join(self.cfg.pool_timeout_s + 1.0)
         self._landings.clear()
         if client is not None:
             _close(client)
