@@ -2,13 +2,15 @@
 (tests/mooncake_fixture.py) with a four-group calibration of the synthetic model:
 
 - a blob's groups are sealed as separate parts of one object; another worker's read is an ArrivingView with one
-  range per group, landing in order, bit-exact, and its restore equals the writer's; the hit is promoted into the
-  reader's host tier once it landed;
+  range per group, landing in order, bit-exact, and
+  its restore equals the writer's; the hit is promoted into the reader's host tier once it landed;
 - a part tampered with (bytes written over the object with the raw client) fails the read after the parts before it
   landed, fails the restore (a miss), counts ``refused`` and is never promoted; swapped parts, a part cut short and a
   dropped last part are refused;
 - a worker with a WRONG secret opens nothing another wrote (locators and parts), and what it plants is refused;
-- sealing in parts binds each part's index and count and the blob's keys (swapped, dropped or moved parts fail).
+- sealing in parts binds each part's index and count and the blob's keys (swapped, dropped or moved parts fail);
+- the readers take every blob's part 0 before any blob's part 1 (a restore of many blobs gets its first layer
+  group first).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dynamo_kvtc.codec.container import group_ends
 from dynamo_kvtc.errors import TierError, TransferError
 from dynamo_kvtc.tiers import KvtcStore
 from dynamo_kvtc.tiers.blobs import BlobMeta
+from dynamo_kvtc.tiers.pool_parts import PartJob, PartQueue, Parts
 from dynamo_kvtc.tiers.seal import Sealer, SealError, associated
 from dynamo_kvtc.transport.arriving import ArrivingView
 
@@ -95,6 +98,9 @@ async def test_a_blob_streams_group_by_group_in_order_and_restores_exactly(moonc
         landed = arrival.landed_s
         assert all(t is not None for t in landed) and landed == sorted(landed) and landed[0] < landed[-1]
     assert pool.counts["hit"] == len(blobs) and pool.counts["refused"] == 0
+
+    views = [pool.read(x) for x in blobs]  # several blobs at once
+    assert [x.tobytes() for x in views] == list(blobs.values())
 
     theirs = await _restore(b, toks, k)  # through the store: arriving views, promoted once landed
     assert torch.equal(theirs.k, mine.k) and torch.equal(theirs.v, mine.v)
@@ -222,3 +228,29 @@ def test_parts_are_bound_to_their_index_count_and_blob():
         Sealer(b"another secret").open_part(part[0], aad, 0, 3)
     with pytest.raises(ValueError):
         sealer.seal_parts(data, [1000, 900, 10240], aad)
+
+
+def test_readers_take_every_first_part_before_any_second():
+    """One reader, three blobs of three parts asked for while it is busy: parts are read part index first."""
+    import threading
+
+    order, go, done = [], threading.Event(), threading.Event()
+
+    def read(job, k):
+        go.wait(10)
+        order.append((job.blob_id, k))
+        if len(order) == 9:
+            done.set()
+        return True
+
+    readers = PartQueue(read, 1, "test-part")
+    parts = Parts.whole([10, 20, 30], [2, 4, 6])
+    for name in "abc":
+        readers.submit(PartJob(name, name, b"", parts, None, None))
+    go.set()
+    assert done.wait(10)
+    readers.close()
+    assert order[0] == ("a", 0) and sorted(order[1:3]) == [("b", 0), ("c", 0)]  # "a" 0 may have been taken at once
+    assert [k for _, k in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    with pytest.raises(TierError):
+        readers.submit(PartJob("d", "d", b"", parts, None, None))

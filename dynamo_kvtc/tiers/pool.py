@@ -57,7 +57,7 @@ from .base import BlobTier, Evicted
 from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
-from .pool_parts import NOT_FOUND, STALE, Landing, Landings, Parts
+from .pool_parts import NOT_FOUND, STALE, Landing, Landings, PartJob, PartQueue, Parts, read_part, register
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 BACKOFF_S = (0.5, 30.0)  # reconnect backoff: first wait, longest wait
 REFUSED_KEPT = 4096  # refused blob ids remembered (a corrupted object is not read again and again)
 NOT_LOST = (-704,)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS)
-STREAMS = 4  # blobs read at once (each reads its parts one after another)
+READERS = 4  # parts read at once (each blob's one after another, first parts first)
 
 
 class _Gone(TierError):
@@ -105,8 +105,8 @@ class PoolTier(BlobTier):
         self._client: Any = None
         self._closed = False
         self._reads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtc-pool-read")
-        self._streams = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="kvtc-pool-stream")
-        self._landings = Landings(STREAMS)  # registered buffers the range reads land in
+        self._readers = PartQueue(self._read_part, READERS, "kvtc-pool-part")
+        self._landings = Landings(READERS)  # registered buffers the range reads land in
         self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
         if connect:
             self._writer.start()
@@ -297,57 +297,59 @@ class PoolTier(BlobTier):
             return None
         buf = torch.empty(parts.plain[-1], dtype=torch.uint8)
         arrival = GroupArrival(len(parts.plain), 1, self.cfg.pool_timeout_s)
+        aad = associated("blob", self.cal, self.salt, meta["hashes"])
         try:
-            self._streams.submit(self._stream, blob_id, meta["hashes"], parts, buf, arrival)
-        except RuntimeError:  # closed
+            self._readers.submit(PartJob(blob_id, self._key(blob_id), aad, parts, buf, arrival))
+        except TierError:  # closed
             return None
         return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain)
 
-    def _stream(self, blob_id: str, hashes: list[int], parts: Parts, buf: torch.Tensor, arrival: GroupArrival):
-        """The reader: part 0, 1, ... of the object, each range-read within the deadline into a registered landing
-        buffer, opened, copied into ``buf`` and marked landed; any failure fails the arrival (after the blob was
-        forgotten here and the arrival's listeners heard it)."""
-        aad, key, n = associated("blob", self.cal, self.salt, hashes), self._key(blob_id), len(parts.plain)
-        spans = parts.spans()
+    def _read_part(self, job: PartJob, k: int) -> bool:
+        """A reader: part k of a blob range-read within the deadline into a registered landing buffer, opened, copied
+        into place and marked landed; True when it landed. Any failure fails the arrival (after the blob was forgotten
+        here and the arrival's listeners heard it)."""
+        s_off, s_len, p_off, p_len = job.parts.spans()[k]
+        n, arrival = len(job.parts.plain), job.arrival
         client, landing, settled = self._client, None, True  # settled: no read may still land in the landing
         try:
-            size = max(s for _, s, _, _ in spans)
-            landing = self._landings.take(client, size)
+            if self._closed:
+                raise TierError("pool: closed during the read")
+            landing = self._landings.take(client, s_len)
             if landing is None:
-                landing, settled = Landing(client, size), False
-                rc = self._call(_register, landing)
+                landing, settled = Landing(client, s_len), False
+                rc = self._call(register, landing)
                 settled = True
                 if rc != 0:
                     raise TierError(f"pool: the landing buffer was not registered ({rc})")
-            out = memoryview(buf.numpy())
-            for k, (s_off, s_len, p_off, p_len) in enumerate(spans):
-                if self._closed:
-                    raise TierError("pool: closed during the read")
-                settled = False
-                got = self._call(_read_part, landing, key, s_off, s_len)
-                settled = True
-                if got == STALE:
-                    raise TierError("pool: the client was replaced during the read")
-                if got == NOT_FOUND:
-                    raise _Gone(f"pool: object {key} is gone")
-                if got != s_len:
-                    raise SealError(f"part {k} of {n}: the object is shorter than its locator says ({got})")
-                plain = self.sealer.open_part(landing.view(s_len), aad, k, n)
-                if len(plain) != p_len:
-                    raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
-                out[p_off : p_off + p_len] = plain
-                arrival.landed(k)
-            self.counts["hit"] += 1
+            settled = False
+            got = self._call(read_part, landing, job.key, s_off, s_len)
+            settled = True
+            if got == STALE:
+                raise TierError("pool: the client was replaced during the read")
+            if got == NOT_FOUND:
+                raise _Gone(f"pool: object {job.key} is gone")
+            if got != s_len:
+                raise SealError(f"part {k} of {n}: the object is shorter than its locator says ({got})")
+            plain = self.sealer.open_part(landing.view(s_len), job.aad, k, n)
+            if len(plain) != p_len:
+                raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
+            memoryview(job.buf.numpy())[p_off : p_off + p_len] = plain
         except Exception as e:  # noqa: BLE001 - any failure is a miss: the restore waiting on it must fail, not hang
-            self._failed(blob_id, e)
+            self._failed(job.blob_id, e)
             arrival.fail(e if isinstance(e, TierError) else TransferError(f"pool read: {type(e).__name__}: {e}"))
+            arrival.finish()
+            return False
         finally:
             if landing is not None:
                 if settled:
                     self._landings.give(landing, self._client)
                 else:  # a read that outlived its deadline may still land in it
                     landing.drop(unregister=landing.client is self._client)
-            arrival.finish()
+        arrival.landed(k)
+        if k + 1 == n:
+            self.counts["hit"] += 1
+            arrival.finish()  # its listeners (the promotion into the host tier) run here, after the last part landed
+        return True
 
     def _failed(self, blob_id: str, e: BaseException) -> None:
         """Count a failed read and forget the blob here as :meth:`read` always did (refused: never discovered again)."""
@@ -449,7 +451,7 @@ class PoolTier(BlobTier):
             self._closed = True
             client, self._client = self._client, None
             self._wake.notify_all()
-        self._streams.shutdown(wait=False, cancel_futures=True)  # each stream stops before its next part
+        self._readers.close()  # the parts still queued fail at once
         # the client must not close under a call still in it (a range read into a landing crashed the process):
         # wait for the calls running now, as long as one may take
         drain = threading.Thread(target=self._reads.shutdown, kwargs={"wait": True, "cancel_futures": True},
@@ -463,14 +465,6 @@ class PoolTier(BlobTier):
 
 def _get(client: Any, key: str) -> bytes:
     return client.get(key)
-
-
-def _register(client: Any, landing: Landing) -> int:
-    return landing.register(client)
-
-
-def _read_part(client: Any, landing: Landing, key: str, offset: int, size: int) -> int:
-    return landing.read(client, key, offset, size)
 
 
 def _exist(client: Any, keys: list[str]) -> list[int]:

@@ -5,17 +5,21 @@ back to back (:meth:`~dynamo_kvtc.tiers.seal.Sealer.seal_parts`; a blob whose gr
 :class:`Parts` is where they end: ``sealed`` in the object, ``plain`` in the blob (``codec.container.group_ends``);
 it travels in the blob's sealed locator, so it is trusted once that opened (and still checked for shape).
 
-A reader fetches part 0, then 1, ... with Mooncake's range reads (``get_into_ranges``), which land only in memory
-registered with the client (``register_buffer``; on the TCP transport too: a range read into unregistered memory
-gets -600, while a whole-object ``get_into`` works unregistered), so each read lands in a :class:`Landing`, a
-registered host buffer taking one part at a time, kept for the next read (:class:`Landings`). A landing whose read
-outlived its deadline is dropped, never reused: it is unregistered once that read returned.
+Readers (:class:`PartQueue`) fetch part 0, then 1, ... of each blob (part 0 of every blob asked for before any
+part 1, so a restore of many blobs gets every first layer group first) with Mooncake's range reads
+(``get_into_ranges``), which land only in memory registered with the client (``register_buffer``; on the TCP
+transport too: a range read into unregistered memory gets -600, while a whole-object ``get_into`` works
+unregistered). Each read lands in a :class:`Landing`, a registered host buffer taking one part at a time, kept for
+the next read (:class:`Landings`). A landing whose read outlived its deadline is dropped, never reused: it is
+unregistered once that read returned.
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +135,16 @@ class Landing:
                 pass
 
 
+def register(client: Any, landing: Landing) -> int:
+    """:meth:`Landing.register` as the tier's calls take it (the client first)."""
+    return landing.register(client)
+
+
+def read_part(client: Any, landing: Landing, key: str, offset: int, size: int) -> int:
+    """:meth:`Landing.read` as the tier's calls take it (the client first)."""
+    return landing.read(client, key, offset, size)
+
+
 class Landings:
     """The landing buffers not in use (at most ``keep``), each registered with the client that made it."""
 
@@ -169,3 +183,49 @@ class Landings:
             gone, self._free = self._free, []
         for ld in gone:
             ld.drop(unregister=False)
+
+
+@dataclass
+class PartJob:
+    """One blob being read: its object's key, its parts' associated data, where its parts end, the buffer they open
+    into and the arrival they land in."""
+
+    blob_id: str
+    key: str
+    aad: bytes
+    parts: Parts
+    buf: torch.Tensor
+    arrival: Any
+
+
+class PartQueue:
+    """The pool tier's readers: ``n`` threads taking the next part to read, lowest part index first (then the blob
+    asked for first), so a restore of many blobs gets every blob's first layer group before any blob's second.
+    ``read(job, k)`` reads part k of ``job`` and says whether it landed (then part k + 1 is queued); it must not
+    raise."""
+
+    def __init__(self, read: Callable[[PartJob, int], bool], n: int, name: str) -> None:
+        self._read, self._q = read, queue.PriorityQueue()
+        self._seq, self.closed = itertools.count(), False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: PartJob) -> None:
+        if self.closed:
+            raise TierError("pool: closed")
+        self._q.put((0, next(self._seq), job))
+
+    def _run(self) -> None:
+        while True:
+            k, seq, job = self._q.get()
+            if job is None:
+                return
+            if self._read(job, k) and k + 1 < len(job.parts.plain):
+                self._q.put((k + 1, seq, job))
+
+    def close(self) -> None:
+        """Let the readers end once every part queued was taken (a closed tier's reads fail at once)."""
+        self.closed = True
+        for _ in self._threads:
+            self._q.put((1 << 30, next(self._seq), None))
