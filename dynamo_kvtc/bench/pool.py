@@ -6,6 +6,13 @@ K/V of the same blocks (one object per blob's span, uncompressed), as stored byt
 conversation's restore by a second store (discovery, sealed get, open, decode into the sink; and its get + open
 alone) against fetching its raw K/V; bytes per token stored; and AES-GCM seal/open throughput. A master is started
 on free loopback ports unless ``--master`` names one.
+
+The pool streams a blob part by part (one sealed part per layer group): for each restore, the time until the first
+blob's first part (layer group 0) landed and opened (what the fused GPU restore waits for before decoding layer 0)
+beside the time until every part of every blob did (what the CPU reference restore waits for). The model's
+calibration has the layer groups it was made with (the shipped ones: one, so the first part is the whole blob); the
+``streamed_groups`` section repeats it on a synthetic calibration of the same shape with ``--layer-groups`` groups
+(synthetic KV: the times, not the ratio, are meaningful).
 """
 
 from __future__ import annotations
@@ -52,12 +59,29 @@ def _sink(layer, start, kk, vv) -> None:
     pass
 
 
-def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> tuple[list[float], list]:
+def _streamed(b: Any, hashes: list[int]) -> tuple[float, float]:
+    """B's pool tier reads one conversation's blobs, all started at once as a restore starts them: ms until the first
+    blob's first part (layer group 0) landed and opened, and until every part of every blob did."""
+    pool = b.placement.tier("pool")
+    t0 = time.perf_counter()
+    views = [pool.read(r.blob_id) for r in b.index.plan(hashes)]
+    if not views or any(x is None for x in views):
+        raise RuntimeError("a pool read found nothing")
+    first = views[0]
+    first.wait_for(first.ends[0] if first.arriving else len(first))
+    t1 = time.perf_counter()
+    for x in views:
+        x.host()
+    return (t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3
+
+
+def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> tuple[list[float], list, list]:
     """Store A saves the history under new token ids each round; store B (never saw it) restores it from the pool:
-    B's restore times (ms, after a warm-up round) and the first timed round's blobs as (bytes, block keys)."""
+    B's restore times (ms, after a warm-up round), the first timed round's blobs as (bytes, block keys), and per
+    round B's streamed reads (first part ms, every part ms)."""
     T = k.shape[1]
     pool = a.placement.tier("pool")
-    restore, blobs = [], []
+    restore, blobs, streamed = [], [], []
     for rep in range(repeat + 1):  # rep 0: warm-up
         tokens = [(rep + 1) * T + t for t in range(T)]
         r = a.submit_offload(a.hashes(tokens), tokens, keys=k, values=v).result()
@@ -72,10 +96,11 @@ def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> 
             raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
         if rep:
             restore.append(dt * 1e3)
+            streamed.append(_streamed(b, hashes))
         if rep == 1:
             blobs = [(a.placement.fetch(i), a.index.meta(i).hashes) for i in a.index.blob_ids()
                      if a.index.meta(i).hashes[0] in set(hashes)]  # fmt: skip
-    return restore, blobs
+    return restore, blobs, streamed
 
 
 def _seal_cost(sealer: Any, blobs: list, aads: list[bytes], repeat: int) -> tuple[list[bytes], float, float]:
@@ -134,6 +159,31 @@ def _raw_restores(client: Any, kv: torch.Tensor, raw_objs: list[bytes], repeat: 
     return times
 
 
+def _grouped(args: Any, store: Any, T: int, ratio: float) -> dict[str, Any]:
+    """The streamed restore on a synthetic calibration of ``--shape`` with ``--layer-groups`` groups (one part each)."""
+    from ..tiers.pool_parts import Parts
+    from .shapes import SHAPES
+    from .transfer_prefill import grouped_calibration, grouped_kv
+
+    sh = SHAPES[args.shape]
+    groups = min(args.layer_groups, sh.layers)
+    cal = grouped_calibration(sh, groups, ratio=ratio, rank=None, device="cpu", name=args.shape)
+    k, v = grouped_kv(cal, T)
+    a, b = store(cal), store(cal)
+    try:
+        restore, _, streamed = _restores(a, b, k, v, args.repeat)
+        parts: list[Parts] = list(b.placement.tier("pool")._parts.values())
+    finally:
+        a.close()
+        b.close()
+    return {
+        "shape": args.shape, "layer_groups": groups, "kv": "synthetic", "tokens_per_restore": T,
+        "parts_per_object": sorted({len(p.plain) for p in parts}),
+        "restore_ms": _stats(restore), "first_group_ms": _stats([f for f, _ in streamed]),
+        "get_and_open_ms": _stats([w for _, w in streamed]),
+    }  # fmt: skip
+
+
 def run_bench_pool(args) -> int:
     from ..tiers import KvtcStore, TierConfig
     from ..tiers.mooncake_master import MooncakeMaster
@@ -149,11 +199,11 @@ def run_bench_pool(args) -> int:
     ratio = (args.ratios or (16,))[0]
     secret = b"bench pool: a cluster secret of 32B"
 
-    def store() -> Any:
+    def store(c: Any = cal) -> Any:
         cfg = TierConfig(host_bytes=1 << 30, ratio=ratio, window=args.window, pool_master=addr,
                          pool_metadata_server=meta_url, pool_segment_gb=args.segment_gb, pool_secret=secret,
                          pool_timeout_s=30.0, pool_queue_mb=4096)  # fmt: skip
-        s = KvtcStore(cal, cfg, block_size=args.block_size, span_tokens=args.span_tokens)
+        s = KvtcStore(c, cfg, block_size=args.block_size, span_tokens=args.span_tokens)
         if not s.placement.tier("pool").wait_idle(180):
             raise RuntimeError("the pool tier did not connect")
         return s
@@ -161,7 +211,7 @@ def run_bench_pool(args) -> int:
     try:
         a, b = store(), store()
         client = a.placement.tier("pool")._client
-        restore, blobs = _restores(a, b, k, v, args.repeat)
+        restore, blobs, streamed = _restores(a, b, k, v, args.repeat)
         kv = torch.cat([k.contiguous().view(torch.uint8).reshape(-1), v.contiguous().view(torch.uint8).reshape(-1)])
         raw_objs = [p.numpy().tobytes() for p in torch.tensor_split(kv, len(blobs))]
         sealer = Sealer(secret)
@@ -175,7 +225,9 @@ def run_bench_pool(args) -> int:
             "put_gbps": put,
             "get_gbps": get,
             "restore_ms": {"kvtc_sealed": _stats(restore), "raw": _stats(raw_restore),
-                           "kvtc_sealed_get_and_open": _stats(fetch_open)},  # fmt: skip
+                           "kvtc_sealed_get_and_open": _stats(fetch_open),
+                           "kvtc_sealed_streamed_first_group": _stats([f for f, _ in streamed]),
+                           "kvtc_sealed_streamed_get_and_open": _stats([w for _, w in streamed])},  # fmt: skip
             "tokens_per_restore": T,
             "raw_bytes_per_token": raw_bytes / T,
             "stored_bytes_per_token": {"kvtc_sealed": stored / T, "raw": raw_bytes / T},
@@ -183,9 +235,12 @@ def run_bench_pool(args) -> int:
             "open_gbps": _gbps(stored, open_s),
             "ratio": ratio,
             "objects_per_restore": len(blobs),
+            "layer_groups": cal.layer_groups,
         }
         a.close()
         b.close()
+        if args.layer_groups > 1:
+            results["streamed_groups"] = _grouped(args, store, T, ratio)
     finally:
         if master is not None:
             master.stop()

@@ -18,6 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata-server", default=None, help="its metadata server URL (with --master)")
     p.add_argument("--segment-gb", type=float, default=1.0, help="memory each of the two stores contributes")
     p.add_argument("--repeat", type=types.positive_int, default=5)
+    p.add_argument("--layer-groups", type=types.positive_int, default=4,
+                   help="also stream a synthetic calibration of --shape with this many layer groups (1: no)")
+    p.add_argument("--shape", default="smollm2-135m", help="that calibration's model shape (bench/shapes.py)")
     p.add_argument("--json", dest="json_path")
 
 

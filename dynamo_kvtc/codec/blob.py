@@ -11,6 +11,7 @@ reads only BlobViews:
   plain bytes-like blob), and :meth:`BlobView.host_view`, the host bytes without waiting or copying (None in device
   memory);
 - :meth:`BlobView.wait_for`: block until bytes ``[0, end)`` landed (at once for a landed blob);
+  :meth:`BlobView.when_landed`: a callback once every byte landed, or once some never will;
 - :meth:`BlobView.header`: the bytes holding the blob's prefix and header (of a blob still landing or in device
   memory only those, once they landed); :meth:`BlobView.tobytes`: a copy of the whole blob;
 - :meth:`BlobView.consumed`: the reader is done with the bytes (a receive buffer may be reused once the device
@@ -94,6 +95,10 @@ class BlobView:
 
     def wait_for(self, end: int) -> None:
         """Block until bytes ``[0, end)`` of the blob have landed (a landed blob: at once)."""
+
+    def when_landed(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(None)`` once every byte landed, ``fn(error)`` once some never will (a landed blob: at once)."""
+        fn(None)
 
     def consumed(self, event: Any = None) -> None:
         """The reader is done with the bytes (on CUDA: once ``event`` completes)."""

@@ -53,7 +53,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import CorruptBlobError, InputError
+from ..errors import CorruptBlobError, DecodeError, InputError
 from .entropy.base import CHUNK_BYTES, MAX_STORED_CHUNK
 from .entropy.registry import coder, known
 
@@ -333,6 +333,28 @@ def parse_blob(blob: bytes | bytearray | memoryview) -> tuple[dict[str, Any], li
             f"({'truncated' if off > len(mv) else 'trailing bytes'})"
         )
     return h, recs
+
+
+def group_ends(blob: bytes | bytearray | memoryview) -> list[int] | None:
+    """Where each layer group's sections end in ``blob`` (strictly increasing, the last = the blob's length; the
+    header sits before group 0, so range 0 holds it), or None when the blob does not parse (it then moves as one
+    range). The hand-off READs a blob range by range and the pool tier seals it segment by segment along these."""
+    try:
+        _, recs = parse_blob(blob)
+        ends: dict[int, int] = {}
+        for r in recs:
+            g = int(r.name.split(".", 1)[0])
+            ends[g] = max(ends.get(g, 0), r.offset + r.stored_len)
+    except (DecodeError, ValueError):
+        return None
+    out: list[int] = []
+    for g in sorted(ends):
+        if not out or ends[g] > out[-1]:  # an empty group adds no range
+            out.append(ends[g])
+    n = len(memoryview(blob).cast("B"))
+    if not out or out[-1] != n:
+        return None
+    return out
 
 
 def with_keys(blob: bytes | memoryview, keys: bytes) -> bytes:

@@ -271,9 +271,12 @@ def scenario_corrupt(world: World, ledger: Ledger, rounds: int, forged: bool) ->
                 (bid,) = [i for i in a.index.blob_ids() if a.index.meta(i).hashes[0] == hashes[0]] or [None]
                 key = pa._key(bid)
                 obj = pa._client.get(key)
-                if forged:  # a well-formed blob of the right length, sealed for these very keys under another secret
-                    plain = pa.sealer.open(obj, associated("blob", pa.cal, pa.salt, hashes))
-                    new = other.seal(bytes(plain), associated("blob", pa.cal, pa.salt, hashes))
+                parts = pa._parts[bid]
+                if forged:  # well-formed parts of the right lengths, sealed for these very keys under another secret
+                    aad, n = associated("blob", pa.cal, pa.salt, hashes), len(parts.plain)
+                    plain = b"".join(pa.sealer.open_part(obj[s0 : s0 + sn], aad, k, n)
+                                     for k, (s0, sn, _, _) in enumerate(parts.spans()))  # fmt: skip
+                    new, _ = other.seal_parts(plain, parts.plain, aad)
                 else:
                     new = bytearray(obj)
                     new[len(new) // 2] ^= 1
@@ -285,7 +288,8 @@ def scenario_corrupt(world: World, ledger: Ledger, rounds: int, forged: bool) ->
                     meta = dict(a.index.meta(bid).to_dict(), hashes=planted)
                     from ..transport.channel import pack
 
-                    rec = other.seal(pack(meta), associated("meta", pa.cal, pa.salt, planted[:1]))
+                    loc = pack({"meta": meta, "parts": parts.record()})
+                    rec = other.seal(loc, associated("meta", pa.cal, pa.salt, planted[:1]))
                     assert pa._client.put(pa._at(planted[0]), rec) == 0
                     _from_pool(ledger, kind, world, b, planted, f"round {r} locator", True)
                 ledger.detail(kind, refused=_pool(b).counts["refused"] - refused)

@@ -194,7 +194,10 @@ class Placement:
             return True
 
     def drop(self, blob_id: str, why: BaseException) -> None:
-        """Forget an unusable blob everywhere (every tier, the index)."""
+        """Forget an unusable blob everywhere (every tier, the index); one already gone (dropped by whoever saw the
+        failure first: a pool read's listener, then the restore it failed) is not dropped again."""
+        if self.index.meta(blob_id) is None and not any(blob_id in t for t in self.tiers):
+            return
         log.warning("kvtc: dropping unusable blob %s: %s", blob_id, why)
         self.stats.blobs_dropped += 1
         for tier in self.tiers:
@@ -232,6 +235,8 @@ class Placement:
                 continue
             try:
                 return view.tobytes()
+            except TierError:  # a blob still landing whose read failed (the pool's): that tier lost it
+                continue
             finally:
                 view.release()
         return None
@@ -257,7 +262,12 @@ class Placement:
         raise TierError(f"blob {blob_id} vanished from every tier")
 
     def _promote(self, tier: BlobTier, blob_id: str, view: BlobView) -> BlobView:
-        """A hit in a lower tier: into the first tier (the next turn finds it there), read back from there."""
+        """A hit in a lower tier: into the first tier (the next turn finds it there), read back from there. A blob
+        still landing (the pool's, part by part) is returned as it is, so the restore starts on its first layer group
+        at once; it is promoted once every byte landed, on the landing thread (:meth:`_landed`)."""
+        if view.arriving:
+            view.when_landed(lambda err: self._landed(blob_id, view, err))
+            return view
         try:
             rec = tier.meta(blob_id)
             meta = BlobMeta.from_dict(rec) if rec is not None else self.index.meta(blob_id)
@@ -270,6 +280,22 @@ class Placement:
             return view
         view.release()
         return got
+
+    def _landed(self, blob_id: str, view: BlobView, err: BaseException | None) -> None:
+        """A lower tier's blob finished landing: into the first tier if every byte came and opened and it is still
+        indexed; a blob whose read failed (missing, late, refused) is never promoted, and is dropped everywhere."""
+        meta = self.index.meta(blob_id)
+        if err is not None:
+            if meta is not None or any(blob_id in t for t in self.tiers):
+                self.drop(blob_id, err)
+            return
+        if meta is None or blob_id in self.first:  # dropped or retired meanwhile, or promoted by another read
+            return
+        data = view.host_view()
+        try:
+            self.put(meta, data if data is not None else view.tobytes())
+        except TierError as e:
+            log.info("kvtc: not promoting blob %s into the %s tier: %s", blob_id, self.first.name, e)
 
     def fetch(self, blob_id: str) -> bytes:
         """A copy of a blob's bytes (as :meth:`read`, then copied and released)."""

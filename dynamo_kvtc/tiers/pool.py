@@ -19,46 +19,63 @@ disk -> pool). It differs from the per-node tiers in three ways:
   again once Mooncake's own pings find the master (it remounts its segment itself); :mod:`.pool_link`'s probe marks
   the tier disconnected the moment the master goes, before a lookup calls into the client.
 
+- **Streamed restores**: :meth:`read` returns at once an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over
+  a host buffer of the blob's size; a reader thread fetches the object's sealed parts (one per layer group) in order
+  with range reads into a registered buffer (:mod:`.pool_parts`), each within ``pool_timeout_s``, opens each and
+  copies it into place, then marks that range landed: the fused GPU restore decodes layer group 0 while later groups
+  still move (the CPU reference restore waits for the whole blob). A part that is missing, late or does not open
+  fails the arrival (the restore raises TransferError: a miss, the engine recomputes), is counted (``miss``,
+  ``timeout``, ``refused``) and the blob is forgotten, in the pool tier and (through the view's
+  :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob still on the write-through queue is
+  read from there (a plain view).
+
 Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
-keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob (whole:
-its layer groups are checked one by one by the restore as for every tier), and ``kvtc/<cal>/<salt>/at/<first block
-key, 32 hex>`` its sealed metadata (the locator). Sealing: :mod:`.seal` (AES-GCM; the blob's associated data binds
-its calibration, salt and every block key; the locator's its first key).
+keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob, its layer
+groups sealed one by one as parts back to back (a blob whose groups do not parse is one part), and
+``kvtc/<cal>/<salt>/at/<first block key, 32 hex>`` its sealed metadata (the locator: the blob's BlobMeta and where
+each part ends, sealed and plain). Sealing: :mod:`.seal` (AES-GCM; every part's associated data binds its calibration,
+salt, every block key, the part's index and the number of parts; the locator's its first key).
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+import torch
+
 from ..codec.blob import BlobView
-from ..errors import BadRecordError, ConfigError, TierError, TierFullError
+from ..codec.container import group_ends
+from ..errors import BadRecordError, ConfigError, TierError, TierFullError, TransferError
+from ..transport.arriving import ArrivingView, GroupArrival
 from ..transport.channel import pack, unpack
 from .base import BlobTier, Evicted
 from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
-from .pool_link import PROBE_S, MasterProbe, Readers, dial, healthy
+from .pool_link import MasterLink, Readers, close_client
+from .pool_parts import NOT_FOUND, STALE, Landing, Landings, PartJob, PartQueue, Parts, read_part, register
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
 
 BACKOFF_S = (0.5, 30.0)  # reconnect backoff: first wait, longest wait
 RESUME_S = 0.25  # how often a kept client is asked whether its pings found the master again
-REUSE_S = 60.0  # the master answers, the kept client is still unhealthy after this long: a new client
 READERS = 4  # Mooncake calls in flight at once (reads and lookups)
 REFUSED_KEPT = 4096  # refused blob ids remembered (a corrupted object is not read again and again)
 NOT_LOST = (-704, -200)  # put codes that say nothing about the connection (OBJECT_ALREADY_EXISTS; NO_AVAILABLE_HANDLE:
 # no room, in a full pool or for a second after a master restart, before the segments are mounted again)
 
 
-class PoolTier(BlobTier):
+class _Gone(TierError):
+    """The object is not in the pool (its worker left, Mooncake evicted it, its write failed)."""
+
+
+class PoolTier(BlobTier, MasterLink):
     """The ``pool`` tier (see the module docstring). Owns its Mooncake client, its write-through queue and the ids of
     the pool's blobs this store wrote or discovered (``_entries``: id -> BlobMeta map); never serves an object that
     does not open under its secret and answer for the keys asked."""
@@ -79,6 +96,7 @@ class PoolTier(BlobTier):
         self.capacity = int(cfg.pool_segment_gb * (1 << 30))
         self.used_bytes = 0  # bytes this worker wrote to the pool (Mooncake evicts; this is not what it holds)
         self._entries: OrderedDict[str, dict] = OrderedDict()
+        self._parts: dict[str, Parts] = {}  # blob id -> where its parts end (written or discovered; as _entries)
         self._refused: OrderedDict[str, None] = OrderedDict()  # blobs that did not open: not discovered again
         self._lock = threading.RLock()
         self._own: set[str] = set()  # blobs this worker wrote (the only ones its discard deletes from the pool)
@@ -94,6 +112,8 @@ class PoolTier(BlobTier):
         self._epoch = 0  # counts connections: a late failure of a call made before the last one drops nothing
         self._closed = False
         self._reads = Readers(READERS)
+        self._readers = PartQueue(self._read_part, READERS, "kvtc-pool-part")  # parts, first parts first
+        self._landings = Landings(READERS)  # registered buffers the range reads land in
         self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
         self._prober = threading.Thread(target=self._probe, name="kvtc-pool-probe", daemon=True)
         if connect:
@@ -113,68 +133,6 @@ class PoolTier(BlobTier):
     @property
     def connected(self) -> bool:
         return self._client is not None
-
-    # ------------------------------------------------------------------ the client
-    def _connect(self) -> Any:
-        from . import mooncake_lib
-
-        dial(self.cfg.pool_master).close()  # Mooncake's setup retries an absent master for ~80 s holding the GIL
-        store = mooncake_lib.load().MooncakeDistributedStore()
-        rc = store.setup("127.0.0.1" if self._loopback() else _local_host(), self.metadata_server,
-                         self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
-                         self.cfg.pool_master)  # fmt: skip
-        if rc != 0:
-            _close(store)
-            raise TierError(f"pool: mooncake setup against {self.cfg.pool_master} failed ({rc})")
-        return store
-
-    def _reconnect(self) -> Any:
-        """A connected client: the kept one once its pings found the master again, else (none kept, or one kept
-        past :data:`REUSE_S` while the master answers) a new one. None: the kept client is not back yet; TierError:
-        the master does not answer."""
-        dial(self.cfg.pool_master).close()
-        kept = self._kept
-        if kept is None:
-            return self._connect()
-        if healthy(kept):  # its own pings found the master (no call to it)
-            self._kept = None
-            return kept
-        if time.monotonic() - self._lost_at < REUSE_S:
-            return None
-        log.warning("kvtc pool: the kept client did not find %s again; starting a new one", self.cfg.pool_master)
-        self._retired.append(kept)
-        self._kept = None
-        return self._connect()
-
-    def _probe(self) -> None:
-        """The health probe thread: while connected, a failed :class:`MasterProbe` check disconnects the tier."""
-        probe = MasterProbe(self.cfg.pool_master)
-        while not self._closed:
-            client, epoch = self._client, self._epoch
-            if client is None:
-                probe.reset()
-                with self._lock:
-                    if self._client is None and not self._closed:
-                        self._wake.wait(PROBE_S)
-                continue
-            why = probe.check(client)
-            if why is not None:
-                self._lost(client, f"health probe: {why}", epoch)
-        probe.reset()
-
-    def _loopback(self) -> bool:
-        return self.cfg.pool_master.startswith(("127.", "localhost"))
-
-    def _lost(self, client: Any, why: str, epoch: int | None = None) -> None:
-        """A failed operation (of connection ``epoch``, when given): the tier is disconnected and the client kept,
-        not closed; the writer reconnects in the background (:meth:`_reconnect`)."""
-        with self._lock:
-            if self._client is client and client is not None and epoch in (None, self._epoch):
-                log.warning("kvtc pool: lost the master (%s); reconnecting in the background", why)
-                self._client = None
-                self._kept, self._lost_at = client, time.monotonic()
-                self.counts["disconnects"] += 1
-                self._wake.notify_all()
 
     def _run(self) -> None:
         wait = BACKOFF_S[0]
@@ -221,8 +179,11 @@ class PoolTier(BlobTier):
         from . import mooncake_lib
 
         hashes = meta["hashes"]
-        blob = self.sealer.seal(data, associated("blob", self.cal, self.salt, hashes))
-        rec = self.sealer.seal(pack(meta), associated("meta", self.cal, self.salt, hashes[:1]))
+        plain = group_ends(data) or [len(data)]  # one sealed part per layer group
+        blob, sealed = self.sealer.seal_parts(data, plain, associated("blob", self.cal, self.salt, hashes))
+        parts = Parts.whole(sealed, plain)
+        locator = pack({"meta": meta, "parts": parts.record()})
+        rec = self.sealer.seal(locator, associated("meta", self.cal, self.salt, hashes[:1]))
         rc = mooncake_lib.load().ReplicateConfig()
         rc.replica_num = self.cfg.pool_replicas
         try:
@@ -236,6 +197,8 @@ class PoolTier(BlobTier):
         if ok:
             with self._lock:
                 self._own.add(blob_id)
+                if blob_id in self._entries:
+                    self._parts[blob_id] = parts
             self.counts["put"] += 1
             self.used_bytes += len(blob)
         else:
@@ -246,27 +209,6 @@ class PoolTier(BlobTier):
         locator naming a removed object reads as a miss)."""
         got = client.remove(self._key(blob_id))
         self.counts["removed" if got == 0 else "remove_failed"] += 1
-
-    def _call(self, fn: Any, *args: Any) -> Any:
-        """``fn(client, *args)`` within ``pool_timeout_s``; TierError on a timeout, no client or a failure."""
-        client, epoch = self._client, self._epoch
-        if client is None:
-            self.counts["unreachable"] += 1
-            raise TierError("pool: not connected")
-        deadline = time.monotonic() + self.cfg.pool_timeout_s
-        try:
-            fut = self._reads.submit(self.cfg.pool_timeout_s, fn, client, *args)
-        except TierError:  # every reader stuck in an earlier call (a frozen master)
-            self.counts["busy"] += 1
-            raise
-        try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            self.counts["timeout"] += 1
-            raise TierError(f"pool: no answer within {self.cfg.pool_timeout_s} s") from None
-        except Exception as e:
-            self._lost(client, str(e), epoch)
-            raise TierError(f"pool: {type(e).__name__}: {e}") from None
 
     # ------------------------------------------------------------------ BlobTier
     def put(self, blob_id: str, blob: Any, meta: Any, *, keep_evicted: bool = True) -> list[Evicted]:
@@ -296,30 +238,88 @@ class PoolTier(BlobTier):
         while len(self._entries) > self.entries_kept:
             blob_id, meta = self._entries.popitem(last=False)
             self._own.discard(blob_id)
+            self._parts.pop(blob_id, None)
             out.append(Evicted(blob_id, b"", meta))
         return out
 
     def read(self, blob_id: str) -> BlobView | None:
-        """The blob, opened and checked, or None (not known here, missing from the pool, unreachable, past the
-        deadline, or refused: it does not open under the secret for its keys)."""
+        """The blob as it arrives, part by part (an :class:`ArrivingView`, returned at once; a part that does not come
+        or does not open fails it), a plain view while it is still queued here, or None (not known here, never
+        written, or not connected)."""
         with self._lock:
             meta = self._entries.get(blob_id)
+            parts = self._parts.get(blob_id)
             queued = next((d for i, d, _ in self._queue if i == blob_id and d is not None), None)
         if meta is None:
             return None
         if queued is not None:  # still on its way out: this worker has the bytes
             return BlobView(queued)
-        try:
-            obj = self._call(_get, self._key(blob_id))
-        except TierError:
+        if self._client is None:
+            self.counts["unreachable"] += 1
             return None
-        if not obj:
+        if parts is None:  # known here but never written (its put failed)
             self.counts["miss"] += 1
             self.discard(blob_id)
             return None
+        buf = torch.empty(parts.plain[-1], dtype=torch.uint8)
+        arrival = GroupArrival(len(parts.plain), 1, self.cfg.pool_timeout_s)
+        aad = associated("blob", self.cal, self.salt, meta["hashes"])
         try:
-            data = self.sealer.open(obj, associated("blob", self.cal, self.salt, meta["hashes"]))
-        except SealError as e:
+            self._readers.submit(PartJob(blob_id, self._key(blob_id), aad, parts, buf, arrival))
+        except TierError:  # closed
+            return None
+        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain)
+
+    def _read_part(self, job: PartJob, k: int) -> bool:
+        """A reader: part k of a blob range-read within the deadline into a registered landing buffer, opened, copied
+        into place and marked landed; True when it landed. Any failure fails the arrival (after the blob was forgotten
+        here and the arrival's listeners heard it)."""
+        s_off, s_len, p_off, p_len = job.parts.spans()[k]
+        n, arrival = len(job.parts.plain), job.arrival
+        client, landing, settled = self._client, None, True  # settled: no read may still land in the landing
+        try:
+            if self._closed:
+                raise TierError("pool: closed during the read")
+            landing = self._landings.take(client, s_len)
+            if landing is None:
+                landing, settled = Landing(client, s_len), False
+                rc = self._call(register, landing)
+                settled = True
+                if rc != 0:
+                    raise TierError(f"pool: the landing buffer was not registered ({rc})")
+            settled = False
+            got = self._call(read_part, landing, job.key, s_off, s_len)
+            settled = True
+            if got == STALE:
+                raise TierError("pool: the client was replaced during the read")
+            if got == NOT_FOUND:
+                raise _Gone(f"pool: object {job.key} is gone")
+            if got != s_len:
+                raise SealError(f"part {k} of {n}: the object is shorter than its locator says ({got})")
+            plain = self.sealer.open_part(landing.view(s_len), job.aad, k, n)
+            if len(plain) != p_len:
+                raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
+            memoryview(job.buf.numpy())[p_off : p_off + p_len] = plain
+        except Exception as e:  # noqa: BLE001 - any failure is a miss: the restore waiting on it must fail, not hang
+            self._failed(job.blob_id, e)
+            arrival.fail(e if isinstance(e, TierError) else TransferError(f"pool read: {type(e).__name__}: {e}"))
+            arrival.finish()
+            return False
+        finally:
+            if landing is not None:
+                if settled:
+                    self._landings.give(landing, self._client)
+                else:  # a read that outlived its deadline may still land in it
+                    landing.drop(unregister=landing.client is self._client)
+        arrival.landed(k)
+        if k + 1 == n:
+            self.counts["hit"] += 1
+            arrival.finish()  # its listeners (the promotion into the host tier) run here, after the last part landed
+        return True
+
+    def _failed(self, blob_id: str, e: BaseException) -> None:
+        """Count a failed read and forget the blob here as :meth:`read` always did (refused: never discovered again)."""
+        if isinstance(e, SealError):
             log.warning("kvtc pool: refusing blob %s: %s", blob_id, e)
             self.counts["refused"] += 1
             self.discard(blob_id)
@@ -327,15 +327,18 @@ class PoolTier(BlobTier):
                 self._refused[blob_id] = None
                 while len(self._refused) > REFUSED_KEPT:
                     self._refused.popitem(last=False)
-            return None
-        self.counts["hit"] += 1
-        return BlobView(data)
+        elif isinstance(e, _Gone):
+            self.counts["miss"] += 1
+            self.discard(blob_id)
+        else:  # a timeout, a lost or absent master (counted by _call)
+            log.info("kvtc pool: reading blob %s failed: %s", blob_id, e)
 
     def discard(self, blob_id: str) -> None:
         """Forget the blob here and, when this worker wrote it, delete its object from the pool (queued behind its
         own write, so the pool's memory goes to blobs still in use: a superseded raw window, an unusable blob)."""
         with self._lock:
             self._entries.pop(blob_id, None)
+            self._parts.pop(blob_id, None)
             mine = blob_id in self._own  # never another worker's object (a worker with a wrong secret would refuse all)
             self._own.discard(blob_id)
             if mine and self._client is not None:
@@ -362,23 +365,29 @@ class PoolTier(BlobTier):
             return []
         found, pos = [], 0
         while pos < len(hashes) and pos < len(exists) and exists[pos] == 1:
-            meta = self._locate(hashes, pos, block_size)
-            if meta is None:
+            got = self._locate(hashes, pos, block_size)
+            if got is None:
                 break
+            meta, parts = got
             with self._lock:
                 self._entries[meta.id] = meta.to_dict()
+                self._parts[meta.id] = parts
                 self._forget_oldest()  # victims of discovery: the index finds them gone at their read (a miss)
             found.append(meta)
             pos += len(meta.hashes)
         return found
 
-    def _locate(self, hashes: Sequence[int], pos: int, block_size: int) -> BlobMeta | None:
+    def _locate(self, hashes: Sequence[int], pos: int, block_size: int) -> tuple[BlobMeta, Parts] | None:
         try:
             obj = self._call(_get, self._at(hashes[pos]))
             if not obj:
                 return None
             rec = self.sealer.open(obj, associated("meta", self.cal, self.salt, hashes[pos : pos + 1]))
-            meta = BlobMeta.from_dict(unpack(rec, RECORD_LIMITS, what="pool locator", error=BadRecordError))
+            loc = unpack(rec, RECORD_LIMITS, what="pool locator", error=BadRecordError)
+            if set(loc) != {"meta", "parts"}:
+                raise BadRecordError("pool locator: not a {meta, parts} record")
+            meta = BlobMeta.from_dict(loc["meta"])
+            parts = Parts.from_record(loc["parts"], self.sealer.overhead(), meta.stored_bytes)
         except (SealError, BadRecordError) as e:
             log.warning("kvtc pool: refusing the locator of block %032x: %s", hashes[pos], e)
             self.counts["refused"] += 1
@@ -391,7 +400,7 @@ class PoolTier(BlobTier):
         if meta.cal != self.cal or meta.block_size != block_size or list(hashes[pos : pos + n]) != meta.hashes:
             self.counts["refused"] += 1  # another calibration, or keys that are not the ones asked for
             return None
-        return meta
+        return meta, parts
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Whether the write-through queue emptied within ``timeout`` (tests, benchmarks)."""
@@ -411,9 +420,16 @@ class PoolTier(BlobTier):
             self._client = self._kept = None
             self._retired = []
             self._wake.notify_all()
-        self._reads.shutdown()
+        self._readers.close()  # the parts still queued fail at once
+        # a client must not close under a call still in it (a range read into a landing crashed the process):
+        # wait for the calls running now, as long as one may take
+        drain = threading.Thread(target=self._reads.shutdown, kwargs={"wait": True}, name="kvtc-pool-drain",
+                                 daemon=True)  # fmt: skip
+        drain.start()
+        drain.join(self.cfg.pool_timeout_s + 1.0)
+        self._landings.clear()
         for client in clients:
-            _close(client)
+            close_client(client)
 
 
 def _get(client: Any, key: str) -> bytes:
@@ -425,14 +441,3 @@ def _exist(client: Any, keys: list[str]) -> list[int]:
     if any(x < 0 for x in got):  # the master did not answer: a lost connection (the caller reconnects)
         raise TierError(f"batch_is_exist failed ({min(got)})")
     return got
-
-
-def _close(client: Any) -> None:
-    try:
-        client.close()
-    except Exception:  # closing a client whose master is gone: nothing left to do
-        pass
-
-
-def _local_host() -> str:
-    return socket.gethostbyname(socket.gethostname())

@@ -6,20 +6,28 @@ Why: Mooncake's binding runs some calls holding the GIL (a client's teardown joi
 unmount against a dead master for 7-13 s; ``setup`` retries an absent master for ~80 s), and a call to a frozen
 master blocks its thread for ~30 s. So the tier (:mod:`.pool`) calls ``setup`` only once :func:`dial` connects,
 never closes a client mid-run, stops calling one as soon as :class:`MasterProbe` fails, and runs calls on
-:class:`Readers`, which never queue a call behind hung ones.
+:class:`Readers`, which never queue a call behind hung ones. :class:`MasterLink` is the tier's side of all that
+(connect, reconnect, probe, lose the master, call within the deadline).
 """
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ..errors import TierError
 
+log = logging.getLogger("dynamo_kvtc.tiers.pool")
+
 PROBE_S = 0.2  # the probe's period: one select on a kept-open socket and one local flag read, no traffic
+REUSE_S = 60.0  # the master answers, the kept client is still unhealthy after this long: a new client
 
 
 def dial(address: str, timeout: float = 1.0) -> socket.socket:
@@ -92,5 +100,121 @@ class Readers:
         finally:
             self._slots.release()
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+    def shutdown(self, wait: bool = False) -> None:
+        """No new call starts; queued ones are cancelled; ``wait``: until the calls running now returned."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+
+def close_client(client: Any) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a client whose master is gone: nothing left to do
+        pass
+
+
+def local_host() -> str:
+    return socket.gethostbyname(socket.gethostname())
+
+
+class MasterLink:
+    """The pool tier's side of the connection (a mixin of :class:`~dynamo_kvtc.tiers.pool.PoolTier`, which owns the
+    state it reads: ``cfg``, ``capacity``, ``metadata_server``, ``counts``, the lock ``_lock`` and its condition
+    ``_wake``, ``_client`` (connected, or None), ``_kept`` / ``_lost_at`` (a client that lost its master, kept),
+    ``_retired``, ``_epoch``, ``_closed`` and the bounded readers ``_reads``): connecting, the health probe, losing
+    the master, and every client call within its deadline."""
+
+    cfg: Any
+    capacity: int
+    metadata_server: str
+    counts: Counter[str]
+    _lock: threading.RLock
+    _wake: threading.Condition
+    _client: Any
+    _kept: Any
+    _lost_at: float
+    _retired: list[Any]
+    _epoch: int
+    _closed: bool
+    _reads: Readers
+
+    def _connect(self) -> Any:
+        from . import mooncake_lib
+
+        dial(self.cfg.pool_master).close()  # Mooncake's setup retries an absent master for ~80 s holding the GIL
+        store = mooncake_lib.load().MooncakeDistributedStore()
+        rc = store.setup("127.0.0.1" if self._loopback() else local_host(), self.metadata_server,
+                         self.capacity, 64 << 20, self.cfg.pool_protocol, self.cfg.pool_device or "",
+                         self.cfg.pool_master)  # fmt: skip
+        if rc != 0:
+            close_client(store)
+            raise TierError(f"pool: mooncake setup against {self.cfg.pool_master} failed ({rc})")
+        return store
+
+    def _reconnect(self) -> Any:
+        """A connected client: the kept one once its pings found the master again, else (none kept, or one kept
+        past :data:`REUSE_S` while the master answers) a new one. None: the kept client is not back yet; TierError:
+        the master does not answer."""
+        dial(self.cfg.pool_master).close()
+        kept = self._kept
+        if kept is None:
+            return self._connect()
+        if healthy(kept):  # its own pings found the master (no call to it)
+            self._kept = None
+            return kept
+        if time.monotonic() - self._lost_at < REUSE_S:
+            return None
+        log.warning("kvtc pool: the kept client did not find %s again; starting a new one", self.cfg.pool_master)
+        self._retired.append(kept)
+        self._kept = None
+        return self._connect()
+
+    def _probe(self) -> None:
+        """The health probe thread: while connected, a failed :class:`MasterProbe` check disconnects the tier."""
+        probe = MasterProbe(self.cfg.pool_master)
+        while not self._closed:
+            client, epoch = self._client, self._epoch
+            if client is None:
+                probe.reset()
+                with self._lock:
+                    if self._client is None and not self._closed:
+                        self._wake.wait(PROBE_S)
+                continue
+            why = probe.check(client)
+            if why is not None:
+                self._lost(client, f"health probe: {why}", epoch)
+        probe.reset()
+
+    def _loopback(self) -> bool:
+        return self.cfg.pool_master.startswith(("127.", "localhost"))
+
+    def _lost(self, client: Any, why: str, epoch: int | None = None) -> None:
+        """A failed operation (of connection ``epoch``, when given): the tier is disconnected and the client kept,
+        not closed; the writer reconnects in the background (:meth:`_reconnect`)."""
+        with self._lock:
+            if self._client is client and client is not None and epoch in (None, self._epoch):
+                log.warning("kvtc pool: lost the master (%s); reconnecting in the background", why)
+                self._client = None
+                self._kept, self._lost_at = client, time.monotonic()
+                self.counts["disconnects"] += 1
+                self._wake.notify_all()
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(client, *args)`` within ``pool_timeout_s``; TierError on a timeout, no client or a failure."""
+        client, epoch = self._client, self._epoch
+        if client is None:
+            self.counts["unreachable"] += 1
+            raise TierError("pool: not connected")
+        deadline = time.monotonic() + self.cfg.pool_timeout_s
+        try:
+            fut = self._reads.submit(self.cfg.pool_timeout_s, fn, client, *args)
+        except TierError:  # every reader stuck in an earlier call (a frozen master)
+            self.counts["busy"] += 1
+            raise
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self.counts["timeout"] += 1
+            raise TierError(f"pool: no answer within {self.cfg.pool_timeout_s} s") from None
+        except Exception as e:
+            self._lost(client, str(e), epoch)
+            raise TierError(f"pool: {type(e).__name__}: {e}") from None

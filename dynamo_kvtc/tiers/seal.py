@@ -7,6 +7,11 @@ calibration id, the tenant salt and the block keys it holds. An object whose tag
 forged or corrupted one, one written without the secret, or one copied under another key or calibration) raises
 :class:`SealError` (a TierError: a miss), never returns bytes. ``insecure``: no secret, objects are ``PLAIN | bytes``
 (the operator's explicit ``pool_insecure``); a sealed store refuses them and an insecure one refuses sealed ones.
+
+A blob is sealed in parts (:meth:`Sealer.seal_parts`, one per layer group, so a reader opens group 0 while later
+groups still move): each part is such a message on its own, whose associated data adds to the blob's the part's index
+and the number of parts (:func:`part_associated`), so parts cannot be swapped, dropped, cut short or moved between
+blobs without failing authentication.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ def associated(kind: str, cal: str, salt: str, hashes: Sequence[int]) -> bytes:
     """The associated data of one object: its kind (``blob``, ``meta``), calibration id, tenant salt and block keys."""
     head = b"\0".join(x.encode() for x in ("dynamo-kvtc pool", kind, cal, salt))
     return head + b"\0" + b"".join(int(h).to_bytes(16, "big") for h in hashes)
+
+
+def part_associated(aad: bytes, k: int, n: int) -> bytes:
+    """The associated data of part ``k`` of ``n`` of an object whose own associated data is ``aad``."""
+    return aad + b"\0part" + k.to_bytes(4, "big") + n.to_bytes(4, "big")
 
 
 class Sealer:
@@ -76,3 +86,20 @@ class Sealer:
             return self._aead.decrypt(nonce, bytes(obj[len(MAGIC) + NONCE :]), aad)
         except InvalidTag:
             raise SealError("pool object failed authentication (forged, corrupted or sealed for other keys)") from None
+
+    def seal_parts(self, data: bytes | memoryview, ends: Sequence[int], aad: bytes) -> tuple[bytes, list[int]]:
+        """``data`` cut at ``ends`` (strictly increasing, the last ``len(data)``), each part sealed on its own: the
+        parts back to back, and where each sealed part ends in them."""
+        mv, n = memoryview(data).cast("B"), len(ends)
+        if not ends or ends[-1] != len(mv) or any(b <= a for a, b in zip([0, *ends], ends)):
+            raise ValueError(f"part ends must increase strictly up to {len(mv)}, got {list(ends)[:8]}")
+        parts, sealed, lo = [], [], 0
+        for k, hi in enumerate(ends):
+            parts.append(self.seal(mv[lo:hi], part_associated(aad, k, n)))
+            sealed.append((sealed[-1] if sealed else 0) + len(parts[-1]))
+            lo = hi
+        return b"".join(parts), sealed
+
+    def open_part(self, obj: bytes | memoryview, aad: bytes, k: int, n: int) -> bytes:
+        """The plaintext of part ``k`` of ``n`` (sealed by :meth:`seal_parts` under ``aad``), or SealError."""
+        return self.open(obj, part_associated(aad, k, n))

@@ -230,7 +230,7 @@ class HandoffClient:
             arrival.fail(TransferError(f"hand-off reader failed: {type(e).__name__}: {e}"))
         finally:
             self._releaser.submit(self.release, host, port, lease)
-            arrival.finished.set()
+            arrival.finish()
 
     def _read_range(self, local: list, remote: list, rmem: str, peer: str, buf: torch.Tensor) -> None:
         """One paced READ of one byte range (the emulated link's bucket was started for the whole fetch)."""
