@@ -280,23 +280,30 @@ class PoolTier(BlobTier, MasterLink):
         try:
             if self._closed:
                 raise TierError("pool: closed during the read")
-            landing = self._landings.take(client, s_len)
-            if landing is None:
-                landing, settled = Landing(client, s_len), False
-                rc = self._call(register, landing)
+            if n == 1:  # one part: the whole object in one get (no range read, no landing buffer)
+                sealed = self._call(_get, job.key)
+                if not sealed:
+                    raise _Gone(f"pool: object {job.key} is gone")
+                got = len(sealed)
+            else:
+                landing = self._landings.take(client, s_len)
+                if landing is None:
+                    landing, settled = Landing(client, s_len), False
+                    rc = self._call(register, landing)
+                    settled = True
+                    if rc != 0:
+                        raise TierError(f"pool: the landing buffer was not registered ({rc})")
+                settled = False
+                got = self._call(read_part, landing, job.key, s_off, s_len)
                 settled = True
-                if rc != 0:
-                    raise TierError(f"pool: the landing buffer was not registered ({rc})")
-            settled = False
-            got = self._call(read_part, landing, job.key, s_off, s_len)
-            settled = True
-            if got == STALE:
-                raise TierError("pool: the client was replaced during the read")
-            if got == NOT_FOUND:
-                raise _Gone(f"pool: object {job.key} is gone")
+                if got == STALE:
+                    raise TierError("pool: the client was replaced during the read")
+                if got == NOT_FOUND:
+                    raise _Gone(f"pool: object {job.key} is gone")
+                sealed = landing.view(s_len)
             if got != s_len:
-                raise SealError(f"part {k} of {n}: the object is shorter than its locator says ({got})")
-            plain = self.sealer.open_part(landing.view(s_len), job.aad, k, n)
+                raise SealError(f"part {k} of {n}: the object's length does not match its locator ({got})")
+            plain = self.sealer.open_part(sealed, job.aad, k, n)
             if len(plain) != p_len:
                 raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
             memoryview(job.buf.numpy())[p_off : p_off + p_len] = plain
