@@ -32,6 +32,7 @@ from dynamo_kvtc.calibration.models import resolve_model
 from dynamo_kvtc.demo.engine import worker_of
 
 sys.path.insert(0, str(Path(__file__).parent))
+from replies import TOP, top_of  # noqa: E402
 from vllm_scenarios import Originals, _restored_vs_original  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -97,14 +98,6 @@ def build(lora: bool):
     )
 
 
-TOP = 5  # logprobs kept per step: enough to find where two greedy replies part and by how much
-
-
-def _steps(completion) -> list[dict[int, float]]:
-    """Each generated step's top logprobs, token id -> logprob."""
-    return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs or []]
-
-
 def ask(llm, tokens: list[int], originals: Originals, *, salt: str | None = None, lora=None) -> dict:
     """The request once through the connector, once recomputed; what was restored, whether the restored blocks are
     bit for bit the K/V the engine wrote for them, and both replies (text, token ids, top logprobs per step)."""
@@ -128,8 +121,8 @@ def ask(llm, tokens: list[int], originals: Originals, *, salt: str | None = None
         "reference_reply": ref.outputs[0].text,
         "reply_ids": list(out.outputs[0].token_ids),
         "reference_ids": list(ref.outputs[0].token_ids),
-        "reply_top": _steps(out.outputs[0]),
-        "reference_top": _steps(ref.outputs[0]),
+        "reply_top": top_of(out.outputs[0]),
+        "reference_top": top_of(ref.outputs[0]),
     }
 
 
