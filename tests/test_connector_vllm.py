@@ -54,7 +54,7 @@ def scenario(request, tmp_path_factory):
     (if the next test reads one) starts beside it: two engines side by side, as test_offload_tier's and
     test_bench_serve's run, each one's start and serial per-step work overlapping the other's on CI's 2 cores. A test
     reads only its own scenario's result, and a scenario that failed fails the test that reads it."""
-    assert set(SCENARIO_OF) <= {f.__name__ for f in vars(request.module).values() if callable(f)}, "a test renamed"
+    assert set(SCENARIO_OF) <= set(vars(request.module)), "a test in SCENARIO_OF was renamed"
     items = [i for i in request.session.items if i.module is request.module and not _will_skip(i)]
     order = [SCENARIO_OF.get(i.originalname) for i in items]  # None: a test that starts its own processes
     started: dict[str, tuple[subprocess.Popen, Path]] = {}
