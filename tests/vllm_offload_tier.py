@@ -5,7 +5,7 @@ prefix caching off), one scenario per process:
 
 Conversation A's first turn is stored (raw primary tier, cascaded into the kvtc tier); conversation B's first turn
 then pushes A's chunks out of the tiny raw primary tier; A's second turn finds its history only in the kvtc tier, which
-promotes it back into the primary tier, from where vLLM loads it. A's second turn also runs with the tiers bypassed
+promotes it back into the primary tier, from where vLLM loads it. Each turn also runs with the tiers bypassed
 (``skip_reading_prefix_cache``: the engine recomputes the prompt) to compare the replies (token ids and top logprobs
 per step: tests/replies.py). The tier's store and load are watched (not replaced): a digest of each chunk's
 primary-tier bytes when the tier reads it for a cascade, and again after a promotion wrote it back, so the scenario
@@ -123,41 +123,36 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=1), use_tqdm=False)
         print(f"still pending: {len(manager._jobs)} jobs", file=sys.stderr)
 
-    def turn(messages, max_tokens=24, reference=True):
-        """One turn; with ``reference``, the same messages again with the tiers bypassed (only A's second turn is
-        compared with its recompute: the first turns' recomputes would double the run's prefill for nothing read)."""
+    def turn(messages, max_tokens=24):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP)
         t = time.perf_counter()
         out = llm.chat(messages, sp, use_tqdm=False)[0]
         wall = time.perf_counter() - t
-        row = {
+        ref_sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_reading_prefix_cache=True, logprobs=TOP)
+        t = time.perf_counter()
+        ref = llm.chat(messages, ref_sp, use_tqdm=False)[0]
+        ref_wall = time.perf_counter() - t
+        settle()
+        print(f"turn: {wall:.1f} s, reference {ref_wall:.1f} s, restored {out.num_cached_tokens}", file=sys.stderr)
+        return {
             "prompt_tokens": len(out.prompt_token_ids),
             "restored_tokens": int(out.num_cached_tokens or 0),
             "tokens": list(out.outputs[0].token_ids),
+            "reference_tokens": list(ref.outputs[0].token_ids),
             "top": top_of(out.outputs[0]),
+            "reference_top": top_of(ref.outputs[0]),
             "reply": out.outputs[0].text,
             "wall_s": wall,
+            "reference_wall_s": ref_wall,
+            "tier": tier.snapshot(),
         }
-        if reference:
-            ref_sp = SamplingParams(
-                temperature=0.0, max_tokens=max_tokens, skip_reading_prefix_cache=True, logprobs=TOP
-            )
-            t = time.perf_counter()
-            ref = llm.chat(messages, ref_sp, use_tqdm=False)[0]
-            row["reference_wall_s"] = time.perf_counter() - t
-            row["reference_tokens"] = list(ref.outputs[0].token_ids)
-            row["reference_top"] = top_of(ref.outputs[0])
-        settle()
-        print(f"turn: {wall:.1f} s, reference {row.get('reference_wall_s')}, restored {out.num_cached_tokens}",
-              file=sys.stderr)  # fmt: skip
-        return {**row, "tier": tier.snapshot()}
 
     doc_a, doc_b = documents()
     a = [{"role": "user", "content": f"Read this essay.\n\n{doc_a}\n\nWhat is the main point? Two sentences."}]
     b = [{"role": "user", "content": f"Read this essay.\n\n{doc_b}\n\nWhat is the main point? Two sentences."}]
     rows = {}
-    rows["a1"] = turn(a, reference=False)
-    rows["b1"] = turn(b, reference=False)
+    rows["a1"] = turn(a)
+    rows["b1"] = turn(b)
     loaded_before = tier.snapshot()["onboard_blocks"]
     a += [
         {"role": "assistant", "content": rows["a1"]["reply"]},
