@@ -28,20 +28,68 @@ def _run(args: list[str], timeout: int = 900, env: dict | None = None, **kw) -> 
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+# The scenario each test reads (tests/vllm_scenarios.py): the fixture starts the next selected test's scenario while
+# the current one runs.
+SCENARIO_OF = {
+    "test_roundtrip_restores_exact_blocks_and_identical_reply": "roundtrip-lossless",
+    "test_roundtrip_16x_within_codec_error_and_layerwise": "roundtrip-16x",
+    "test_disk_tier_hit_restores_asynchronously": "disk",
+    "test_corrupt_blob_becomes_a_recompute": "fault",
+    "test_mismatched_calibration_stops_the_engine_with_one_line": "mismatch",
+    "test_tier_blocks_reach_vllms_kv_event_stream": "events",
+    "test_corrupt_blob_inside_multiconnector_is_a_recompute": "multi-fault",
+    "test_fp8_kv_cache_restores_history_and_reply_starts_as_the_recompute": "fp8",
+}
+
+
+def _will_skip(item) -> bool:
+    return item.get_closest_marker("skip") is not None or any(
+        m.args and m.args[0] is True for m in item.iter_markers("skipif")
+    )
+
+
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory):
+def scenario(request, tmp_path_factory):
+    """Each scenario in a process of its own. While a test waits for its scenario, the next selected test's scenario
+    (if the next test reads one) starts beside it: two engines side by side, as test_offload_tier's and
+    test_bench_serve's run, each one's start and serial per-step work overlapping the other's on CI's 2 cores. A test
+    reads only its own scenario's result, and a scenario that failed fails the test that reads it."""
+    assert set(SCENARIO_OF) <= set(vars(request.module)), "a test in SCENARIO_OF was renamed"
+    items = [i for i in request.session.items if i.module is request.module and not _will_skip(i)]
+    order = [SCENARIO_OF.get(i.originalname) for i in items]  # None: a test that starts its own processes
+    started: dict[str, tuple[subprocess.Popen, Path]] = {}
     cache: dict[str, dict] = {}
+
+    def start(name: str) -> None:
+        if name not in started:
+            tmp = tmp_path_factory.mktemp(name)
+            args = [sys.executable, str(HERE / "vllm_scenarios.py"), name, str(tmp / "result.json"), str(tmp)]
+            with open(tmp / "stdout.txt", "w") as out, open(tmp / "stderr.txt", "w") as err:
+                started[name] = (subprocess.Popen(args, env=ENV, stdout=out, stderr=err), tmp)
 
     def get(name: str) -> dict:
         if name not in cache:
-            tmp = tmp_path_factory.mktemp(name)
+            start(name)
+            at = order.index(name) if name in order else -1
+            if 0 <= at < len(order) - 1 and order[at + 1] is not None:
+                start(order[at + 1])
+            p, tmp = started[name]
+            try:
+                p.wait(timeout=900)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise
+            log = (tmp / "stdout.txt").read_text() + (tmp / "stderr.txt").read_text()
             out = tmp / "result.json"
-            p = _run([str(HERE / "vllm_scenarios.py"), name, str(out), str(tmp)])
-            assert p.returncode == 0 and out.exists(), f"scenario {name} failed:\n{p.stderr[-4000:]}"
-            cache[name] = {**json.loads(out.read_text()), "log": p.stdout + p.stderr}  # the engine's own output
+            assert p.returncode == 0 and out.exists(), f"scenario {name} failed:\n{log[-4000:]}"
+            cache[name] = {**json.loads(out.read_text()), "log": log}  # the engine's own output
         return cache[name]
 
-    return get
+    yield get
+    for p, _ in started.values():  # a scenario started for a test that did not run (-x): do not leave it running
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def _leading_same(a: list[int], b: list[int]) -> int:

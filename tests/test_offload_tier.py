@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from .conftest import ENGINE_ENV, cpu_avx512
+from .replies import assert_same_up_to_a_near_tie
 
 pytest.importorskip("vllm")
 
@@ -337,8 +338,9 @@ def _leading_same(a: list[int], b: list[int]) -> int:
 @pytest.mark.model
 def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
     """ratio_policy=raw: every chunk stored uncompressed as a blob; each promoted chunk lands in the primary tier bit
-    for bit as it was cascaded, and the restored reply equals the recompute's (on AVX2-only CPUs, where vLLM's decode
-    and prefill round a token's K/V differently, on its first token: see ``cpu_avx512``)."""
+    for bit as it was cascaded, and the restored reply equals the recompute's up to a near tie of the recompute itself
+    (tests/replies.py: prefill beside restored history and one full prefill round differently; on AVX2-only CPUs the
+    first token exactly: see ``cpu_avx512``)."""
     r = scenario("raw")
     a1, b1, a2 = r["turns"]["a1"], r["turns"]["b1"], r["turns"]["a2"]
     assert r["page_layout"] == "cpu" and r["chunk_tokens"] == 128
@@ -347,10 +349,11 @@ def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
     assert a2["promoted_chunks"] >= 6 and a2["restored_tokens"] >= 6 * 128
     assert not any(k.startswith("onboard_error_") for k in a2["tier"])
     assert r["promoted_digests"]["same"] >= 6 and r["promoted_digests"]["different"] == 0
-    if cpu_avx512():
-        assert a2["tokens"] == a2["reference_tokens"] and a2["reply"]
-    else:
-        assert a2["tokens"][0] == a2["reference_tokens"][0] and a2["reply"]
+    # bit-exact history: the recompute's reply up to a near tie of the recompute itself (tests/replies.py)
+    assert_same_up_to_a_near_tie(a2["tokens"], a2["reference_tokens"], a2["top"], a2["reference_top"], a2["reply"])
+    assert a2["reply"]
+    if not cpu_avx512():  # measured on AVX2-only CPUs: the first tokens agree (see ``cpu_avx512``)
+        assert a2["tokens"][0] == a2["reference_tokens"][0]
     assert r["tier"]["offload_raw"] == r["tier"]["offload_blocks"] > 0
 
 

@@ -16,6 +16,7 @@ import pytest
 from dynamo_kvtc.tiers.keys import TenantKey, block_hashes, chain, router_hash, sequence_hashes
 
 from .conftest import ENGINE_ENV
+from .replies import assert_reply_is_its_recompute_up_to_a_near_tie
 
 BS = 16
 TOKENS = [random.Random(13).randrange(50000) for _ in range(BS * 6 + 3)]
@@ -235,49 +236,12 @@ def engine_run(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-# Where a restored reply may leave its recompute's: at a step whose two best tokens are this close (nats), in both
-# runs. The restore computes the prompt's last chunk beside restored history, the recompute the whole prompt at once;
-# on some CPUs (AVX-512/AMX kernels) the two shapes round differently, so the two runs' logits differ a little, and
-# greedy decoding can take the other of two near-equal tokens and continue differently from there. The logits are
-# bf16: at this model's top logits (16..32) one bf16 step is 0.125, and the logprobs come in multiples of it. A
-# rounding difference moves a logit by a step or two; NEAR_TIE is four steps. Measured here (AVX2): both runs'
-# logprobs equal at every step, and the salted reply's 5th step an exact tie (" listen" and another token at the same
-# logprob, 0 apart; four other steps 0.125 to 0.375 apart), likely where an AMX CPU's restored reply left the
-# recompute's (it ended one token short of the same words). Foreign KV fails the bit-exact check first and moves
-# logprobs by whole nats.
-NEAR_TIE = 0.5
-
-
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
 def assert_restored_reply_is_its_recompute(r: dict) -> None:
     """A request that restored its own KV (bit for bit what the engine wrote for those blocks) answers as its
-    recompute does, token for token, up to a near tie: where the two replies part, both runs ranked the two tokens
-    within NEAR_TIE of each other, and until then both runs' logprobs of the chosen tokens agree within NEAR_TIE.
-    Foreign KV fails the bit-exact check, and moves logprobs by far more than rounding."""
+    recompute does, token for token, up to a near tie (tests/replies.py). Foreign KV fails the bit-exact check, and
+    moves logprobs by far more than rounding."""
     assert r["restored_bit_exact"] is True, "the restored blocks are not the K/V the engine wrote for them"
     assert_reply_is_its_recompute_up_to_a_near_tie(r)
-
-
-def assert_reply_is_its_recompute_up_to_a_near_tie(r: dict) -> None:
-    """The reply (``reply_ids``, ``reply_top``) is its recompute's (``reference_*``) token for token, up to a near
-    tie (see :func:`assert_restored_reply_is_its_recompute`)."""
-    got, ref = r["reply_ids"], r["reference_ids"]
-    mine = [{int(t): lp for t, lp in step.items()} for step in r["reply_top"]]
-    theirs = [{int(t): lp for t, lp in step.items()} for step in r["reference_top"]]
-    i = _first_difference(got, ref)
-    for j in range(len(got) if i is None else i):
-        assert abs(mine[j][got[j]] - theirs[j][ref[j]]) < NEAR_TIE, (j, r["reply"], r["reference_reply"])
-    if i is None:
-        assert r["reply"] == r["reference_reply"]
-        return
-    assert i < len(got) and i < len(ref), ("one reply stopped early", r["reply"], r["reference_reply"])
-    a, b = got[i], ref[i]
-    assert b in mine[i] and a in theirs[i], ("not a near tie", i, r["reply"], r["reference_reply"])
-    why = ("not a near tie", i, mine[i], theirs[i], r["reply"], r["reference_reply"])
-    assert mine[i][a] - mine[i][b] < NEAR_TIE and theirs[i][b] - theirs[i][a] < NEAR_TIE, why
 
 
 @pytest.mark.model

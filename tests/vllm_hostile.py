@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from replies import TOP, top_of  # tests/replies.py (this script's folder is first on sys.path)
+
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
@@ -100,13 +102,16 @@ def _poisoning(llm, w, SamplingParams) -> dict:
             failed = w.stats.get("fallback_load_error", 0)
             offer = {"do_remote_prefill": True, "do_remote_decode": False, "kvtc_host": "127.0.0.1",
                      "kvtc_port": peer.port, "kvtc_blocks": 64}  # fmt: skip
-            sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": offer})
+            sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=TOP, extra_args={"kv_transfer_params": offer})
             got = llm.chat(msgs, sp, use_tqdm=False)[0]
             w.wait_idle()
-            ref, _ = chat(llm, msgs, 4, recompute=True)
+            ref_sp = SamplingParams(temperature=0.0, max_tokens=4, logprobs=TOP, skip_reading_prefix_cache=True)
+            ref = llm.chat(msgs, ref_sp, use_tqdm=False)[0]  # the recompute (demo.engine.chat's, with logprobs)
             out[mode] = {
                 "tokens": list(got.outputs[0].token_ids),
                 "reference": list(ref.outputs[0].token_ids),
+                "top": top_of(got.outputs[0]),
+                "reference_top": top_of(ref.outputs[0]),
                 "served_by_peer": peer.served,
                 "planted": len(peer.planted),
                 "planted_indexed": sum(w.store.index.locate(h) is not None for h in peer.planted),

