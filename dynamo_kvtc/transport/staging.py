@@ -110,7 +110,9 @@ class StagingArena:
     Owns the buffer, the extents' registrations, the extent bookkeeping and a background thread (the *rotator*).
     Registration is kept off the hand-off path: the rotator keeps up to ``ready_slots`` free extents registered ahead
     of use, each with its grant (partial metadata) already made, sized from the leases seen (the next power of two of
-    the largest of the last few; at most half the arena in all). :meth:`take` hands one of them to the lease
+    the largest of the last few; at most half the arena in all), and makes them up after a release — not when a lease
+    takes one, which is while that lease's blobs are being copied in and READ (on a loaded host, NIXL calls beside a
+    READ slowed it down). :meth:`take` hands one of them to the lease
     (``ready_hits``) and registers on the path only when none fits (``path_registrations``). Each registration is
     granted once: when its lease is given back the extent goes to the rotator, which zeroes it, deregisters it and
     only then frees it; a later lease of those bytes gets a registration of its own (``ready_registrations``). So
@@ -153,6 +155,7 @@ class StagingArena:
         self._busy = False  # the rotator is working (flush waits for it)
         self._retiring = 0  # released extents being zeroed and deregistered now
         self._starved = False  # the rotator found no room for a ready extent; retried when something is freed
+        self._due = False  # a lease ended since the rotator last made up the ready extents
         self._closed = False
         self._rotator: threading.Thread | None = None
         if self.ready_slots:
@@ -187,8 +190,7 @@ class StagingArena:
                 r = min(fits, key=lambda r: (r.n, r.serial))
                 self._ready.remove(r)
                 self._hold(key, r.off, r.n, r.reg, r.serial, r.grant)
-                self.ready_hits += 1
-                self._mu.notify_all()  # the rotator registers the next one
+                self.ready_hits += 1  # the rotator registers the next one after a release, not during a hand-off
                 return r.off
             at = self._carve(need)
             late = at is None and bool(self._retire)
@@ -218,7 +220,6 @@ class StagingArena:
             self._serial += 1
             self.path_registrations += 1
             self._hold(key, at, need, reg, self._serial, None)
-            self._mu.notify_all()
         return at
 
     def grant(self, key: str) -> bytes:
@@ -245,6 +246,7 @@ class StagingArena:
             if got is None:
                 return
             self._retire.append((*got, reg))
+            self._due = True  # after the retirement, the ready extents are made up again
             self._mu.notify_all()
         if self._rotator is None:
             self._retire_all()
@@ -254,7 +256,7 @@ class StagingArena:
         did not happen within ``timeout`` seconds."""
         end = time.monotonic() + timeout
         with self._mu:
-            while self._retire or self._retiring or self._busy or (self._rotator is not None and self._wants_more()):
+            while self._retire or self._retiring or self._busy or (self._rotator and self._due and self._wants_more()):
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -396,11 +398,11 @@ class StagingArena:
             with self._mu:
                 self._busy = False
                 self._mu.notify_all()
-                while not self._closed and not self._retire and not self._wants_more():
+                while not self._closed and not self._retire and not (self._due and self._wants_more()):
                     self._mu.wait()
                 if self._closed:
                     return
-                self._busy = True
+                self._busy, self._due = True, False
                 size = self._target()
                 small = [r for r in self._ready if r.n < size]  # outgrown: the leases got larger
                 self._ready = [r for r in self._ready if r.n >= size]
