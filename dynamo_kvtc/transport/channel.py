@@ -487,12 +487,9 @@ class ReqClient:
         env = unpack(self._one_frame(), _envelope_limits(self.limits), what=f"{self.name} reply")
         return unpack(self.auth.open_reply(env, nonce), self.limits, what=f"{self.name} reply")
 
-    def _one_frame(self) -> bytes:
-        """The reply's one frame; a reply of more frames is refused (the caller closes the socket, which drops the
-        rest: libzmq buffered all of them before the first could be read)."""
-        zmq = zmq_module()
+    def _one_frame(self) -> bytes:  # the reply's one frame; more are refused (the caller closes the socket with them)
         data = self._sock.recv()
-        if self._sock.get(zmq.RCVMORE):
+        if self._sock.get(zmq_module().RCVMORE):
             raise TransferError(f"{self.name} reply has more than one frame")
         return data
 
