@@ -376,3 +376,75 @@ def test_a_multipart_flood_never_finishing_does_not_grow_a_sealed_server(sealed)
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_a_key_holders_never_finished_message_is_buffered_up_to_what_it_sent_and_freed_at_hang_up():
+    """What CURVE does not stop: a peer holding the cluster secret completes the handshake (a raw CURVE client,
+    :mod:`dynamo_kvtc.reliability.curve_flood`) and sends encrypted frames with MORE set, never the last. libzmq
+    holds every frame of a message until its last (``MAXMSGSIZE`` caps each frame, ``RCVHWM`` counts whole messages
+    only; no option caps one message), so the server grows by what the holder sent — no more — while it keeps
+    serving other key holders, and gives the memory back when the connection closes (docs/reliability.md)."""
+    import subprocess
+    import sys
+
+    from dynamo_kvtc.reliability.curve_flood import curve_flood
+
+    proc = subprocess.Popen([sys.executable, "-c", _FLOOD_SERVER, SECRET.decode()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(proc.stdout.readline())
+        time.sleep(0.5)
+        before = _rss_mib(proc.pid)
+        conn, sent = curve_flood(port, curve_keys(Auth(SECRET).derive), frames=8, frame_bytes=4 << 20, deadline_s=60)
+        try:
+            time.sleep(0.5)
+            grew = _rss_mib(proc.pid) - before
+            assert sent == 32 << 20  # every frame taken: the holder passed CURVE and the ZAP handler
+            assert 24 <= grew <= 32 + 8, f"the server grew by {grew:.0f} MiB on {sent >> 20} MiB sent"
+            c = ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 5.0, auth=Auth(SECRET))
+            assert c.ask({"op": "x"}) == {"ok": True}  # other key holders are served meanwhile
+            c.close()
+        finally:
+            conn.close()
+        time.sleep(1.0)
+        left = _rss_mib(proc.pid) - before
+        assert left < 8, f"{left:.0f} MiB still held after the flooding connection closed"
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+
+
+def test_a_reply_of_more_than_one_frame_is_refused_and_the_socket_dropped():
+    """A key-holding peer answering with a multipart reply: the client refuses it (one frame is a reply) and drops
+    the socket with the frames libzmq buffered; the next request goes out on a fresh socket and is answered."""
+    keys = curve_keys(Auth(SECRET).derive)
+    ctx = zmq.Context()
+    srv = ctx.socket(zmq.ROUTER)
+    srv.curve_server, srv.curve_secretkey = True, keys.server_secret
+    port = srv.bind_to_random_port("tcp://127.0.0.1")
+    auth = Auth(SECRET)
+    c = ReqClient(f"tcp://127.0.0.1:{port}", LIMITS, 5.0, auth=auth)
+    server_auth = Auth(SECRET)
+    try:
+        import threading
+
+        def answer(frames: int) -> None:
+            ident, _, data = srv.recv_multipart()
+            env = unpack(data, Limits(max_bin=4096))
+            _, nonce = server_auth.open_request(env)
+            reply = server_auth.seal_reply(pack({"ok": True}), nonce)
+            srv.send_multipart([ident, b"", reply] + [b"\x00" * 64] * (frames - 1))
+
+        th = threading.Thread(target=answer, args=(4,))
+        th.start()
+        with pytest.raises(TransferError, match="more than one frame"):
+            c.ask({"op": "x"})
+        th.join(10)
+        th = threading.Thread(target=answer, args=(1,))
+        th.start()
+        assert c.ask({"op": "x"}) == {"ok": True}
+        th.join(10)
+    finally:
+        c.close()
+        srv.close(0)
+        ctx.term()

@@ -481,11 +481,17 @@ class ReqClient:
     def _exchange(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.auth is None:
             self._sock.send(pack(msg))
-            return unpack(self._sock.recv(), self.limits, what=f"{self.name} reply")
+            return unpack(self._one_frame(), self.limits, what=f"{self.name} reply")
         sealed, nonce = self.auth.seal_request(pack(msg))
         self._sock.send(sealed)
-        env = unpack(self._sock.recv(), _envelope_limits(self.limits), what=f"{self.name} reply")
+        env = unpack(self._one_frame(), _envelope_limits(self.limits), what=f"{self.name} reply")
         return unpack(self.auth.open_reply(env, nonce), self.limits, what=f"{self.name} reply")
+
+    def _one_frame(self) -> bytes:  # the reply's one frame; more are refused (the caller closes the socket with them)
+        data = self._sock.recv()
+        if self._sock.get(zmq_module().RCVMORE):
+            raise TransferError(f"{self.name} reply has more than one frame")
+        return data
 
     def close(self) -> None:
         with self._lock:

@@ -3,7 +3,8 @@ receive buffer (registered once). Host (DRAM) or device (VRAM) alike, so the CPU
 same code as two GPUs.
 
 - :class:`StagingArena` (prefill): one buffer allocated at start-up; each fetch takes one contiguous extent of it
-  (next fit: a just-freed extent is the last to be taken again), registered with NIXL for that lease alone, its
+  (next fit: a just-freed extent is the last to be taken again), registered with NIXL for that lease alone (ahead of
+  the fetch, by the arena's rotator thread, which also zeroes and deregisters released extents), its
   blobs copied in back to back (CUDA copies on a GPU — one DMA each from the host tier's pinned pages when the blobs
   come as views of them —, one numpy copy per blob on the host) and described by one descriptor per blob. The
   metadata a fetch reply carries (:meth:`StagingArena.grant`) names that one registration: through NIXL it reaches
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
+import time
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +36,7 @@ from .nixl_io import PeerAgent
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # every extent starts on a 256-byte boundary (CUDA copies, NIXL descriptors)
+READY_SLOTS = 2  # extents a staging arena keeps registered ahead of use (each granted to one lease)
 
 
 def _up(n: int) -> int:
@@ -89,19 +94,42 @@ def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
     return out
 
 
+class _Ready:
+    """An extent registered with NIXL ahead of use, its grant already made; handed to one lease at most."""
+
+    __slots__ = ("off", "n", "reg", "grant", "serial")
+
+    def __init__(self, off: int, n: int, reg: Any, grant: bytes, serial: int) -> None:
+        self.off, self.n, self.reg, self.grant, self.serial = off, n, reg, grant, serial
+
+
 class StagingArena:
     """The prefill side's staging memory: one buffer (VRAM on a GPU, else DRAM) cut into contiguous extents, one per
-    open lease, each registered with NIXL on its own for as long as its lease is open.
+    open lease, each registered with NIXL on its own and granted to that lease alone.
 
-    Owns the buffer, the extents' registrations and the extent bookkeeping. It never frees the buffer while a lease
-    holds an extent of it, never hands out overlapping extents, and never leaves a released lease's bytes behind: the
-    buffer starts zeroed and an extent is zeroed, then deregistered, when its lease is given back. The metadata of a
-    lease (:meth:`grant`) names only that lease's registration, so a holder's NIXL refuses descriptors outside it.
-    On transports whose remote key is the address (UCX over TCP or shared memory, what loopback uses) deregistering
-    does not revoke a key a holder already has: what it then reaches is zeros until the extent is taken again, and
-    extents are taken next-fit so that is as late as the arena allows (see docs/reliability.md, threat model)."""
+    Owns the buffer, the extents' registrations, the extent bookkeeping and a background thread (the *rotator*).
+    Registration is kept off the hand-off path: the rotator keeps up to ``ready_slots`` free extents registered ahead
+    of use, each with its grant (partial metadata) already made, sized from the leases seen (the next power of two of
+    the largest of the last few; at most half the arena in all), and makes them up after a release — not when a lease
+    takes one, which is while that lease's blobs are being copied in and READ (on a loaded host, NIXL calls beside a
+    READ slowed it down). :meth:`take` hands one of them to the lease
+    (``ready_hits``) and registers on the path only when none fits (``path_registrations``). Each registration is
+    granted once: when its lease is given back the extent goes to the rotator, which zeroes it, deregisters it and
+    only then frees it; a later lease of those bytes gets a registration of its own (``ready_registrations``). So
+    nothing a lease's metadata names is ever granted again, and the hand-off's serving thread neither registers,
+    zeroes nor deregisters while a ready extent fits.
 
-    def __init__(self, agent: PeerAgent, nbytes: int, device: torch.device) -> None:
+    It never frees the buffer while a lease holds an extent of it, never hands out overlapping extents, and never
+    leaves a released lease's bytes behind: the buffer starts zeroed, an extent is zeroed before it is freed, and a
+    ready extent is carved from free (zeroed) memory. The metadata of a lease (:meth:`grant`) names only that lease's
+    registration, so a holder's NIXL refuses descriptors outside it. On transports whose remote key is the address
+    (UCX over TCP or shared memory, what loopback uses) deregistering does not revoke a key a holder already has: what
+    it then reaches is zeros until the extent is taken again, and extents are carved next-fit so that is as late as
+    the arena allows (see docs/reliability.md, threat model). A released lease's extent is zeroed by the rotator just
+    after the release (:meth:`flush` waits for it), not before the release returns: until then its grantee reads
+    what it was granted, nothing else."""
+
+    def __init__(self, agent: PeerAgent, nbytes: int, device: torch.device, ready_slots: int = READY_SLOTS) -> None:
         self.agent = agent
         self.device = device
         self.mem, self.dev = mem_kind(device)
@@ -110,8 +138,29 @@ class StagingArena:
         self._free: list[tuple[int, int]] = [(0, self.buf.numel())]  # sorted (offset, length)
         self._held: dict[str, tuple[int, int]] = {}
         self._regs: dict[str, Any] = {}  # lease -> its extent's NIXL registration
-        self._next = 0  # next fit starts here: the end of the extent taken last
-        self.registrations = 0  # extents registered so far (one per lease)
+        self._grants: dict[str, bytes] = {}  # lease -> its grant, when made ahead with the registration
+        self._serials: dict[str, int] = {}  # lease -> the serial of its registration (one per registration)
+        self._next = 0  # next fit starts here: the end of the extent carved last
+        self._ready: list[_Ready] = []
+        self._retire: list[tuple[int, int, Any]] = []  # released extents the rotator zeroes, deregisters and frees
+        self._seen: deque[int] = deque(maxlen=8)  # the sizes of the last leases (they size the ready extents)
+        self.ready_slots = max(0, ready_slots)
+        self.registrations = 0  # extents registered so far: on the path plus ahead of use
+        self.path_registrations = 0  # ... of which by take(), on the hand-off path (no ready extent fitted)
+        self.ready_registrations = 0  # ... of which ahead of use, by the rotator
+        self.ready_hits = 0  # leases that took a ready extent (nothing registered on their path)
+        self.deregistrations = 0
+        self._serial = 0
+        self._mu = threading.Condition()  # the bookkeeping; never held while waiting for the agent's lock
+        self._busy = False  # the rotator is working (flush waits for it)
+        self._retiring = 0  # released extents being zeroed and deregistered now
+        self._starved = False  # the rotator found no room for a ready extent; retried when something is freed
+        self._due = False  # a lease ended since the rotator last made up the ready extents
+        self._closed = False
+        self._rotator: threading.Thread | None = None
+        if self.ready_slots:
+            self._rotator = threading.Thread(target=self._rotate, name="kvtc-staging-rotator", daemon=True)
+            self._rotator.start()
 
     @property
     def capacity(self) -> int:
@@ -119,70 +168,100 @@ class StagingArena:
 
     @property
     def used(self) -> int:
-        return sum(n for _, n in self._held.values())
+        """Bytes held by open leases (ready extents and extents still being retired are not counted)."""
+        with self._mu:
+            return sum(n for _, n in self._held.values())
+
+    @property
+    def ready(self) -> int:
+        """Extents registered ahead of use and not granted yet."""
+        with self._mu:
+            return len(self._ready)
 
     def take(self, key: str, nbytes: int) -> int:
-        """Reserve a contiguous extent of ``nbytes`` for ``key`` and register it with NIXL; its offset.
-        TierFullError when none is free, TransferError when NIXL refuses the registration."""
+        """Reserve a contiguous extent of at least ``nbytes`` for ``key``, registered with NIXL for it alone; its
+        offset. A ready extent when one fits (nothing registered here), else one registered now. TierFullError when
+        none is free, TransferError when NIXL refuses the registration."""
         need = _up(max(nbytes, 1))
-        runs = sorted(enumerate(self._free), key=lambda r: r[1][0] + r[1][1] <= self._next)  # stable sort
-        for i, (off, n) in runs:  # free runs reaching past the last extent taken first, then from the start
-            at = max(off, self._next)
-            if at + need > off + n:
-                at = off
-                if need > n:
-                    continue
-            rest = [(o, m) for o, m in ((off, at - off), (at + need, off + n - at - need)) if m > 0]
-            with self.agent.lock:
-                try:
-                    reg = self.agent.agent.register_memory(self.buf[at : at + need])
-                except self.agent.errors as e:
-                    raise TransferError(f"NIXL could not register a {need}-byte staging extent: {e}") from e
-            self._free[i : i + 1] = rest
-            self._held[key] = (at, need)
-            self._regs[key] = reg
-            self._next = at + need
-            self.registrations += 1
-            return at
-        raise TierFullError(
-            f"transfer staging arena is full ({self.used} of {self.capacity} bytes held; raise transfer_staging_mb)"
-        )
+        with self._mu:
+            self._seen.append(need)
+            fits = [r for r in self._ready if r.n >= need]
+            if fits:
+                r = min(fits, key=lambda r: (r.n, r.serial))
+                self._ready.remove(r)
+                self._hold(key, r.off, r.n, r.reg, r.serial, r.grant)
+                self.ready_hits += 1  # the rotator registers the next one after a release, not during a hand-off
+                return r.off
+            at = self._carve(need)
+            late = at is None and bool(self._retire)
+        if late:  # released extents the rotator has not freed yet: freed here, on the path
+            self._retire_all()
+            with self._mu:
+                at = self._carve(need)
+        with self._mu:
+            spare = [] if at is not None else self._ready
+            if spare:  # the room is in ready extents that do not fit this lease: give them back first
+                self._ready = []
+        if spare:
+            self._drop(spare)
+            with self._mu:
+                at = self._carve(need)
+        if at is None:
+            raise TierFullError(
+                f"transfer staging arena is full ({self.used} of {self.capacity} bytes held; raise transfer_staging_mb)"
+            )
+        try:
+            reg = self._register(at, need)
+        except TransferError:
+            with self._mu:
+                self._free_extent(at, need)
+            raise
+        with self._mu:
+            self._serial += 1
+            self.path_registrations += 1
+            self._hold(key, at, need, reg, self._serial, None)
+        return at
 
     def grant(self, key: str) -> bytes:
         """NIXL metadata naming ``key``'s extent alone (with the agent's connection info): what a fetch reply
-        carries. KeyError if ``key`` holds no extent."""
-        off, n = self._held[key]
-        a = self.agent.agent
-        with self.agent.lock:
-            return bytes(a.get_partial_agent_metadata(a.get_reg_descs(self.buf[off : off + n]), True))
+        carries; made ahead with a ready extent's registration. KeyError if ``key`` holds no extent."""
+        with self._mu:
+            off, n = self._held[key]
+            made = self._grants.get(key)
+        return made if made is not None else self._make_grant(off, n)
+
+    def serial(self, key: str) -> int:
+        """Which registration ``key``'s extent is granted under (serials are never reused). KeyError if none."""
+        with self._mu:
+            return self._serials[key]
 
     def give(self, key: str) -> None:
-        """Zero and deregister ``key``'s extent, then free it (merged with free neighbours); nothing if ``key`` holds
-        none. An extent NIXL could not deregister is zeroed and never taken again."""
-        got = self._held.pop(key, None)
-        if got is None:
-            return
-        off, n = got
-        self.buf[off : off + n].zero_()  # a released lease's blobs are not readable, whatever key a holder kept
-        if self.buf.is_cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        reg = self._regs.pop(key, None)
-        if reg is not None:
-            with self.agent.lock:
-                try:
-                    self.agent.agent.deregister_memory(reg)
-                except self.agent.errors:
-                    log.warning("NIXL could not deregister a hand-off staging extent; it is never reused")
-                    return
-        i = bisect.bisect(self._free, (off, n))
-        self._free.insert(i, (off, n))
-        merged: list[tuple[int, int]] = []
-        for o, m in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + m)
-            else:
-                merged.append((o, m))
-        self._free = merged
+        """End ``key``'s lease: its extent goes to the rotator, which zeroes and deregisters it, then frees it (off
+        the caller's path; without a rotator, here). Nothing if ``key`` holds none."""
+        with self._mu:
+            got = self._held.pop(key, None)
+            reg = self._regs.pop(key, None)
+            self._grants.pop(key, None)
+            self._serials.pop(key, None)
+            if got is None:
+                return
+            self._retire.append((*got, reg))
+            self._due = True  # after the retirement, the ready extents are made up again
+            self._mu.notify_all()
+        if self._rotator is None:
+            self._retire_all()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every released extent is zeroed and deregistered and the ready extents are made; False if that
+        did not happen within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        with self._mu:
+            while self._retire or self._retiring or self._busy or (self._rotator and self._due and self._wants_more()):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._mu.wait(min(left, 0.05))
+        return True
 
     def stage(self, key: str, blobs: Sequence[Any]) -> list[list[int]]:
         """Copy ``blobs`` into a new extent for ``key``; one ``[address, length]`` descriptor per blob."""
@@ -196,8 +275,171 @@ class StagingArena:
         return [[self.base + off + o, n] for o, n in placed]
 
     def close(self) -> None:
-        for key in list(self._held):
-            self.give(key)
+        with self._mu:
+            self._closed = True
+            self._mu.notify_all()
+        if self._rotator is not None:
+            self._rotator.join(30)
+        with self._mu:
+            for key in list(self._held):
+                self._retire.append((*self._held.pop(key), self._regs.pop(key, None)))
+            spare, self._ready = self._ready, []
+        self._retire_all()
+        self._drop(spare)
+
+    # ------------------------------------------------------------------------------------------ bookkeeping
+    def _hold(self, key: str, off: int, n: int, reg: Any, serial: int, grant: bytes | None) -> None:
+        self._held[key] = (off, n)
+        self._regs[key] = reg
+        self._serials[key] = serial
+        if grant is not None:
+            self._grants[key] = grant
+
+    def _carve(self, need: int) -> int | None:
+        """Cut ``need`` bytes out of the free runs, next fit (free runs reaching past the extent carved last first,
+        then from the start: a just-freed extent is the last to be carved again); its offset, None if none fits."""
+        runs = sorted(enumerate(self._free), key=lambda r: r[1][0] + r[1][1] <= self._next)  # stable sort
+        for i, (off, n) in runs:
+            at = max(off, self._next)
+            if at + need > off + n:
+                at = off
+                if need > n:
+                    continue
+            self._free[i : i + 1] = [(o, m) for o, m in ((off, at - off), (at + need, off + n - at - need)) if m > 0]
+            self._next = at + need
+            return at
+        return None
+
+    def _free_extent(self, off: int, n: int) -> None:
+        """Give ``off, n`` back to the free runs, merged with free neighbours (the caller holds ``_mu``)."""
+        i = bisect.bisect(self._free, (off, n))
+        self._free.insert(i, (off, n))
+        merged: list[tuple[int, int]] = []
+        for o, m in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + m)
+            else:
+                merged.append((o, m))
+        self._free = merged
+        self._starved = False
+
+    # ------------------------------------------------------------------------------------------ NIXL
+    def _register(self, off: int, n: int) -> Any:
+        with self.agent.lock:
+            try:
+                reg = self.agent.agent.register_memory(self.buf[off : off + n])
+            except self.agent.errors as e:
+                raise TransferError(f"NIXL could not register a {n}-byte staging extent: {e}") from e
+        with self._mu:
+            self.registrations += 1
+        return reg
+
+    def _make_grant(self, off: int, n: int) -> bytes:
+        a = self.agent.agent
+        with self.agent.lock:
+            return bytes(a.get_partial_agent_metadata(a.get_reg_descs(self.buf[off : off + n]), True))
+
+    def _deregister(self, reg: Any) -> bool:
+        with self.agent.lock:
+            try:
+                self.agent.agent.deregister_memory(reg)
+            except self.agent.errors:
+                log.warning("NIXL could not deregister a hand-off staging extent; it is never reused")
+                return False
+        with self._mu:
+            self.deregistrations += 1
+        return True
+
+    def _retire_all(self) -> None:
+        """Zero, deregister and free every released extent (an extent NIXL could not deregister is zeroed and never
+        taken again)."""
+        while True:
+            with self._mu:
+                if not self._retire:
+                    return
+                off, n, reg = self._retire.pop(0)
+                self._retiring += 1
+            try:
+                self.buf[off : off + n].zero_()  # a released lease's blobs are unreadable, whatever key a holder kept
+                if self.buf.is_cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                if reg is None or self._deregister(reg):
+                    with self._mu:
+                        self._free_extent(off, n)
+            finally:
+                with self._mu:
+                    self._retiring -= 1
+                    self._mu.notify_all()
+
+    def _drop(self, spare: list[_Ready]) -> None:
+        """Deregister ready extents never granted (zeros: nothing to wipe) and free them."""
+        for r in spare:
+            if self._deregister(r.reg):
+                with self._mu:
+                    self._free_extent(r.off, r.n)
+
+    # ------------------------------------------------------------------------------------------ the rotator
+    def _target(self) -> int:
+        """The size of a ready extent: the next power of two of the largest recent lease (0: none seen, or too large
+        for ``ready_slots`` of them to fit half the arena)."""
+        if not self._seen:
+            return 0
+        size = _up(1 << (max(self._seen) - 1).bit_length())
+        return size if size * self.ready_slots <= self.capacity // 2 else 0
+
+    def _wants_more(self) -> bool:
+        size = self._target()
+        return bool(size) and not self._starved and len(self._ready) < self.ready_slots
+
+    def _rotate(self) -> None:
+        if self.buf.is_cuda:
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._mu:
+                self._busy = False
+                self._mu.notify_all()
+                while not self._closed and not self._retire and not (self._due and self._wants_more()):
+                    self._mu.wait()
+                if self._closed:
+                    return
+                self._busy, self._due = True, False
+                size = self._target()
+                small = [r for r in self._ready if r.n < size]  # outgrown: the leases got larger
+                self._ready = [r for r in self._ready if r.n >= size]
+            try:
+                self._retire_all()
+                self._drop(small)
+                self._refill(size)
+            except Exception:  # noqa: BLE001 - the rotator must keep running; the path falls back to registering
+                log.exception("kvtc staging rotator failed; leases register on their own path meanwhile")
+                with self._mu:
+                    self._starved = True
+
+    def _refill(self, size: int) -> None:
+        """Register ready extents of ``size`` until ``ready_slots`` are made or the arena has no room."""
+        while size:
+            with self._mu:
+                if self._closed or len(self._ready) >= self.ready_slots or self._retire:
+                    return
+                at = self._carve(size)
+                if at is None:
+                    self._starved = True
+                    return
+            reg = None
+            try:
+                reg = self._register(at, size)
+                grant = self._make_grant(at, size)
+            except (TransferError, *self.agent.errors):
+                if reg is None or self._deregister(reg):
+                    with self._mu:
+                        self._free_extent(at, size)
+                with self._mu:
+                    self._starved = True
+                raise
+            with self._mu:
+                self._serial += 1
+                self.ready_registrations += 1
+                self._ready.append(_Ready(at, size, reg, grant, self._serial))
 
 
 class RecvBuffer:

@@ -8,7 +8,9 @@ host tier's pinned pages in place, under a lease) back to back into one contiguo
 registered with NIXL for that lease alone, and replies with NIXL metadata naming only that extent, the arena's memory
 type, one descriptor per blob and where each blob's layer groups end (the decode side READs group by group) under a
 lease. The decode side READs them and sends ``release``; a lease that is never released expires after four
-deadlines; either way its extent is zeroed and deregistered.
+deadlines; either way its extent is zeroed and deregistered. Both happen off the serving thread: the arena's rotator
+registers extents (and makes their grants) ahead of the fetches that take them, and zeroes and deregisters released
+ones, so a fetch normally makes no NIXL registration call (see :class:`StagingArena`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,141 @@
+"""Grants registered ahead of use and rotated (issue 36's fallback): the prefill's staging arena keeps extents
+registered with NIXL before a fetch needs one, so the hand-off's path registers nothing, and each registration is
+granted to one lease only. Real NIXL UCX agents on loopback, a real hand-off server and client on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu13")
+
+from dynamo_kvtc.errors import TransferError  # noqa: E402
+from dynamo_kvtc.reliability.testbed import BS, World  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
+from dynamo_kvtc.transport.staging import StagingArena  # noqa: E402
+
+
+def _read(third: PeerAgent, target: tuple[int, int], peer: str) -> str:
+    """What a READ of ``target`` (address, length) of ``peer``'s DRAM gives an agent holding only what it loaded:
+    ``refused``, ``zeros`` or ``data``."""
+    mine = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+    a = third.agent
+    with third.lock:
+        reg = a.register_memory(mine)
+        try:
+            local = a.get_xfer_descs([(mine.data_ptr(), target[1], 0)], "DRAM")
+            remote = a.get_xfer_descs([(target[0], target[1], 0)], "DRAM")
+            transfer(a, third.errors, "READ", local, remote, peer, 10.0, buf=mine, quarantine=Quarantine())
+        except TransferError:
+            return "refused"
+        finally:
+            a.deregister_memory(reg)
+    return "zeros" if int(mine.count_nonzero()) == 0 else "data"
+
+
+def test_a_lease_takes_an_extent_registered_ahead_and_its_path_registers_nothing():
+    """After the first lease (which sizes the ready extents and registers on its path: nothing was ready), every
+    lease takes an extent the rotator registered ahead, with its grant made: ``take`` and ``grant`` call no NIXL
+    registration. The grant is what NIXL makes for that extent, and it reaches that lease's blobs."""
+    pre, holder = PeerAgent("UCX", "kvtc-test-prefill"), PeerAgent("UCX", "kvtc-test-holder")
+    arena = StagingArena(pre, 1 << 20, torch.device("cpu"))
+    try:
+        blob = bytes(range(1, 201)) * 20  # 4000 bytes: ready extents of 4 KiB
+        arena.stage("first", [blob])
+        assert (arena.path_registrations, arena.ready_hits) == (1, 0)  # nothing was ready yet: counted fallback
+        arena.give("first")
+        assert arena.flush() and arena.ready == arena.ready_slots == 2
+        for i in range(6):
+            (desc,) = arena.stage(f"lease-{i}", [blob])
+            grant = arena.grant(f"lease-{i}")
+            assert arena.path_registrations == 1  # nothing registered on the hand-off's path (the rotator may be)
+            with holder.lock:
+                holder.add_remote(pre.name, grant, grant=True)
+            assert _read(holder, (desc[0], len(blob)), pre.name) == "data"
+            arena.give(f"lease-{i}")
+            assert arena.flush()  # the rotator: zeroed, deregistered, and the next extent registered ahead
+        assert (arena.path_registrations, arena.ready_hits) == (1, 6)
+        assert arena.ready_registrations == 6 + arena.ready  # one registration per lease, plus the ones ready now
+        assert arena.deregistrations == 7 and not arena._regs
+        assert int(arena.buf.count_nonzero()) == 0
+        big = b"\x07" * 10000  # larger than a ready extent: registered on its path (counted), and the size learnt
+        arena.stage("big", [big])
+        assert arena.path_registrations == 2
+        arena.give("big")
+        assert arena.flush() and arena.ready == 2
+        arena.stage("big-again", [big])
+        assert arena.path_registrations == 2 and arena.ready_hits == 7
+        arena.give("big-again")
+    finally:
+        arena.close()
+    assert arena.deregistrations == arena.registrations  # close undid every registration, ready ones too
+
+
+def test_a_released_extent_is_never_granted_again_under_its_old_registration():
+    """Leases rotate through a small arena until its extents are reused: each lease's registration (its serial) is
+    new, an offset granted again comes under a new registration, the old one was deregistered before, and between
+    its release and its next grant a holder of the old grant reads zeros there."""
+    pre, holder = PeerAgent("UCX", "kvtc-test-prefill"), PeerAgent("UCX", "kvtc-test-holder")
+    arena = StagingArena(pre, 64 << 10, torch.device("cpu"))
+    try:
+        (first,) = arena.stage("a", [b"\x11" * 4000])
+        with holder.lock:
+            holder.add_remote(pre.name, arena.grant("a"), grant=True)
+        a_at = (first[0], 4000)
+        assert _read(holder, a_at, pre.name) == "data"
+        arena.give("a")
+        assert arena.flush()
+        seen: dict[int, list[int]] = {}  # offset -> the serials it was granted under
+        serials: list[int] = []
+        for i in range(40):
+            key = f"lease-{i}"
+            (desc,) = arena.stage(key, [bytes([1 + i % 255]) * 4000])
+            off, serial = desc[0] - arena.base, arena.serial(key)
+            before = arena.deregistrations
+            seen.setdefault(off, []).append(serial)
+            serials.append(serial)
+            if desc[0] != a_at[0] and not any(o == a_at[0] - arena.base for o in seen):
+                assert _read(holder, a_at, pre.name) == "zeros"  # lease a's old grant: zeros, nothing of a lease
+            arena.give(key)
+            assert arena.flush() and arena.deregistrations == before + 1  # its registration undone at release
+        assert len(set(serials)) == 40  # one registration per grant
+        reused = {o: s for o, s in seen.items() if len(s) > 1}
+        assert len(reused) >= 10  # the arena wrapped: offsets came back ...
+        assert all(len(set(s)) == len(s) for s in reused.values())  # ... each time under a new registration
+        assert arena.path_registrations == 1 and arena.ready_hits == 40
+    finally:
+        arena.close()
+
+
+def test_the_hand_off_server_stages_without_registering_on_its_path(tmp_path, synth_cal):
+    """End to end: the real hand-off server and client; after a warm-up fetch of each prompt (a lease larger than
+    the ready extents registers on its path, counted, and resizes them), fetches register
+    nothing on the server's path (every lease took a ready extent), the blobs arrive intact and every lease's
+    registration is undone once released."""
+    from dynamo_kvtc.reliability.testbed import Expect, close_store, make_store, restore
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+
+    world = World(tmp_path, seed=0, cal=synth_cal)
+    expect = Expect(world, True)
+    dst = make_store(world, True, host=64 << 20)
+    try:
+        with in_process_peers(world, "cpu", seqs=2, timeout=20.0) as (srv, client, seqs):
+            keys = [sequence_hashes(t[: len(t) // BS * BS], BS) for t in seqs]
+            for i in range(6):
+                if i == 2:  # both prompts' sizes seen: the ready extents fit either from now on
+                    warm = srv.arena("DRAM").path_registrations
+                    assert 1 <= warm <= 2
+                hashes = keys[i % 2]
+                out = restore(world, dst, hashes, 60, source=lambda h=hashes: client.fetch("127.0.0.1", srv.port, h))
+                assert out.ok, out.error
+                assert expect.check(hashes, 0, out.k, out.v) == (0, 0)
+                client.flush()  # the release was sent and answered
+                arena = srv.arena("DRAM")
+                assert arena.flush()
+            assert arena.path_registrations == warm  # nothing registered on the path after the warm-up
+            assert arena.ready_hits == 6 - warm
+            assert srv.open_leases == 0 and not arena._regs
+            assert arena.deregistrations == arena.registrations - arena.ready
+    finally:
+        close_store(dst)
