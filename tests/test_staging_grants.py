@@ -9,28 +9,10 @@ import torch
 
 pytest.importorskip("nixl_cu13")
 
-from dynamo_kvtc.errors import TransferError  # noqa: E402
+from dynamo_kvtc.reliability.network_faults import read_outcome  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, World  # noqa: E402
-from dynamo_kvtc.transport.nixl_io import PeerAgent, Quarantine, transfer  # noqa: E402
+from dynamo_kvtc.transport.nixl_io import PeerAgent  # noqa: E402
 from dynamo_kvtc.transport.staging import StagingArena  # noqa: E402
-
-
-def _read(third: PeerAgent, target: tuple[int, int], peer: str) -> str:
-    """What a READ of ``target`` (address, length) of ``peer``'s DRAM gives an agent holding only what it loaded:
-    ``refused``, ``zeros`` or ``data``."""
-    mine = torch.full((target[1],), 0x5A, dtype=torch.uint8)
-    a = third.agent
-    with third.lock:
-        reg = a.register_memory(mine)
-        try:
-            local = a.get_xfer_descs([(mine.data_ptr(), target[1], 0)], "DRAM")
-            remote = a.get_xfer_descs([(target[0], target[1], 0)], "DRAM")
-            transfer(a, third.errors, "READ", local, remote, peer, 10.0, buf=mine, quarantine=Quarantine())
-        except TransferError:
-            return "refused"
-        finally:
-            a.deregister_memory(reg)
-    return "zeros" if int(mine.count_nonzero()) == 0 else "data"
 
 
 def test_a_lease_takes_an_extent_registered_ahead_and_its_path_registers_nothing():
@@ -51,7 +33,7 @@ def test_a_lease_takes_an_extent_registered_ahead_and_its_path_registers_nothing
             assert arena.path_registrations == 1  # nothing registered on the hand-off's path (the rotator may be)
             with holder.lock:
                 holder.add_remote(pre.name, grant, grant=True)
-            assert _read(holder, (desc[0], len(blob)), pre.name) == "data"
+            assert read_outcome(holder, (desc[0], len(blob)), pre.name) == "data"
             arena.give(f"lease-{i}")
             assert arena.flush()  # the rotator: zeroed, deregistered, and the next extent registered ahead
         assert (arena.path_registrations, arena.ready_hits) == (1, 6)
@@ -82,7 +64,7 @@ def test_a_released_extent_is_never_granted_again_under_its_old_registration():
         with holder.lock:
             holder.add_remote(pre.name, arena.grant("a"), grant=True)
         a_at = (first[0], 4000)
-        assert _read(holder, a_at, pre.name) == "data"
+        assert read_outcome(holder, a_at, pre.name) == "data"
         arena.give("a")
         assert arena.flush()
         seen: dict[int, list[int]] = {}  # offset -> the serials it was granted under
@@ -95,7 +77,7 @@ def test_a_released_extent_is_never_granted_again_under_its_old_registration():
             seen.setdefault(off, []).append(serial)
             serials.append(serial)
             if desc[0] != a_at[0] and not any(o == a_at[0] - arena.base for o in seen):
-                assert _read(holder, a_at, pre.name) == "zeros"  # lease a's old grant: zeros, nothing of a lease
+                assert read_outcome(holder, a_at, pre.name) == "zeros"  # lease a's old grant: zeros, nothing of a lease
             arena.give(key)
             assert arena.flush() and arena.deregistrations == before + 1  # its registration undone at release
         assert len(set(serials)) == 40  # one registration per grant

@@ -38,13 +38,11 @@ WAIT_S = 60.0
 
 
 # ====================================================================================================== NIXL metadata
-def _third_party(third, op: str, target: tuple[int, int], peer: str, fill: int = -1) -> torch.Tensor | None:
-    """``op`` between a buffer of this agent and ``target`` (address, length) of ``peer``'s DRAM; the buffer, or None
-    when NIXL or the transport refused."""
+def third_party(third, op: str, mine: torch.Tensor, target: tuple[int, int], peer: str) -> bool:
+    """``op`` (READ or WRITE) between ``mine`` (host memory) and ``target`` (address, length) of ``peer``'s DRAM, as an
+    agent that holds nothing but the metadata it loaded; False when NIXL or the transport refused."""
     from ..transport.nixl_io import Quarantine, transfer
 
-    mine = torch.randint(1, 256, (target[1],), dtype=torch.uint8) if fill < 0 else torch.full((target[1],), fill,
-                                                                                             dtype=torch.uint8)
     a = third.agent
     with third.lock:
         reg = a.register_memory(mine)
@@ -53,10 +51,25 @@ def _third_party(third, op: str, target: tuple[int, int], peer: str, fill: int =
             remote = a.get_xfer_descs([(target[0], target[1], 0)], "DRAM")
             transfer(a, third.errors, op, local, remote, peer, 10.0, buf=mine, quarantine=Quarantine())
         except TransferError:
-            return None
+            return False
         finally:
             a.deregister_memory(reg)
-    return mine
+    return True
+
+
+def read_outcome(third, target: tuple[int, int], peer: str) -> str:
+    """What a READ of ``target`` through the metadata ``third`` holds gives: ``refused`` (NIXL or the transport failed
+    it), ``zeros``, or ``data``."""
+    seen = torch.full((target[1],), 0x5A, dtype=torch.uint8)
+    if not third_party(third, "READ", seen, target, peer):
+        return "refused"
+    return "zeros" if int(seen.count_nonzero()) == 0 else "data"
+
+
+def _third_party(third, op: str, target: tuple[int, int], peer: str) -> torch.Tensor | None:
+    """:func:`third_party` with a buffer of random non-zero bytes: the buffer, or None when refused."""
+    mine = torch.randint(1, 256, (target[1],), dtype=torch.uint8)
+    return mine if third_party(third, op, mine, target, peer) else None
 
 
 def scenario_metadata_holder(world: World, ledger: Ledger, rounds: int) -> None:
