@@ -31,10 +31,10 @@ from dynamo_kvtc.transport.arriving import ArrivingView
 
 nixl = pytest.importorskip("nixl_cu13")
 
+from dynamo_kvtc.codec.container import group_ends  # noqa: E402
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
 from dynamo_kvtc.connector.handoff.client import HandoffClient  # noqa: E402
 from dynamo_kvtc.connector.handoff.messages import plan_reply, range_descs  # noqa: E402
-from dynamo_kvtc.connector.handoff.stream import GroupArrival, group_ends  # noqa: E402
 from dynamo_kvtc.reliability.nixl_faults import FaultyAgent  # noqa: E402
 from dynamo_kvtc.reliability.testbed import (  # noqa: E402
     BS,
@@ -55,6 +55,7 @@ from dynamo_kvtc.reliability.transfer_faults import (  # noqa: E402
 )
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
 from dynamo_kvtc.tiers.store import KvtcStore  # noqa: E402
+from dynamo_kvtc.transport.arriving import GroupArrival  # noqa: E402
 from dynamo_kvtc.transport.nixl_io import TokenBucket  # noqa: E402
 
 CUDA = torch.cuda.is_available()

@@ -49,12 +49,12 @@ from ..calibration.artifact import Calibration
 from ..connector.config import ConnectorConfig, handoff_settings
 from ..connector.handoff.client import HandoffClient
 from ..connector.handoff.link_choice import RAW, LinkPolicy
-from ..connector.handoff.stream import GroupArrival
 from ..errors import InputError, TransferError
 from ..tiers.config import TierConfig, process_settings
 from ..tiers.keys import sequence_hashes
 from ..tiers.layout import PagedKV
 from ..tiers.store import KvtcStore
+from ..transport.arriving import GroupArrival
 from ..transport.channel import ReqClient
 from ..transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs
 from .output import machine, write_json

@@ -7,7 +7,6 @@ This package is the protocol only:
 - :mod:`.client` — the decode worker fetches them and hands them to its store as blob runs to verify and restore.
 - :mod:`.messages` — the messages and every check made on them before a byte is read.
 - :mod:`.params` — the ``kvtc_*`` request params (from the API client), parsed and checked once.
-- :mod:`.stream` — where each layer group of a blob ends, and which of them have landed.
 
 The NIXL-registered memory it stages and receives in is transport's (the staging arena and receive buffer), and its
 process-wide knobs (``handoff_choice``, ``handoff_memory``, link and restore rates, the secret) are fields of the

@@ -27,7 +27,7 @@ import torch
 
 from ...errors import TransferError
 from ...tiers.blobs import BlobMeta, BlobRun
-from ...transport.arriving import ArrivingView
+from ...transport.arriving import ArrivingView, GroupArrival
 from ...transport.auth import channel_auth
 from ...transport.channel import ReqClient
 from ...transport.nixl_io import PeerAgent, Quarantine, TokenBucket, read_descs, read_ranges, split_descs
@@ -36,7 +36,6 @@ from ..config import ConnectorConfig
 from .link_choice import LinkChoice, LinkPolicy
 from .messages import LIMITS, PlannedRun, fetch_request, peer_ok, plan_reply, range_descs, reply_memory
 from .peer_gate import COOLDOWN_S, PeerGate
-from .stream import GroupArrival
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 64  # control-channel clients kept open (request params name the peer: any client can name a new one)

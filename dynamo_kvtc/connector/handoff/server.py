@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ...codec.blob import BlobView
+from ...codec.container import group_ends
 from ...errors import TierError
 from ...transport.auth import channel_auth
 from ...transport.channel import Deferred, RepServer
@@ -30,7 +31,6 @@ from ...transport.nixl_io import PeerAgent
 from ...transport.staging import StagingArena, memory_device
 from ..config import ConnectorConfig
 from .messages import LIMITS, check_fetch, fetch_mem
-from .stream import group_ends
 
 log = logging.getLogger(__name__)
 
