@@ -29,6 +29,12 @@ def top_of(completion: Any) -> list[dict[int, float]]:
     return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs or []]
 
 
+def leading_same(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two replies share."""
+    first = first_difference(a, b)
+    return len(a) if first is None else first
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first step where two replies part (the shorter one's length if one is the other's start), or None."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))

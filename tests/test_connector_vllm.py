@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import ENGINE_ENV
+from .replies import leading_same
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.model
@@ -92,9 +93,6 @@ def scenario(request, tmp_path_factory):
             p.wait()
 
 
-def _leading_same(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
 
 def test_roundtrip_restores_exact_blocks_and_identical_reply(scenario):
     """Raw blobs (window covers everything): what vLLM reads after the restore is bit-identical to what it computed,
@@ -122,7 +120,7 @@ def test_roundtrip_16x_within_codec_error_and_layerwise(scenario):
     assert r["rel_err_k"] < 0.15 and r["rel_err_v"] < 0.30
     assert r["zero_rel_err_k"] == pytest.approx(1.0)
     # lossy, so only the start of the greedy reply is required to agree; garbage KV diverges at the first token
-    assert _leading_same(r["tokens"], r["reference_tokens"]) >= 8
+    assert leading_same(r["tokens"], r["reference_tokens"]) >= 8
     (restore,) = r["restores"]
     ready = restore["layer_ready_s"]
     assert len(ready) == 30 and all(t is not None for t in ready)
@@ -208,7 +206,7 @@ def test_compressed_prefill_to_decode_transfer_two_processes(tmp_path):
     assert restore["asynchronous"] is True and restore["tokens"] >= 800
     # only compressed bytes crossed: what NIXL moved is what was decoded, far below the 16-bit KV
     assert r["bytes_moved"] == restore["stored_bytes"] and r["bytes_moved"] * 4 < restore["raw_bytes"]
-    assert _leading_same(r["tokens"], r["reference_tokens"]) >= 8
+    assert leading_same(r["tokens"], r["reference_tokens"]) >= 8
     assert r["kept_in_host_tier"] >= restore["blocks"]  # the decode side keeps them for the next turn
     # the peer gone: one fallback, and the reply is the recomputed one
     assert r["gone_fallbacks"] == 1 and r["gone_reply"] == r["gone_reference_reply"]

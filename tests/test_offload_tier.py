@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from .conftest import ENGINE_ENV, cpu_avx512
-from .replies import assert_same_up_to_a_near_tie
+from .replies import assert_same_up_to_a_near_tie, leading_same
 
 pytest.importorskip("vllm")
 
@@ -331,9 +331,6 @@ def scenario(tmp_path_factory):
             p.communicate()
 
 
-def _leading_same(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
 
 @pytest.mark.model
 def test_history_comes_back_through_the_kvtc_tier_lossless(scenario):
@@ -367,7 +364,7 @@ def test_history_comes_back_through_the_kvtc_tier_at_16x_from_disk(scenario):
     assert not any(k.startswith("onboard_error_") for k in tier)
     assert tier["onboard_disk_hits"] >= 1 and tier["disk_demotions"] >= 1
     assert tier["ratio"] > 8  # 128-token chunks, sinks in the first; the raw bytes / stored bytes
-    assert _leading_same(a2["tokens"], a2["reference_tokens"]) >= 3
+    assert leading_same(a2["tokens"], a2["reference_tokens"]) >= 3
 
 
 # ----------------------------------------------------------------------------------------------- vLLM's own manager
