@@ -20,7 +20,7 @@ import pytest
 
 from dynamo_kvtc.tiers.config import TierConfig
 
-from .test_connector_vllm import _leading_same
+from .replies import leading_same
 from .test_tenant_keys import assert_reply_is_its_recompute_up_to_a_near_tie
 
 pytest.importorskip("mooncake")
@@ -94,7 +94,7 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
         # the per-tier onboard counter has once credited such a restore to the host tier: the blobs were promoted first)
         assert u2["restored_tokens"] >= 800 and u2["pool_counts"].get("hit", 0) >= 1, (u2["restored_tokens"],
                                                                                         u2["pool_counts"])
-        assert _leading_same(u2["reply_ids"], u2["reference_ids"]) >= 8, (u2["reply"], u2["reference_reply"])
+        assert leading_same(u2["reply_ids"], u2["reference_ids"]) >= 8, (u2["reply"], u2["reference_reply"])
 
         # 4. planted objects: the outsider replaces the locators of a conversation A saved; B refuses them
         c3 = tw.conversation(2 * tw.DOCUMENT_WORDS)
