@@ -5,7 +5,9 @@ put and get throughput of the kvtc blobs sealed (what the pool tier stores), the
 K/V of the same blocks (one object per blob's span, uncompressed), as stored bytes per second; the latency of one
 conversation's restore by a second store (discovery, sealed get, open, decode into the sink; and its get + open
 alone) against fetching its raw K/V; bytes per token stored; and AES-GCM seal/open throughput. A master is started
-on free loopback ports unless ``--master`` names one.
+on free loopback ports unless ``--master`` names one. With ``--device cuda`` both stores encode and restore on the GPU
+(restores timed to the device's completion) and the raw baseline lands its K/V in GPU memory; the pool, the sealing
+and the network stay on the host, as in a cluster.
 
 The pool streams a blob part by part (one sealed part per layer group): for each restore, the time until the first
 blob's first part (layer group 0) landed and opened (what the fused GPU restore waits for before decoding layer 0)
@@ -59,6 +61,11 @@ def _sink(layer, start, kk, vv) -> None:
     pass
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _streamed(b: Any, hashes: list[int]) -> tuple[float, float]:
     """B's pool tier reads one conversation's blobs, all started at once as a restore starts them: ms until the first
     blob's first part (layer group 0) landed and opened, and until every part of every blob did."""
@@ -91,6 +98,7 @@ def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> 
         t0 = time.perf_counter()
         n = b.match(hashes)
         ok = b.start_onboard(hashes[:n], sink=_sink).wait()
+        _sync(k.device)
         dt = time.perf_counter() - t0
         if not ok or n != len(hashes):
             raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
@@ -153,6 +161,7 @@ def _raw_restores(client: Any, kv: torch.Tensor, raw_objs: list[bytes], repeat: 
             got = client.get(key)
             out[at : at + len(got)] = torch.frombuffer(bytearray(got), dtype=torch.uint8)
             at += len(got)
+        _sync(out.device)
         times.append((time.perf_counter() - t0) * 1e3)
         for key in keys:
             client.remove(key, True)
@@ -167,8 +176,8 @@ def _grouped(args: Any, store: Any, T: int, ratio: float) -> dict[str, Any]:
 
     sh = SHAPES[args.shape]
     groups = min(args.layer_groups, sh.layers)
-    cal = grouped_calibration(sh, groups, ratio=ratio, rank=None, device="cpu", name=args.shape)
-    k, v = grouped_kv(cal, T)
+    cal = grouped_calibration(sh, groups, ratio=ratio, rank=None, device=args.device, name=args.shape)
+    k, v = grouped_kv(cal, T, device=args.device)
     a, b = store(cal), store(cal)
     try:
         restore, _, streamed = _restores(a, b, k, v, args.repeat)
@@ -203,7 +212,7 @@ def run_bench_pool(args) -> int:
         cfg = TierConfig(host_bytes=1 << 30, ratio=ratio, window=args.window, pool_master=addr,
                          pool_metadata_server=meta_url, pool_segment_gb=args.segment_gb, pool_secret=secret,
                          pool_timeout_s=30.0, pool_queue_mb=4096)  # fmt: skip
-        s = KvtcStore(c, cfg, block_size=args.block_size, span_tokens=args.span_tokens)
+        s = KvtcStore(c, cfg, device=args.device, block_size=args.block_size, span_tokens=args.span_tokens)
         if not s.placement.tier("pool").wait_idle(180):
             raise RuntimeError("the pool tier did not connect")
         return s
@@ -213,7 +222,7 @@ def run_bench_pool(args) -> int:
         client = a.placement.tier("pool")._client
         restore, blobs, streamed = _restores(a, b, k, v, args.repeat)
         kv = torch.cat([k.contiguous().view(torch.uint8).reshape(-1), v.contiguous().view(torch.uint8).reshape(-1)])
-        raw_objs = [p.numpy().tobytes() for p in torch.tensor_split(kv, len(blobs))]
+        raw_objs = [p.cpu().numpy().tobytes() for p in torch.tensor_split(kv, len(blobs))]
         sealer = Sealer(secret)
         aads = [associated("blob", cal.id, "-", h) for _, h in blobs]
         sealed, seal_s, open_s = _seal_cost(sealer, blobs, aads, args.repeat)
@@ -245,7 +254,7 @@ def run_bench_pool(args) -> int:
         if master is not None:
             master.stop()
     data = {"bench": "pool", "machine": machine(), "command": " ".join(["dynamo-kvtc", *sys.argv[1:]]),
-            "source": source, "transport": "tcp loopback", "results": results}  # fmt: skip
+            "source": source, "device": str(args.device), "transport": "tcp loopback", "results": results}  # fmt: skip
     for key, val in results.items():
         print(f"{key:>24}: {val}")
     write_json(args.json_path, data)

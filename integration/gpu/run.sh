@@ -5,7 +5,8 @@
 #
 #   bash integration/gpu/run.sh [--dry-run] [--smoke] CHECK [CHECK ...]
 #
-# CHECK: tests | codec | gpu | tiers | serve | handoff | profile | calibrate | compare [OLD_TREE]   (OLD_TREE: .old)
+# CHECK: tests | codec | gpu | tiers | serve | handoff | grants | pool | profile | calibrate | compare [OLD_TREE]
+#        (OLD_TREE and grants' old tree: .old)
 #
 # It installs the wheels of $WHEEL_DIR (.whl) once, writes $OUT/env.txt once, then runs the checks in the order given
 # against ONE deadline (TOTAL_S seconds from its start): each check gets at most its own cap (<CHECK>_S) and never more
@@ -34,7 +35,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY=1 ;;
     --smoke) SMOKE=1 ;;
     -h | --help) usage; exit 0 ;;
-    tests | codec | gpu | tiers | serve | handoff | profile | calibrate) CHECKS+=("$1") ;;
+    tests | codec | gpu | tiers | serve | handoff | grants | pool | profile | calibrate) CHECKS+=("$1") ;;
     compare)
       CHECKS+=(compare)
       if [ $# -gt 1 ] && [ -d "$2" ]; then OLD_TREE=$2; shift; fi ;;
@@ -123,6 +124,17 @@ HANDOFF_REPEAT=${HANDOFF_REPEAT:-2}
 HANDOFF_TESTS=${HANDOFF_TESTS:-1}
 PROBE=${PROBE:-1}
 PROBE_TLS=${PROBE_TLS:-default,cuda_ipc+cuda_copy+tcp,default@UCX_RMA_PPLN_ENABLE=y,cuda_ipc+cuda_copy+tcp@UCX_RMA_PPLN_ENABLE=y}
+# grants (integration/handoff/grant_pairs.py: the hand-off on OLD_TREE and on this tree, alternating pairs)
+GRANTS_PAIRS=${GRANTS_PAIRS:-3}
+GRANTS_ARGS=${GRANTS_ARGS:---shapes $HANDOFF_SHAPES --tokens 8192 --prefill-device $PREFILL_DEVICE --decode-device \
+$DECODE_DEVICE --rank $HANDOFF_RANK --layer-groups $HANDOFF_LAYER_GROUPS --repeat 5 --timeout 120}
+GRANTS_UCX=${GRANTS_UCX:-UCX_TLS=cuda_ipc,cuda_copy,tcp UCX_RMA_PPLN_ENABLE=y}  # the H200 probe's fastest (performance.md)
+# pool (bench pool: a real mooncake_master on loopback; the wheels of prepare.sh --pool)
+POOL_SHAPE=${POOL_SHAPE:-llama-3.1-8b}
+POOL_TOKENS=${POOL_TOKENS:-8192}
+POOL_REPEAT=${POOL_REPEAT:-5}
+POOL_LAYER_GROUPS=${POOL_LAYER_GROUPS:-4}
+POOL_SEGMENT_GB=${POOL_SEGMENT_GB:-4}
 # profile (restore_profile.py)
 PROFILE_MODEL=${PROFILE_MODEL:-$MODEL}
 PROFILE_TOKENS=${PROFILE_TOKENS:-9104}
@@ -143,10 +155,10 @@ COMPARE_EXTRA=${COMPARE_EXTRA:-}
 
 # each check's minimum (skipped below it) and cap (seconds; override with <CHECK>_S)
 declare -A MIN=([tests]=45 [codec]=40 [gpu]=120 [tiers]=45 [serve]=60 [handoff]=90 [profile]=45 [compare]=130
-  [calibrate]=120)
+  [calibrate]=120 [grants]=120 [pool]=60)
 declare -A CAP=([tests]=${TESTS_S:-240} [codec]=${CODEC_S:-150} [gpu]=${GPU_S:-330} [tiers]=${TIERS_S:-150}
   [serve]=${SERVE_S:-470} [handoff]=${HANDOFF_S:-390} [profile]=${PROFILE_S:-240} [compare]=${COMPARE_S:-$TOTAL_S}
-  [calibrate]=${CALIBRATE_S:-$TOTAL_S})
+  [calibrate]=${CALIBRATE_S:-$TOTAL_S} [grants]=${GRANTS_S:-$TOTAL_S} [pool]=${POOL_S:-300})
 if [ "$SMOKE" != 0 ]; then MIN[gpu]=30; MIN[compare]=60; fi
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -199,6 +211,10 @@ if [ "$WHEELS" != 0 ] && ls "$WHEEL_DIR"/*.whl >/dev/null 2>&1; then
   if [ "$DRY" = 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$WHEEL_DIR"/*.whl || die "wheel install failed"
+    # prepare.sh --pool drops mooncake's second copy of its etcd wrapper (10 MB): the store's name links to the other
+    for lib in /tmp/site/mooncake_transfer_engine_non_cuda.libs/libetcd_wrapper-*.so; do
+      [ -e "$lib" ] && [ ! -e /tmp/site/mooncake/libetcd_wrapper.so ] && ln -s "$lib" /tmp/site/mooncake/libetcd_wrapper.so
+    done
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 else
@@ -409,6 +425,32 @@ print(max(ok, key=lambda r: r['gbps_GBs'])['tls'] if ok else 'default')" "$d/pro
   sed -n '/^| shape | prompt/,$p' "$d/bench-transfer-handoff.log" | grep "^|" | tee "$d/table.md"
   echo "UCX protocol lines naming cuda_ipc: $(grep -c cuda_ipc "$d/bench-transfer-handoff.log")" | tee -a "$OUT/env.txt"
   KEEP+=("handoff/bench-transfer-handoff.json" "handoff/table.md")
+  return "$st"
+}
+
+# the hand-off latency of OLD_TREE against this tree, alternating pairs (grant_pairs.py; sealed, CURVE channel)
+check_grants() {
+  local d=$1 s=$2 st=0
+  [ -d "$OLD_TREE/dynamo_kvtc" ] || [ "$DRY" = 1 ] || { echo "!! $OLD_TREE/dynamo_kvtc is missing (prepare.sh --old REV)"; return 1; }
+  echo "   old $OLD_TREE: commit $(commit_of "$OLD_TREE"); $GRANTS_UCX" | tee -a "$OUT/env.txt"
+  # shellcheck disable=SC2086  # GRANTS_UCX is a list of NAME=VALUE
+  env $GRANTS_UCX true  # (a malformed list fails here, before the runs)
+  # shellcheck disable=SC2086
+  x "$d/grant-pairs.log" "$s" env $GRANTS_UCX "$PY" integration/handoff/grant_pairs.py "$d/grant-pairs.json" \
+    --old "$OLD_TREE" --new "$ROOT" --pairs "$GRANTS_PAIRS" --bench-args "$GRANTS_ARGS" --run-timeout $((s / 2)) || st=$?
+  [ "$DRY" = 0 ] && grep -E "^\||median|ratio" "$d/grant-pairs.log" | tail -20
+  KEEP+=("grants/grant-pairs.json")
+  return "$st"
+}
+
+# bench pool on the GPU: two stores restore through a real mooncake_master on loopback (TCP), sealed kvtc vs raw
+check_pool() {
+  local d=$1 s=$2 st=0
+  x "$d/bench-pool.log" "$s" "$PY" -m dynamo_kvtc.cli.main bench pool --device "$DEV" --synthetic "$POOL_SHAPE" \
+    --tokens "$POOL_TOKENS" --repeat "$POOL_REPEAT" --layer-groups "$POOL_LAYER_GROUPS" --shape "$POOL_SHAPE" \
+    --segment-gb "$POOL_SEGMENT_GB" --json "$d/bench-pool.json" || st=$?
+  [ "$DRY" = 0 ] && quiet "$d/bench-pool.log" | grep -vE "^[IWE][0-9]{4} " | tail -16
+  KEEP+=("pool/bench-pool.json")
   return "$st"
 }
 

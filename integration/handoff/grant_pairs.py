@@ -49,7 +49,8 @@ def run_once(tree: Path, bench_args: str, timeout_s: float) -> dict:
     """One bench run on ``tree``: the medians it reported, in ms, and the load around it."""
     with tempfile.TemporaryDirectory(prefix="kvtc-grant-pairs-") as tmp:
         out = Path(tmp) / "bench.json"
-        env = {**os.environ, "PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "DYN_KVTC_TRANSFER_SECRET": SECRET}
+        path = os.pathsep.join(x for x in (str(tree), os.environ.get("PYTHONPATH", "")) if x)  # the tree first
+        env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "DYN_KVTC_TRANSFER_SECRET": SECRET}
         cmd = [sys.executable, "-c", "import sys; from dynamo_kvtc.cli.main import main; sys.exit(main())",
                "bench", "transfer", *shlex.split(bench_args), "--json", str(out)]  # fmt: skip
         load0, t = _load(), time.monotonic()
