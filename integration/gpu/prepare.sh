@@ -128,7 +128,7 @@ size() { xargs -0 -r du -cb 2>/dev/null | awk 'END {print $1 + 0}'; }
 t=$(git ls-files -z --cached | size)
 u=$(git ls-files -z --others --exclude-standard | size)
 w=$(du -cb .whl | tail -1 | cut -f1)
-[ "$POOL" = 1 ] && { w=$(du -cb .whl-pool | tail -1 | cut -f1); CARRY='".whl-pool"'; }
+[ "$POOL" = 1 ] && { w=$(du -cb .whl-pool | tail -1 | cut -f1); CARRY=${CARRY/.whl/.whl-pool}; }
 o=0
 [ -d .old ] && [ -n "$OLD" ] && o=$(du -cb .old | tail -1 | cut -f1)
 total=$((t + u + w + o))
