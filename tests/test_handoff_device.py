@@ -138,9 +138,9 @@ def test_staging_arena_extents_are_contiguous_next_fit_and_merge():
         arena.give("b")
         assert arena.take("e", 900) == 3072  # next fit: the free run after the last extent before the freed hole
         assert arena.take("x", 900) == 1024  # ... then, wrapped, the hole
-        assert arena.registrations == 5 and len(arena._regs) == 4  # one registration per open extent
+        assert arena.registrations == 5 and len(arena._leases) == 4  # one registration per open extent
         arena.give("a"), arena.give("e"), arena.give("c"), arena.give("x")
-        assert not arena._regs
+        assert not arena._leases and arena.deregistrations == 5
         assert arena.used == 0 and arena.take("f", 4096) == 0  # the holes merged back into one extent
         arena.give("f")
         blobs = [bytes(range(200)), b"\x07" * 300]

@@ -38,7 +38,7 @@ def test_a_lease_takes_an_extent_registered_ahead_and_its_path_registers_nothing
             assert arena.flush()  # the rotator: zeroed, deregistered, and the next extent registered ahead
         assert (arena.path_registrations, arena.ready_hits) == (1, 6)
         assert arena.ready_registrations == 6 + arena.ready  # one registration per lease, plus the ones ready now
-        assert arena.deregistrations == 7 and not arena._regs
+        assert arena.deregistrations == 7 and not arena._leases
         assert int(arena.buf.count_nonzero()) == 0
         big = b"\x07" * 10000  # larger than a ready extent: registered on its path (counted), and the size learnt
         arena.stage("big", [big])
@@ -117,7 +117,7 @@ def test_the_hand_off_server_stages_without_registering_on_its_path(tmp_path, sy
                 assert arena.flush()
             assert arena.path_registrations == warm  # nothing registered on the path after the warm-up
             assert arena.ready_hits == 6 - warm
-            assert srv.open_leases == 0 and not arena._regs
+            assert srv.open_leases == 0 and not arena._leases
             assert arena.deregistrations == arena.registrations - arena.ready
     finally:
         close_store(dst)
