@@ -15,7 +15,7 @@ pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
-from dynamo_kvtc.errors import TierFullError, TransferError  # noqa: E402
+from dynamo_kvtc.errors import TierError, TierFullError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Expect, World, close_store, make_store, restore  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import LIES, in_process_peers, lying_server  # noqa: E402
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
@@ -133,6 +133,9 @@ def test_staging_arena_extents_are_contiguous_next_fit_and_merge():
     try:
         a, b, c = arena.take("a", 1000), arena.take("b", 1000), arena.take("c", 1000)
         assert (a, b, c) == (0, 1024, 2048) and arena.used == 3072
+        with pytest.raises(TierError, match="already holds"):  # one extent per key: a second would orphan the first
+            arena.take("a", 100)
+        assert arena.registrations == 3 and arena.used == 3072
         with pytest.raises(TierFullError):
             arena.take("d", 2000)
         arena.give("b")

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..codec.blob import BlobView
-from ..errors import TierFullError, TransferError
+from ..errors import TierError, TierFullError, TransferError
 from .nixl_io import PeerAgent
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,12 @@ class StagingArena:
     def take(self, key: str, nbytes: int) -> int:
         """Reserve a contiguous extent of at least ``nbytes`` for ``key``, registered with NIXL for it alone; its
         offset. A ready extent when one fits (nothing registered here), else one registered now. TierFullError when
-        none is free, TransferError when NIXL refuses the registration."""
+        none is free, TransferError when NIXL refuses the registration, TierError when ``key`` already holds one (its
+        record would be overwritten and its extent never retired)."""
         need = _up(max(nbytes, 1))
         with self._mu:
+            if key in self._leases:
+                raise TierError(f"staging lease {key!r} already holds an extent")
             self._seen.append(need)
             fits = [r for r in self._ready if r.n >= need]
             if fits:
