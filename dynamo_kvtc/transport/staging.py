@@ -95,7 +95,7 @@ def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Extent:
     """One registered extent and all the arena knows of it: ready (registered ahead, its grant made), then one
     lease's (the same record, moved), then retiring (zeroed, deregistered, freed). A lease is one record in one dict,
