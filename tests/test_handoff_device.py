@@ -15,7 +15,7 @@ pytest.importorskip("nixl_cu13")
 
 from dynamo_kvtc.connector.config import ConnectorConfig  # noqa: E402
 from dynamo_kvtc.connector.handoff.server import HandoffServer  # noqa: E402
-from dynamo_kvtc.errors import TierFullError, TransferError  # noqa: E402
+from dynamo_kvtc.errors import TierError, TierFullError, TransferError  # noqa: E402
 from dynamo_kvtc.reliability.testbed import BS, Expect, World, close_store, make_store, restore  # noqa: E402
 from dynamo_kvtc.reliability.transfer_faults import LIES, in_process_peers, lying_server  # noqa: E402
 from dynamo_kvtc.tiers.keys import sequence_hashes  # noqa: E402
@@ -133,14 +133,17 @@ def test_staging_arena_extents_are_contiguous_next_fit_and_merge():
     try:
         a, b, c = arena.take("a", 1000), arena.take("b", 1000), arena.take("c", 1000)
         assert (a, b, c) == (0, 1024, 2048) and arena.used == 3072
+        with pytest.raises(TierError, match="already holds"):  # one extent per key: a second would orphan the first
+            arena.take("a", 100)
+        assert arena.registrations == 3 and arena.used == 3072
         with pytest.raises(TierFullError):
             arena.take("d", 2000)
         arena.give("b")
         assert arena.take("e", 900) == 3072  # next fit: the free run after the last extent before the freed hole
         assert arena.take("x", 900) == 1024  # ... then, wrapped, the hole
-        assert arena.registrations == 5 and len(arena._regs) == 4  # one registration per open extent
+        assert arena.registrations == 5 and len(arena._leases) == 4  # one registration per open extent
         arena.give("a"), arena.give("e"), arena.give("c"), arena.give("x")
-        assert not arena._regs
+        assert not arena._leases and arena.deregistrations == 5
         assert arena.used == 0 and arena.take("f", 4096) == 0  # the holes merged back into one extent
         arena.give("f")
         blobs = [bytes(range(200)), b"\x07" * 300]

@@ -242,7 +242,7 @@ def test_a_prefill_grant_reaches_its_own_lease_alone_and_nothing_once_it_ended(w
             arena = srv.arena("DRAM")
             assert arena.flush()
             # one registration per lease (made on its path or ahead of it), each undone; only unused ready ones left
-            assert arena.path_registrations + arena.ready_hits == 3 and not arena._regs
+            assert arena.path_registrations + arena.ready_hits == 3 and not arena._leases
             assert arena.deregistrations == arena.registrations - arena.ready
             assert int(arena.buf.count_nonzero()) == 0
         finally:

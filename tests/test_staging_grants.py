@@ -38,7 +38,7 @@ def test_a_lease_takes_an_extent_registered_ahead_and_its_path_registers_nothing
             assert arena.flush()  # the rotator: zeroed, deregistered, and the next extent registered ahead
         assert (arena.path_registrations, arena.ready_hits) == (1, 6)
         assert arena.ready_registrations == 6 + arena.ready  # one registration per lease, plus the ones ready now
-        assert arena.deregistrations == 7 and not arena._regs
+        assert arena.deregistrations == 7 and not arena._leases
         assert int(arena.buf.count_nonzero()) == 0
         big = b"\x07" * 10000  # larger than a ready extent: registered on its path (counted), and the size learnt
         arena.stage("big", [big])
@@ -117,7 +117,46 @@ def test_the_hand_off_server_stages_without_registering_on_its_path(tmp_path, sy
                 assert arena.flush()
             assert arena.path_registrations == warm  # nothing registered on the path after the warm-up
             assert arena.ready_hits == 6 - warm
-            assert srv.open_leases == 0 and not arena._regs
+            assert srv.open_leases == 0 and not arena._leases
             assert arena.deregistrations == arena.registrations - arena.ready
     finally:
         close_store(dst)
+
+
+def test_an_expired_lease_leaves_no_record_and_its_grant_reaches_nothing(tmp_path, synth_cal):
+    """A fetch whose decode side never releases: after four deadlines the server expires the lease, the arena keeps
+    no record of it (no registration, no grant, no bytes held), its extent is zeroed and deregistered, the grant the
+    reply carried reads nothing of its blobs any more (zeros on this loopback, where a remote key is not revoked: see
+    the exposure test), and a late release of it is refused."""
+    import time
+
+    from dynamo_kvtc.connector.handoff.messages import LIMITS, fetch_request
+    from dynamo_kvtc.reliability.transfer_faults import in_process_peers
+    from dynamo_kvtc.tiers.keys import sequence_hashes
+    from dynamo_kvtc.transport.channel import ReqClient
+
+    world = World(tmp_path, seed=0, cal=synth_cal)
+    holder = PeerAgent("UCX", "kvtc-test-holder")
+    with in_process_peers(world, "cpu", seqs=1, timeout=0.5) as (srv, _client, seqs):  # expiry: 4 x 0.5 s
+        hashes = sequence_hashes(seqs[0][: len(seqs[0]) // BS * BS], BS)
+        ch = ReqClient(f"tcp://127.0.0.1:{srv.port}", LIMITS, 20.0, name="test decode")
+        try:
+            reply = ch.ask(fetch_request(hashes, holder.name, holder.metadata()))
+            prefill, descs = reply["agent"], [d for b in reply["blobs"] for d in b["descs"]]
+            at = (descs[0][0], descs[-1][0] + descs[-1][1] - descs[0][0])
+            with holder.lock:
+                holder.add_remote(prefill, reply["agent_md"], grant=True)
+            assert read_outcome(holder, at, prefill) == "data"  # open: the grant reaches the lease's blobs
+            arena = srv.arena("DRAM")
+            assert srv.open_leases == 1 and list(arena._leases) == [reply["lease"]] and arena.used >= at[1]
+            end = time.monotonic() + 30
+            while srv.open_leases and time.monotonic() < end:  # no release sent: the serving thread's tick expires it
+                time.sleep(0.05)
+            assert srv.open_leases == 0 and arena.flush()
+            assert not arena._leases and arena.used == 0 and srv.staged_bytes == 0
+            assert arena.deregistrations == arena.registrations - arena.ready  # only unused ready extents registered
+            assert int(arena.buf.count_nonzero()) == 0
+            assert read_outcome(holder, at, prefill) in ("refused", "zeros")
+            assert ch.ask({"op": "release", "lease": reply["lease"], "agent": holder.name}) == {"ok": False}
+        finally:
+            ch.close()

@@ -25,13 +25,14 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..codec.blob import BlobView
-from ..errors import TierFullError, TransferError
+from ..errors import TierError, TierFullError, TransferError
 from .nixl_io import PeerAgent
 
 log = logging.getLogger(__name__)
@@ -94,13 +95,17 @@ def copy_in(dst: torch.Tensor, blobs: Sequence[Any]) -> list[tuple[int, int]]:
     return out
 
 
-class _Ready:
-    """An extent registered with NIXL ahead of use, its grant already made; handed to one lease at most."""
+@dataclass(frozen=True, slots=True)
+class _Extent:
+    """One registered extent and all the arena knows of it: ready (registered ahead, its grant made), then one
+    lease's (the same record, moved), then retiring (zeroed, deregistered, freed). A lease is one record in one dict,
+    so taking, releasing and expiring it each touch one place."""
 
-    __slots__ = ("off", "n", "reg", "grant", "serial")
-
-    def __init__(self, off: int, n: int, reg: Any, grant: bytes, serial: int) -> None:
-        self.off, self.n, self.reg, self.grant, self.serial = off, n, reg, grant, serial
+    off: int
+    n: int
+    reg: Any  # its NIXL registration, granted to one lease at most
+    serial: int  # which registration it is (serials are never reused)
+    grant: bytes | None = None  # its metadata, when made ahead with the registration (ready extents)
 
 
 class StagingArena:
@@ -136,13 +141,10 @@ class StagingArena:
         self.buf = torch.zeros(_up(nbytes), dtype=torch.uint8, device=device)  # no stale process memory exposed
         self.base = self.buf.data_ptr()
         self._free: list[tuple[int, int]] = [(0, self.buf.numel())]  # sorted (offset, length)
-        self._held: dict[str, tuple[int, int]] = {}
-        self._regs: dict[str, Any] = {}  # lease -> its extent's NIXL registration
-        self._grants: dict[str, bytes] = {}  # lease -> its grant, when made ahead with the registration
-        self._serials: dict[str, int] = {}  # lease -> the serial of its registration (one per registration)
+        self._leases: dict[str, _Extent] = {}  # open lease -> its extent
         self._next = 0  # next fit starts here: the end of the extent carved last
-        self._ready: list[_Ready] = []
-        self._retire: list[tuple[int, int, Any]] = []  # released extents the rotator zeroes, deregisters and frees
+        self._ready: list[_Extent] = []
+        self._retire: list[_Extent] = []  # released extents the rotator zeroes, deregisters and frees
         self._seen: deque[int] = deque(maxlen=8)  # the sizes of the last leases (they size the ready extents)
         self.ready_slots = max(0, ready_slots)
         self.registrations = 0  # extents registered so far: on the path plus ahead of use
@@ -170,7 +172,7 @@ class StagingArena:
     def used(self) -> int:
         """Bytes held by open leases (ready extents and extents still being retired are not counted)."""
         with self._mu:
-            return sum(n for _, n in self._held.values())
+            return sum(e.n for e in self._leases.values())
 
     @property
     def ready(self) -> int:
@@ -181,15 +183,18 @@ class StagingArena:
     def take(self, key: str, nbytes: int) -> int:
         """Reserve a contiguous extent of at least ``nbytes`` for ``key``, registered with NIXL for it alone; its
         offset. A ready extent when one fits (nothing registered here), else one registered now. TierFullError when
-        none is free, TransferError when NIXL refuses the registration."""
+        none is free, TransferError when NIXL refuses the registration, TierError when ``key`` already holds one (its
+        record would be overwritten and its extent never retired)."""
         need = _up(max(nbytes, 1))
         with self._mu:
+            if key in self._leases:
+                raise TierError(f"staging lease {key!r} already holds an extent")
             self._seen.append(need)
             fits = [r for r in self._ready if r.n >= need]
             if fits:
                 r = min(fits, key=lambda r: (r.n, r.serial))
                 self._ready.remove(r)
-                self._hold(key, r.off, r.n, r.reg, r.serial, r.grant)
+                self._leases[key] = r
                 self.ready_hits += 1  # the rotator registers the next one after a release, not during a hand-off
                 return r.off
             at = self._carve(need)
@@ -219,33 +224,29 @@ class StagingArena:
         with self._mu:
             self._serial += 1
             self.path_registrations += 1
-            self._hold(key, at, need, reg, self._serial, None)
+            self._leases[key] = _Extent(at, need, reg, self._serial)
         return at
 
     def grant(self, key: str) -> bytes:
         """NIXL metadata naming ``key``'s extent alone (with the agent's connection info): what a fetch reply
         carries; made ahead with a ready extent's registration. KeyError if ``key`` holds no extent."""
         with self._mu:
-            off, n = self._held[key]
-            made = self._grants.get(key)
-        return made if made is not None else self._make_grant(off, n)
+            e = self._leases[key]
+        return e.grant if e.grant is not None else self._make_grant(e.off, e.n)
 
     def serial(self, key: str) -> int:
         """Which registration ``key``'s extent is granted under (serials are never reused). KeyError if none."""
         with self._mu:
-            return self._serials[key]
+            return self._leases[key].serial
 
     def give(self, key: str) -> None:
         """End ``key``'s lease: its extent goes to the rotator, which zeroes and deregisters it, then frees it (off
         the caller's path; without a rotator, here). Nothing if ``key`` holds none."""
         with self._mu:
-            got = self._held.pop(key, None)
-            reg = self._regs.pop(key, None)
-            self._grants.pop(key, None)
-            self._serials.pop(key, None)
+            got = self._leases.pop(key, None)
             if got is None:
                 return
-            self._retire.append((*got, reg))
+            self._retire.append(got)
             self._due = True  # after the retirement, the ready extents are made up again
             self._mu.notify_all()
         if self._rotator is None:
@@ -281,20 +282,13 @@ class StagingArena:
         if self._rotator is not None:
             self._rotator.join(30)
         with self._mu:
-            for key in list(self._held):
-                self._retire.append((*self._held.pop(key), self._regs.pop(key, None)))
+            self._retire.extend(self._leases.values())
+            self._leases.clear()
             spare, self._ready = self._ready, []
         self._retire_all()
         self._drop(spare)
 
     # ------------------------------------------------------------------------------------------ bookkeeping
-    def _hold(self, key: str, off: int, n: int, reg: Any, serial: int, grant: bytes | None) -> None:
-        self._held[key] = (off, n)
-        self._regs[key] = reg
-        self._serials[key] = serial
-        if grant is not None:
-            self._grants[key] = grant
-
     def _carve(self, need: int) -> int | None:
         """Cut ``need`` bytes out of the free runs, next fit (free runs reaching past the extent carved last first,
         then from the start: a just-freed extent is the last to be carved again); its offset, None if none fits."""
@@ -357,21 +351,22 @@ class StagingArena:
             with self._mu:
                 if not self._retire:
                     return
-                off, n, reg = self._retire.pop(0)
+                e = self._retire.pop(0)
                 self._retiring += 1
             try:
-                self.buf[off : off + n].zero_()  # a released lease's blobs are unreadable, whatever key a holder kept
+                # a released lease's blobs are unreadable, whatever key a holder kept
+                self.buf[e.off : e.off + e.n].zero_()
                 if self.buf.is_cuda:
                     torch.cuda.current_stream(self.device).synchronize()
-                if reg is None or self._deregister(reg):
+                if self._deregister(e.reg):
                     with self._mu:
-                        self._free_extent(off, n)
+                        self._free_extent(e.off, e.n)
             finally:
                 with self._mu:
                     self._retiring -= 1
                     self._mu.notify_all()
 
-    def _drop(self, spare: list[_Ready]) -> None:
+    def _drop(self, spare: list[_Extent]) -> None:
         """Deregister ready extents never granted (zeros: nothing to wipe) and free them."""
         for r in spare:
             if self._deregister(r.reg):
@@ -439,7 +434,7 @@ class StagingArena:
             with self._mu:
                 self._serial += 1
                 self.ready_registrations += 1
-                self._ready.append(_Ready(at, size, reg, grant, self._serial))
+                self._ready.append(_Extent(at, size, reg, self._serial, grant))
 
 
 class RecvBuffer:
