@@ -26,9 +26,9 @@ disk -> pool). It differs from the per-node tiers in three ways:
   ``pool_timeout_s``; another reader opens each part straight into place meanwhile and marks that range landed: the
   fused GPU restore decodes layer group 0 while later groups still move (the CPU reference restore waits for the
   whole blob). A part that is missing, late or does not open fails the arrival (the restore raises TransferError: a
-  miss, the engine recomputes), is counted (``miss``, ``timeout``, ``refused``) and the blob is forgotten, in the pool tier and (through the view's
-  :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob still on the write-through queue is
-  read from there (a plain view).
+  miss, the engine recomputes), is counted (``miss``, ``timeout``, ``refused``) and the blob is forgotten, in the
+  pool tier and (through the view's :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob
+  still on the write-through queue is read from there (a plain view).
 
 Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
 keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob, its layer
