@@ -269,7 +269,7 @@ class PoolTier(BlobTier, MasterLink):
             self._readers.submit(PartJob(blob_id, self._key(blob_id), aad, parts, buf, arrival))
         except TierError:  # closed
             return None
-        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain)
+        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain, owned=True)  # host(): no copy
 
     def _fetch(self, batch: Batch) -> Fetched:
         """A reader: part k of every blob of the batch in ONE range read, within the deadline, into a registered
