@@ -22,7 +22,7 @@ disk -> pool). It differs from the per-node tiers in three ways:
 - **Streamed restores**: :meth:`read` returns at once an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over
   a host buffer of the blob's size; the readers (:mod:`.pool_parts`) fetch the object's sealed parts (one per layer
   group) in order with range reads into a registered buffer, the parts of every blob waiting at the same index in ONE
-  call (one call in flight at a time: Mooncake busy-polls each call on its caller's thread), each within
+  call (one call in flight at a time: Mooncake polls each call on its caller's thread), each within
   ``pool_timeout_s``; another reader opens each part straight into place meanwhile and marks that range landed: the
   fused GPU restore decodes layer group 0 while later groups still move (the CPU reference restore waits for the
   whole blob). A part that is missing, late or does not open fails the arrival (the restore raises TransferError: a
