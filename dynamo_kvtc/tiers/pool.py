@@ -275,13 +275,14 @@ class PoolTier(BlobTier, MasterLink):
         """A reader: part k of every blob of the batch in ONE range read, within the deadline, into a registered
         landing buffer (back to back); the failure of the call as a whole is returned, never raised."""
         spans = [job.parts.span(k) for job, k in batch]
+        size = sum(s[1] for s in spans)
         client, landing, settled = self._client, None, True  # settled: no read may still land in the landing
         try:
             if self._closed:
                 raise TierError("pool: closed during the read")
-            landing = self._landings.take(client, sum(s[1] for s in spans))
+            landing = self._landings.take(client, size)
             if landing is None:
-                landing, settled = Landing(client, sum(s[1] for s in spans)), False
+                landing, settled = Landing(client, size), False
                 rc = self._call(_register, landing)
                 settled = True
                 if rc != 0:
@@ -305,8 +306,8 @@ class PoolTier(BlobTier, MasterLink):
             landing.drop(unregister=landing.client is self._client)
 
     def _land(self, batch: Batch, fetched: Fetched) -> list[bool]:
-        """A reader: each part the fetch brought opened, copied into place and marked landed (a blob's last part: a
-        hit, the arrival's listeners told); which landed. A part that did not come or does not open fails its blob's
+        """A reader: each part the fetch brought opened into place and marked landed (a blob's last part: a hit, the
+        arrival's listeners told); which landed. A part that did not come or does not open fails its blob's
         arrival (after the blob was forgotten here and the arrival's listeners heard it); the others go on."""
         out, at = [], 0
         try:
