@@ -10,11 +10,13 @@
 - a worker with a WRONG secret opens nothing another wrote (locators and parts), and what it plants is refused;
 - sealing in parts binds each part's index and count and the blob's keys (swapped, dropped or moved parts fail);
 - the readers take every blob's part 0 before any blob's part 1 (a restore of many blobs gets its first layer
-  group first).
+  group first), every part waiting at the lowest index in one call, one call in flight at a time until it stalls;
+  one call reads ranges of several objects on a real master (a missing one is NOT_FOUND alone).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,7 +27,7 @@ from dynamo_kvtc.codec.container import group_ends
 from dynamo_kvtc.errors import TierError, TransferError
 from dynamo_kvtc.tiers import KvtcStore
 from dynamo_kvtc.tiers.blobs import BlobMeta
-from dynamo_kvtc.tiers.pool_parts import PartJob, PartQueue, Parts
+from dynamo_kvtc.tiers.pool_parts import NOT_FOUND, Fetched, Landing, PartJob, PartQueue, Parts
 from dynamo_kvtc.tiers.seal import Sealer, SealError, associated
 from dynamo_kvtc.transport.arriving import ArrivingView
 
@@ -89,7 +91,7 @@ async def test_a_blob_streams_group_by_group_in_order_and_restores_exactly(moonc
     for blob_id, data in blobs.items():  # each blob: one sealed part per layer group, landing in order
         ends = group_ends(data)
         assert ends is not None and len(ends) == GROUPS
-        assert list(pool._parts[blob_id].plain) == ends and _pool(a)._parts[blob_id] == pool._parts[blob_id]
+        assert list(pool.parts(blob_id).plain) == ends and _pool(a).parts(blob_id) == pool.parts(blob_id)
         view = pool.read(blob_id)
         assert isinstance(view, ArrivingView) and view.ends == tuple(ends) and len(view) == len(data)
         assert view.tobytes() == data  # bit-exact
@@ -115,7 +117,7 @@ async def test_a_tampered_part_is_a_miss_counted_refused_and_never_promoted(moon
     a = _store(cal4, mooncake_master)
     toks, k, blobs = _written(a, synth, n=256, seed=52)
     blob_id, pa = _first_blob(a, toks), _pool(a)
-    client, key, parts = pa._client, pa._key(_first_blob(a, toks)), pa._parts[blob_id]
+    client, key, parts = pa._client, pa._key(_first_blob(a, toks)), pa.parts(blob_id)
     obj = bytearray(client.get(key))
     assert len(obj) == parts.sealed[-1] and len(parts.sealed) == GROUPS
     obj[parts.sealed[1] + 40] ^= 0x10  # a byte of part 2 (layer group 2)
@@ -150,7 +152,7 @@ async def test_swapped_or_truncated_parts_are_refused(mooncake_master, synth, ca
     a = _store(cal4, mooncake_master)
     toks, k, blobs = _written(a, synth, n=256, seed=53)
     blob_id, pa = _first_blob(a, toks), _pool(a)
-    client, key, s = pa._client, pa._key(blob_id), pa._parts[blob_id].sealed
+    client, key, s = pa._client, pa._key(blob_id), pa.parts(blob_id).sealed
     obj = client.get(key)
     if how == "swapped":  # parts 0 and 1 traded places (each still a valid sealed message)
         bad = obj[s[0] : s[1]] + obj[: s[0]] + obj[s[1] :]
@@ -177,7 +179,7 @@ async def test_a_wrong_secret_opens_nothing_and_plants_nothing(mooncake_master, 
     w = _store(cal4, mooncake_master, pool_secret=b"not the cluster's secret, but one")
     assert w.match(w.hashes(toks)) == 0 and _pool(w).counts["refused"] >= 1  # A's locators do not open
     blob_id = _first_blob(a, toks)  # nor do A's parts, were the locator known: the worker is handed it
-    pw, parts = _pool(w), _pool(a)._parts[blob_id]
+    pw, parts = _pool(w), _pool(a).parts(blob_id)
     with pw._lock:
         pw._entries[blob_id] = a.index.meta(blob_id).to_dict()
         pw._parts[blob_id] = parts
@@ -207,6 +209,29 @@ def test_a_blob_on_the_write_through_queue_is_read_plain(mooncake_master, cal4):
     store.close()
 
 
+def test_one_call_reads_ranges_of_several_objects(mooncake_master, cal4):  # noqa: F811
+    """Landing.read on a real master: ranges of several objects (one asked for twice, one missing) land back to back
+    in ONE call; the missing one reads NOT_FOUND, every other its bytes."""
+    store = _store(cal4, mooncake_master)
+    client = _pool(store)._client
+    objs = {f"test/landing/{i}": os.urandom(n) for i, n in enumerate((3000, 70000, 1 << 20))}
+    for key, obj in objs.items():
+        assert client.put(key, obj) == 0
+    ranges = [("test/landing/0", 0, 3000), ("test/landing/2", 4096, 500000), ("test/landing/gone", 0, 100),
+              ("test/landing/1", 10, 69990), ("test/landing/2", 0, 10)]  # fmt: skip
+    landing = Landing(client, sum(n for _, _, n in ranges))
+    assert landing.register(client) == 0
+    got = landing.read(client, ranges)
+    assert got == [3000, 500000, NOT_FOUND, 69990, 10]
+    at = 0
+    for (key, offset, n), g in zip(ranges, got):
+        if g > 0:
+            assert bytes(landing.view(at, n)) == objs[key][offset : offset + n]
+        at += n
+    landing.drop()
+    store.close()
+
+
 def test_parts_are_bound_to_their_index_count_and_blob():
     sealer = Sealer(SECRET)
     data = bytes(range(256)) * 40
@@ -231,26 +256,72 @@ def test_parts_are_bound_to_their_index_count_and_blob():
 
 
 def test_readers_take_every_first_part_before_any_second():
-    """One reader, three blobs of three parts asked for while it is busy: parts are read part index first."""
+    """One reader, three blobs of three parts asked for while its first call is held: every part waiting at the lowest
+    index goes in ONE call (several objects in flight together), part index first."""
     import threading
 
-    order, go, done = [], threading.Event(), threading.Event()
+    calls, go, done = [], threading.Event(), threading.Event()
 
-    def read(job, k):
+    def fetch(batch):
         go.wait(10)
-        order.append((job.blob_id, k))
-        if len(order) == 9:
-            done.set()
-        return True
+        calls.append([(job.blob_id, k) for job, k in batch])
+        return Fetched(None, [])
 
-    readers = PartQueue(read, 1, "test-part")
+    def land(batch, fetched):
+        if sum(map(len, calls)) == 9:
+            done.set()
+        return [True] * len(batch)
+
+    readers = PartQueue(fetch, land, 1, "test-part")
     parts = Parts.whole([10, 20, 30], [2, 4, 6])
     for name in "abc":
         readers.submit(PartJob(name, name, b"", parts, None, None))
     go.set()
     assert done.wait(10)
     readers.close()
-    assert order[0] == ("a", 0) and sorted(order[1:3]) == [("b", 0), ("c", 0)]  # "a" 0 may have been taken at once
-    assert [k for _, k in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert calls[0][0] == ("a", 0) and sorted(p for c in calls[:-2] for p in c) == [("a", 0), ("b", 0), ("c", 0)]
+    assert calls[-2:] == [[("a", 1), ("b", 1), ("c", 1)], [("a", 2), ("b", 2), ("c", 2)]]  # "a" 0 may go alone
     with pytest.raises(TierError):
         readers.submit(PartJob("d", "d", b"", parts, None, None))
+
+
+def test_one_call_in_flight_until_it_stalls():
+    """Four readers make one call at a time (the others wait for the lane, or land what the last call brought), until
+    a call is still in flight after ``stall_s``: then the next starts beside it (one dead segment does not hold every
+    read back for the whole deadline)."""
+    import threading
+
+    lock, flying, most, fetched = threading.Lock(), [0], [0], []
+    release, stuck_in, both = threading.Event(), threading.Event(), threading.Event()
+
+    def fetch(batch):
+        with lock:
+            flying[0] += 1
+            most[0] = max(most[0], flying[0])
+            fetched.extend((job.blob_id, k) for job, k in batch)
+            if flying[0] == 2:
+                both.set()
+        if batch[0][0].blob_id == "stuck":
+            stuck_in.set()
+            release.wait(20)
+        with lock:
+            flying[0] -= 1
+        return Fetched(None, [])
+
+    parts = Parts.whole([10, 20, 30], [2, 4, 6])
+    readers = PartQueue(fetch, lambda batch, f: [True] * len(batch), 4, "test-lane", stall_s=30.0)
+    for i in range(40):
+        readers.submit(PartJob(f"b{i}", f"b{i}", b"", parts, None, None))
+    deadline = time.monotonic() + 20
+    while len(fetched) < 120 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(fetched) == 120 and most[0] == 1  # 40 blobs x 3 parts, never two calls side by side
+    readers.close()
+
+    readers = PartQueue(fetch, lambda batch, f: [True] * len(batch), 4, "test-stall", stall_s=0.2)
+    readers.submit(PartJob("stuck", "stuck", b"", parts, None, None))
+    assert stuck_in.wait(10)
+    readers.submit(PartJob("next", "next", b"", parts, None, None))
+    assert both.wait(10) and not release.is_set() and ("next", 0) in fetched  # beside the stalled call
+    release.set()
+    readers.close()

@@ -181,7 +181,8 @@ def _grouped(args: Any, store: Any, T: int, ratio: float) -> dict[str, Any]:
     a, b = store(cal), store(cal)
     try:
         restore, _, streamed = _restores(a, b, k, v, args.repeat)
-        parts: list[Parts] = list(b.placement.tier("pool")._parts.values())
+        pool = b.placement.tier("pool")
+        parts: list[Parts] = [p for p in map(pool.parts, b.index.blob_ids()) if p is not None]
     finally:
         a.close()
         b.close()

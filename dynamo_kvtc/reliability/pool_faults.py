@@ -271,7 +271,7 @@ def scenario_corrupt(world: World, ledger: Ledger, rounds: int, forged: bool) ->
                 (bid,) = [i for i in a.index.blob_ids() if a.index.meta(i).hashes[0] == hashes[0]] or [None]
                 key = pa._key(bid)
                 obj = pa._client.get(key)
-                parts = pa._parts[bid]
+                parts = pa.parts(bid)
                 if forged:  # well-formed parts of the right lengths, sealed for these very keys under another secret
                     aad, n = associated("blob", pa.cal, pa.salt, hashes), len(parts.plain)
                     plain = b"".join(pa.sealer.open_part(obj[s0 : s0 + sn], aad, k, n)

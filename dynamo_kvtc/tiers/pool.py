@@ -20,14 +20,15 @@ disk -> pool). It differs from the per-node tiers in three ways:
   the tier disconnected the moment the master goes, before a lookup calls into the client.
 
 - **Streamed restores**: :meth:`read` returns at once an :class:`~dynamo_kvtc.transport.arriving.ArrivingView` over
-  a host buffer of the blob's size; a reader thread fetches the object's sealed parts (one per layer group) in order
-  with range reads into a registered buffer (:mod:`.pool_parts`), each within ``pool_timeout_s``, opens each and
-  copies it into place, then marks that range landed: the fused GPU restore decodes layer group 0 while later groups
-  still move (the CPU reference restore waits for the whole blob). A part that is missing, late or does not open
-  fails the arrival (the restore raises TransferError: a miss, the engine recomputes), is counted (``miss``,
-  ``timeout``, ``refused``) and the blob is forgotten, in the pool tier and (through the view's
-  :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob still on the write-through queue is
-  read from there (a plain view).
+  a host buffer of the blob's size; the readers (:mod:`.pool_parts`) fetch the object's sealed parts (one per layer
+  group) in order with range reads into a registered buffer, the parts of every blob waiting at the same index in ONE
+  call (one call in flight at a time: Mooncake polls each call on its caller's thread), each within
+  ``pool_timeout_s``; another reader opens each part straight into place meanwhile and marks that range landed: the
+  fused GPU restore decodes layer group 0 while later groups still move (the CPU reference restore waits for the
+  whole blob). A part that is missing, late or does not open fails the arrival (the restore raises TransferError: a
+  miss, the engine recomputes), is counted (``miss``, ``timeout``, ``refused``) and the blob is forgotten, in the
+  pool tier and (through the view's :meth:`~dynamo_kvtc.codec.blob.BlobView.when_landed`) the whole store; a blob
+  still on the write-through queue is read from there (a plain view).
 
 Objects, in Mooncake (``<cal>``: the calibration id, ``<salt>``: the tenant salt's hex, ``-`` for the store's own
 keys, which already fold the tenant into every block key): ``kvtc/<cal>/<salt>/<blob id>`` the sealed blob, its layer
@@ -58,7 +59,7 @@ from .blobs import BlobMeta
 from .config import TierConfig
 from .disk_format import RECORD_LIMITS
 from .pool_link import MasterLink, Readers, close_client
-from .pool_parts import NOT_FOUND, STALE, Landing, Landings, PartJob, PartQueue, Parts, read_part, register
+from .pool_parts import NOT_FOUND, OUT_OF_RANGE, STALE, Batch, Fetched, Landing, Landings, PartJob, PartQueue, Parts
 from .seal import Sealer, SealError, associated
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class PoolTier(BlobTier, MasterLink):
         self._epoch = 0  # counts connections: a late failure of a call made before the last one drops nothing
         self._closed = False
         self._reads = Readers(READERS)
-        self._readers = PartQueue(self._read_part, READERS, "kvtc-pool-part")  # parts, first parts first
+        self._readers = PartQueue(self._fetch, self._land, READERS, "kvtc-pool-part")  # first parts first
         self._landings = Landings(READERS)  # registered buffers the range reads land in
         self._writer = threading.Thread(target=self._run, name="kvtc-pool", daemon=True)
         self._prober = threading.Thread(target=self._probe, name="kvtc-pool-probe", daemon=True)
@@ -268,56 +269,76 @@ class PoolTier(BlobTier, MasterLink):
             self._readers.submit(PartJob(blob_id, self._key(blob_id), aad, parts, buf, arrival))
         except TierError:  # closed
             return None
-        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain)
+        return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain, owned=True)  # host(): no copy
 
-    def _read_part(self, job: PartJob, k: int) -> bool:
-        """A reader: part k of a blob range-read within the deadline into a registered landing buffer, opened, copied
-        into place and marked landed; True when it landed. Any failure fails the arrival (after the blob was forgotten
-        here and the arrival's listeners heard it)."""
-        s_off, s_len, p_off, p_len = job.parts.spans()[k]
-        n, arrival = len(job.parts.plain), job.arrival
+    def _fetch(self, batch: Batch) -> Fetched:
+        """A reader: part k of every blob of the batch in ONE range read, within the deadline, into a registered
+        landing buffer (back to back); the failure of the call as a whole is returned, never raised."""
+        spans = [job.parts.span(k) for job, k in batch]
+        size = sum(s[1] for s in spans)
         client, landing, settled = self._client, None, True  # settled: no read may still land in the landing
         try:
             if self._closed:
                 raise TierError("pool: closed during the read")
-            if n == 1:  # one part: the whole object in one get (no range read, no landing buffer)
-                sealed = self._call(_get, job.key)
-                if not sealed:
-                    raise _Gone(f"pool: object {job.key} is gone")
-                got = len(sealed)
-            else:
-                landing = self._landings.take(client, s_len)
-                if landing is None:
-                    landing, settled = Landing(client, s_len), False
-                    rc = self._call(register, landing)
-                    settled = True
-                    if rc != 0:
-                        raise TierError(f"pool: the landing buffer was not registered ({rc})")
-                settled = False
-                got = self._call(read_part, landing, job.key, s_off, s_len)
+            landing = self._landings.take(client, size)
+            if landing is None:
+                landing, settled = Landing(client, size), False
+                rc = self._call(_register, landing)
                 settled = True
-                if got == STALE:
-                    raise TierError("pool: the client was replaced during the read")
-                if got == NOT_FOUND:
-                    raise _Gone(f"pool: object {job.key} is gone")
-                sealed = landing.view(s_len)
+                if rc != 0:
+                    raise TierError(f"pool: the landing buffer was not registered ({rc})")
+            settled = False
+            got = self._call(_read_ranges, landing, [(job.key, s[0], s[1]) for (job, _), s in zip(batch, spans)])
+            settled = True
+            if STALE in got:
+                raise TierError("pool: the client was replaced during the read")
+            return Fetched(landing, got)
+        except Exception as e:  # noqa: BLE001 - any failure is a miss of every part of the batch (_land fails them)
+            self._release(landing, settled)
+            return Fetched(None, [], e)
+
+    def _release(self, landing: Landing | None, settled: bool) -> None:
+        if landing is None:
+            return
+        if settled:
+            self._landings.give(landing, self._client)
+        else:  # a read that outlived its deadline may still land in it
+            landing.drop(unregister=landing.client is self._client)
+
+    def _land(self, batch: Batch, fetched: Fetched) -> list[bool]:
+        """A reader: each part the fetch brought opened into place and marked landed (a blob's last part: a hit, the
+        arrival's listeners told); which landed. A part that did not come or does not open fails its blob's
+        arrival (after the blob was forgotten here and the arrival's listeners heard it); the others go on."""
+        out, at = [], 0
+        try:
+            for i, (job, k) in enumerate(batch):
+                out.append(self._open(job, k, fetched, i, at))
+                at += job.parts.span(k)[1]
+        finally:
+            self._release(fetched.landing, True)
+        return out
+
+    def _open(self, job: PartJob, k: int, fetched: Fetched, i: int, at: int) -> bool:
+        """Part k of the job's blob, the batch's i-th, at ``at`` in the fetch's landing: True once it landed."""
+        _, s_len, p_off, p_len = job.parts.span(k)
+        n, arrival = len(job.parts.plain), job.arrival
+        try:
+            if fetched.error is not None:
+                raise fetched.error
+            got = fetched.got[i]
+            if got == NOT_FOUND:
+                raise _Gone(f"pool: object {job.key} is gone")
+            if got < 0 and got != OUT_OF_RANGE:
+                raise TierError(f"pool: reading {job.key} failed ({got})")
             if got != s_len:
                 raise SealError(f"part {k} of {n}: the object's length does not match its locator ({got})")
-            plain = self.sealer.open_part(sealed, job.aad, k, n)
-            if len(plain) != p_len:
-                raise SealError(f"part {k} of {n} opened to {len(plain)} bytes, its locator says {p_len}")
-            memoryview(job.buf.numpy())[p_off : p_off + p_len] = plain
+            into = memoryview(job.buf.numpy())[p_off : p_off + p_len]
+            self.sealer.open_part_into(fetched.landing.view(at, s_len), job.aad, k, n, into)  # opened in place
         except Exception as e:  # noqa: BLE001 - any failure is a miss: the restore waiting on it must fail, not hang
             self._failed(job.blob_id, e)
             arrival.fail(e if isinstance(e, TierError) else TransferError(f"pool read: {type(e).__name__}: {e}"))
             arrival.finish()
             return False
-        finally:
-            if landing is not None:
-                if settled:
-                    self._landings.give(landing, self._client)
-                else:  # a read that outlived its deadline may still land in it
-                    landing.drop(unregister=landing.client is self._client)
         arrival.landed(k)
         if k + 1 == n:
             self.counts["hit"] += 1
@@ -358,6 +379,11 @@ class PoolTier(BlobTier, MasterLink):
     def meta(self, blob_id: str) -> Any:
         with self._lock:
             return self._entries.get(blob_id)
+
+    def parts(self, blob_id: str) -> Parts | None:
+        """Where the blob's sealed parts end in its object and in the blob (written or discovered here), or None."""
+        with self._lock:
+            return self._parts.get(blob_id)
 
     # ------------------------------------------------------------------ discovery
     def discover(self, hashes: Sequence[int], block_size: int) -> list[BlobMeta]:
@@ -441,6 +467,14 @@ class PoolTier(BlobTier, MasterLink):
 
 def _get(client: Any, key: str) -> bytes:
     return client.get(key)
+
+
+def _register(client: Any, landing: Landing) -> int:
+    return landing.register(client)
+
+
+def _read_ranges(client: Any, landing: Landing, ranges: list[tuple[str, int, int]]) -> list[int]:
+    return landing.read(client, ranges)
 
 
 def _exist(client: Any, keys: list[str]) -> list[int]:

@@ -103,3 +103,20 @@ class Sealer:
     def open_part(self, obj: bytes | memoryview, aad: bytes, k: int, n: int) -> bytes:
         """The plaintext of part ``k`` of ``n`` (sealed by :meth:`seal_parts` under ``aad``), or SealError."""
         return self.open(obj, part_associated(aad, k, n))
+
+    def open_part_into(self, obj: bytes | memoryview, aad: bytes, k: int, n: int, out: memoryview) -> None:
+        """:meth:`open_part` straight into ``out`` (no copy of the sealed bytes nor of the plaintext); SealError, with
+        ``out`` undefined, when it does not open or its plaintext is not ``len(out)`` bytes."""
+        obj, aad = memoryview(obj), part_associated(aad, k, n)
+        if len(obj) - self.overhead() != len(out):
+            raise SealError(f"part {k} of {n}: {len(obj)} sealed bytes cannot open to {len(out)}")
+        into = getattr(self._aead, "decrypt_into", None)  # cryptography >= 45
+        if into is None or bytes(obj[: len(MAGIC)]) != MAGIC:
+            out[:] = self.open(obj, aad)
+            return
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            into(bytes(obj[len(MAGIC) : len(MAGIC) + NONCE]), obj[len(MAGIC) + NONCE :], aad, out)
+        except InvalidTag:
+            raise SealError("pool object failed authentication (forged, corrupted or sealed for other keys)") from None

@@ -42,16 +42,27 @@ class Arrival(Protocol):
 class ArrivingView(BlobView):
     """A blob in a receive buffer whose bytes land range by range (``ends``: where each range ends in the blob).
 
-    Owns nothing but the view and the ranges; it never reads a byte of a range that was not confirmed landed."""
+    Owns nothing but the view and the ranges; it never reads a byte of a range that was not confirmed landed.
+    ``owned``: the receive buffer is this view's alone, never reused for another fetch (the pool tier's): once every
+    byte landed, :meth:`host` returns it in place instead of a copy."""
 
     arriving = True
 
-    def __init__(self, tensor: torch.Tensor, offset: int, length: int, arrival: Arrival, ends: Sequence[int]) -> None:
+    def __init__(self, tensor: torch.Tensor, offset: int, length: int, arrival: Arrival, ends: Sequence[int], *,
+                 owned: bool = False) -> None:  # fmt: skip
         ends = tuple(int(e) for e in ends)
         if not ends or ends[0] < 1 or ends[-1] != length or any(b <= a for a, b in zip(ends, ends[1:])):
             raise InputError(f"arrival ranges must increase strictly up to the blob's {length} bytes, got {ends[:8]}")
         super().__init__(tensor, offset, length)
-        self.arrival, self.ends, self._consumed = arrival, ends, False
+        self.arrival, self.ends, self._consumed, self.owned = arrival, ends, False, owned
+
+    def host(self) -> memoryview:
+        """Every byte, once landed: in place for an ``owned`` host buffer, else a copy (a receive buffer is reused)."""
+        if self.owned and self._host is None and self._mv is not None:
+            self.wait_for(self.nbytes)
+            self._host = self._mv
+            self.consumed(None)
+        return super().host()
 
     def wait_for(self, end: int) -> None:
         """Block until bytes ``[0, end)`` of the blob have landed."""
@@ -69,7 +80,7 @@ class ArrivingView(BlobView):
 
     def again(self, arrival: Arrival) -> ArrivingView:
         """The same bytes landing again under another arrival (a benchmark replaying one fetch's schedule)."""
-        return ArrivingView(self.tensor, self.offset, self.nbytes, arrival, self.ends)
+        return ArrivingView(self.tensor, self.offset, self.nbytes, arrival, self.ends, owned=self.owned)
 
 
 class GroupArrival:
