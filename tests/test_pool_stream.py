@@ -117,7 +117,7 @@ async def test_a_tampered_part_is_a_miss_counted_refused_and_never_promoted(moon
     a = _store(cal4, mooncake_master)
     toks, k, blobs = _written(a, synth, n=256, seed=52)
     blob_id, pa = _first_blob(a, toks), _pool(a)
-    client, key, parts = pa._client, pa._key(_first_blob(a, toks)), pa.parts(blob_id)
+    client, key, parts = pa._client, pa.object_key(_first_blob(a, toks)), pa.parts(blob_id)
     obj = bytearray(client.get(key))
     assert len(obj) == parts.sealed[-1] and len(parts.sealed) == GROUPS
     obj[parts.sealed[1] + 40] ^= 0x10  # a byte of part 2 (layer group 2)
@@ -152,7 +152,7 @@ async def test_swapped_or_truncated_parts_are_refused(mooncake_master, synth, ca
     a = _store(cal4, mooncake_master)
     toks, k, blobs = _written(a, synth, n=256, seed=53)
     blob_id, pa = _first_blob(a, toks), _pool(a)
-    client, key, s = pa._client, pa._key(blob_id), pa.parts(blob_id).sealed
+    client, key, s = pa._client, pa.object_key(blob_id), pa.parts(blob_id).sealed
     obj = client.get(key)
     if how == "swapped":  # parts 0 and 1 traded places (each still a valid sealed message)
         bad = obj[s[0] : s[1]] + obj[: s[0]] + obj[s[1] :]

@@ -105,10 +105,10 @@ async def test_forged_and_corrupted_objects_are_misses(mooncake_master, synth, s
     assert _pool(a).wait_idle(60) and len(a.index.blob_ids()) == 2  # the coded span, then the raw window
     pool, (blob_id, _) = _pool(a), a.index.locate(a.hashes(toks)[0])  # the first: a restore's layer 0 needs it
     client = pool._client
-    obj = client.get(pool._key(blob_id))
+    obj = client.get(pool.object_key(blob_id))
     bad = bytearray(obj)
     bad[len(bad) // 2] ^= 1
-    assert client.remove(pool._key(blob_id), True) == 0 and client.put(pool._key(blob_id), bytes(bad)) == 0
+    assert client.remove(pool.object_key(blob_id), True) == 0 and client.put(pool.object_key(blob_id), bytes(bad)) == 0
 
     b = _store(synth_cal, mooncake_master)
     hashes = b.hashes(toks)

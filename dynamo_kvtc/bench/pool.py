@@ -71,7 +71,7 @@ def _streamed(b: Any, hashes: list[int]) -> tuple[float, float]:
     blob's first part (layer group 0) landed and opened, and until every part of every blob did."""
     pool = b.placement.tier("pool")
     t0 = time.perf_counter()
-    views = [pool.read(r.blob_id) for r in b.index.plan(hashes)]
+    views = [pool.read(i) for i in _ids(b, hashes)]
     if not views or any(x is None for x in views):
         raise RuntimeError("a pool read found nothing")
     first = views[0]
@@ -82,10 +82,31 @@ def _streamed(b: Any, hashes: list[int]) -> tuple[float, float]:
     return (t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
 
+def _ids(b: Any, hashes: list[int]) -> list[str]:
+    return [r.blob_id for r in b.index.plan(hashes)]
+
+
+def _one_by_one(b: Any, hashes: list[int]) -> float:
+    """The same objects as :func:`_streamed`, fetched whole by B's own client one after another and each part opened
+    in this thread (ms): the tier's read beside plain sequential gets of the same objects by the same worker."""
+    from ..tiers.seal import associated
+
+    pool = b.placement.tier("pool")
+    t0 = time.perf_counter()
+    for i in _ids(b, hashes):
+        obj, parts = memoryview(pool._client.get(pool.object_key(i))), pool.parts(i)
+        aad, n = associated("blob", pool.cal, pool.salt, pool.meta(i)["hashes"]), len(parts.plain)
+        for k in range(n):
+            off, size, _, _ = parts.span(k)
+            pool.sealer.open_part(obj[off : off + size], aad, k, n)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> tuple[list[float], list, list]:
     """Store A saves the history under new token ids each round; store B (never saw it) restores it from the pool:
     B's restore times (ms, after a warm-up round), the first timed round's blobs as (bytes, block keys), and per
-    round B's streamed reads (first part ms, every part ms)."""
+    round B's streamed reads (first part ms, every part ms, the same objects one by one ms; the two reads alternate
+    which goes first)."""
     T = k.shape[1]
     pool = a.placement.tier("pool")
     restore, blobs, streamed = [], [], []
@@ -104,7 +125,13 @@ def _restores(a: Any, b: Any, k: torch.Tensor, v: torch.Tensor, repeat: int) -> 
             raise RuntimeError(f"pool restore failed ({n}/{len(hashes)} blocks)")
         if rep:
             restore.append(dt * 1e3)
-            streamed.append(_streamed(b, hashes))
+            if rep % 2:
+                first, every = _streamed(b, hashes)
+                one = _one_by_one(b, hashes)
+            else:
+                one = _one_by_one(b, hashes)
+                first, every = _streamed(b, hashes)
+            streamed.append((first, every, one))
         if rep == 1:
             blobs = [(a.placement.fetch(i), a.index.meta(i).hashes) for i in a.index.blob_ids()
                      if a.index.meta(i).hashes[0] in set(hashes)]  # fmt: skip
@@ -189,8 +216,9 @@ def _grouped(args: Any, store: Any, T: int, ratio: float) -> dict[str, Any]:
     return {
         "shape": args.shape, "layer_groups": groups, "kv": "synthetic", "tokens_per_restore": T,
         "parts_per_object": sorted({len(p.plain) for p in parts}),
-        "restore_ms": _stats(restore), "first_group_ms": _stats([f for f, _ in streamed]),
-        "get_and_open_ms": _stats([w for _, w in streamed]),
+        "restore_ms": _stats(restore), "first_group_ms": _stats([f for f, _, _ in streamed]),
+        "get_and_open_ms": _stats([w for _, w, _ in streamed]),
+        "one_by_one_get_and_open_ms": _stats([o for _, _, o in streamed]),
     }  # fmt: skip
 
 
@@ -236,8 +264,9 @@ def run_bench_pool(args) -> int:
             "get_gbps": get,
             "restore_ms": {"kvtc_sealed": _stats(restore), "raw": _stats(raw_restore),
                            "kvtc_sealed_get_and_open": _stats(fetch_open),
-                           "kvtc_sealed_streamed_first_group": _stats([f for f, _ in streamed]),
-                           "kvtc_sealed_streamed_get_and_open": _stats([w for _, w in streamed])},  # fmt: skip
+                           "kvtc_sealed_streamed_first_group": _stats([f for f, _, _ in streamed]),
+                           "kvtc_sealed_streamed_get_and_open": _stats([w for _, w, _ in streamed]),
+                           "kvtc_sealed_one_by_one_by_the_reader": _stats([o for _, _, o in streamed])},  # fmt: skip
             "tokens_per_restore": T,
             "raw_bytes_per_token": raw_bytes / T,
             "stored_bytes_per_token": {"kvtc_sealed": stored / T, "raw": raw_bytes / T},

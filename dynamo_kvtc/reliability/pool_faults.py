@@ -269,7 +269,7 @@ def scenario_corrupt(world: World, ledger: Ledger, rounds: int, forged: bool) ->
                 hashes = _write(world, a, (kind, r))
                 pa = _pool(a)
                 (bid,) = [i for i in a.index.blob_ids() if a.index.meta(i).hashes[0] == hashes[0]] or [None]
-                key = pa._key(bid)
+                key = pa.object_key(bid)
                 obj = pa._client.get(key)
                 parts = pa.parts(bid)
                 if forged:  # well-formed parts of the right lengths, sealed for these very keys under another secret

@@ -125,7 +125,7 @@ class PoolTier(BlobTier, MasterLink):
     def bind(self, cal_id: str, block_size: int) -> None:
         self.cal = cal_id
 
-    def _key(self, blob_id: str) -> str:
+    def object_key(self, blob_id: str) -> str:
         return f"kvtc/{self.cal}/{self.salt}/{blob_id}"
 
     def _at(self, h: int) -> str:
@@ -188,7 +188,7 @@ class PoolTier(BlobTier, MasterLink):
         rc = mooncake_lib.load().ReplicateConfig()
         rc.replica_num = self.cfg.pool_replicas
         try:
-            got = client.put(self._key(blob_id), blob, rc)
+            got = client.put(self.object_key(blob_id), blob, rc)
             got = got or client.upsert(self._at(hashes[0]), rec, rc)  # the newest blob starting at this block
         except Exception as e:  # the binding raises on a broken connection
             got = str(e)
@@ -208,7 +208,7 @@ class PoolTier(BlobTier, MasterLink):
     def _remove(self, client: Any, blob_id: str) -> None:
         """Delete a superseded or refused blob's object (its locator stays until a newer blob's replaces it; a
         locator naming a removed object reads as a miss)."""
-        got = client.remove(self._key(blob_id))
+        got = client.remove(self.object_key(blob_id))
         self.counts["removed" if got == 0 else "remove_failed"] += 1
 
     # ------------------------------------------------------------------ BlobTier
@@ -266,7 +266,7 @@ class PoolTier(BlobTier, MasterLink):
         arrival = GroupArrival(len(parts.plain), 1, self.cfg.pool_timeout_s)
         aad = associated("blob", self.cal, self.salt, meta["hashes"])
         try:
-            self._readers.submit(PartJob(blob_id, self._key(blob_id), aad, parts, buf, arrival))
+            self._readers.submit(PartJob(blob_id, self.object_key(blob_id), aad, parts, buf, arrival))
         except TierError:  # closed
             return None
         return ArrivingView(buf, 0, buf.numel(), arrival, parts.plain, owned=True)  # host(): no copy
