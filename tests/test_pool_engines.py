@@ -20,8 +20,7 @@ import pytest
 
 from dynamo_kvtc.tiers.config import TierConfig
 
-from .replies import leading_same
-from .test_tenant_keys import assert_reply_is_its_recompute_up_to_a_near_tie
+from .replies import assert_reply_is_its_recompute_up_to_a_near_tie, leading_same
 
 pytest.importorskip("mooncake")
 pytest.importorskip("vllm")
@@ -69,7 +68,7 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
 
         # 1. lossless: A computes, B restores from the pool and answers as its recompute
         c1 = tw.conversation(0)
-        t1 = a.ask({"messages": c1})
+        t1 = a.ask({"messages": c1, "reference": False})  # a first turn: only its reply is needed
         assert a.ask({"wait_pool": True})["idle"]
         mine = a.ask({"pool_metas": True})
         assert mine["metas"], "A wrote nothing to the pool"
@@ -87,7 +86,7 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
 
         # 3. 16x: B computes, A restores from the pool; lossy, so the start of the reply agrees
         c2 = tw.conversation(tw.DOCUMENT_WORDS)
-        u1 = b.ask({"messages": c2})
+        u1 = b.ask({"messages": c2, "reference": False})
         assert b.ask({"wait_pool": True})["idle"]
         u2 = a.ask({"messages": tw.next_turn(c2, u1["reply"], QUESTION)})
         # A never computed c2: what it restores beyond nothing came from blobs it read from the pool (its pool hits;
@@ -98,7 +97,7 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
 
         # 4. planted objects: the outsider replaces the locators of a conversation A saved; B refuses them
         c3 = tw.conversation(2 * tw.DOCUMENT_WORDS)
-        v1 = a.ask({"messages": c3})
+        v1 = a.ask({"messages": c3, "reference": False})
         assert a.ask({"wait_pool": True})["idle"]
         known = {m["id"] for m in mine["metas"]}
         planted = [m for m in a.ask({"pool_metas": True})["metas"] if m["id"] not in known]
@@ -121,5 +120,7 @@ def test_two_engines_share_the_sealed_pool(mooncake_master, tmp_path):  # noqa: 
     finally:
         if outsider is not None:
             outsider.close()
+        for w in (b, a):
+            w.close_input()  # both exit side by side
         codes = {w.name: w.stop() for w in (b, a)}
     assert codes == {"A": 0, "B": 0}, (codes, a.tail(), b.tail())

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
@@ -27,19 +28,21 @@ MODEL = "smollm2-135m-instruct"
 LOSSLESS = {"window": 1 << 20}  # every saved token stays raw: restored blocks must equal the originals bit for bit
 
 
-def _document(words: int = 700) -> str:
-    return " ".join("\n\n".join(heldout_texts()).split()[:words])
+def _document(words: int = 700, start: int = 0) -> str:
+    return " ".join("\n\n".join(heldout_texts()).split()[start : start + words])
 
 
-def _engine(extra: dict, calibrations: Path | None = None):
+def _engine(extra: dict, calibrations: Path | None = None, **cfg):
     """``calibrations``: no ``calibration`` setting; the connector finds the shipped one by the lookup rule, copied to
-    ``$DYN_KVTC_CALIBRATIONS/<normalised model name>`` (a folder of its own, not the repository's)."""
+    ``$DYN_KVTC_CALIBRATIONS/<normalised model name>`` (a folder of its own, not the repository's). ``cfg``: further
+    EngineConfig fields."""
     cal = find_calibration(MODEL)
     if calibrations is None:
-        return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra={"calibration": str(cal), **extra}))
+        extra = {"calibration": str(cal), **extra}
+        return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra=extra, **cfg))
     shutil.copytree(cal, calibrations / normalise_model_name(str(resolve_model(MODEL))))
     os.environ["DYN_KVTC_CALIBRATIONS"] = str(calibrations)
-    return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra=extra))
+    return build_engine(EngineConfig(model=str(resolve_model(MODEL)), extra=extra, **cfg))
 
 
 def _llm(kvc, **llm_kw):
@@ -112,24 +115,38 @@ def _restored_vs_original(w, orig: Originals) -> dict:
     }
 
 
-def _two_turns(llm, w, orig: Originals | None = None, words: int = 700) -> dict:
-    """Turn 1 normally; turn 2 restoring, with the restored blocks read back at once, then recomputed for reference."""
-    msgs = conversation(_document(words), 2)
-    history = [{"role": "user", "content": msgs[0]}]
-    first = run_turn(llm, history, 16, 1)
-    history += [{"role": "assistant", "content": first["reference_reply"]}, {"role": "user", "content": msgs[1]}]
-    n = len(w.restores)
-    out, _ = chat(llm, history, 16)
-    blocks = _restored_vs_original(w, orig) if orig is not None and len(w.restores) > n else {}
-    ref, _ = chat(llm, history, 16, recompute=True)
-    w.wait_idle()
+def _replies(out, ref) -> dict:
+    """A reply and its recompute: texts, token ids and each step's top logprobs (tests/replies.py compares them)."""
+    from replies import top_of  # tests/replies.py (tests/ is first on sys.path of the scripts that run scenarios)
+
     return {
-        "first": first,
-        "restored_tokens": int(out.num_cached_tokens or 0),
         "reply": out.outputs[0].text,
         "reference_reply": ref.outputs[0].text,
         "tokens": list(out.outputs[0].token_ids),
         "reference_tokens": list(ref.outputs[0].token_ids),
+        "top": top_of(out.outputs[0]),
+        "reference_top": top_of(ref.outputs[0]),
+    }
+
+
+def _two_turns(llm, w, orig: Originals | None = None, words: int = 700, start: int = 0) -> dict:
+    """Turn 1 normally; turn 2 restoring, with the restored blocks read back at once, then recomputed for reference.
+    The document: ``words`` held-out words from word ``start`` on."""
+    from replies import greedy
+
+    msgs = conversation(_document(words, start), 2)
+    history = [{"role": "user", "content": msgs[0]}]
+    first = run_turn(llm, history, 16, 1)
+    history += [{"role": "assistant", "content": first["reference_reply"]}, {"role": "user", "content": msgs[1]}]
+    n = len(w.restores)
+    out = llm.chat(history, greedy(16), use_tqdm=False)[0]
+    blocks = _restored_vs_original(w, orig) if orig is not None and len(w.restores) > n else {}
+    ref = llm.chat(history, greedy(16, recompute=True), use_tqdm=False)[0]
+    w.wait_idle()
+    return {
+        "first": first,
+        "restored_tokens": int(out.num_cached_tokens or 0),
+        **_replies(out, ref),
         "restores": w.restores,
         "stats": dict(w.stats),
         "store": w.store.snapshot() if w.store is not None else {},
@@ -138,19 +155,36 @@ def _two_turns(llm, w, orig: Originals | None = None, words: int = 700) -> dict:
 
 
 def scenario_roundtrip(tmp: Path, lossless: bool) -> dict:
-    # the lossless run finds its calibration through $DYN_KVTC_CALIBRATIONS (the lookup rule), the 16x run is given it
-    llm = _engine(LOSSLESS, calibrations=tmp / "cals") if lossless else _engine({"metrics_port": 0})
+    """Two turns, the second restoring. Two checks share each engine (one engine start less each), each on its own
+    part of the result: the lossless run (it finds its calibration through $DYN_KVTC_CALIBRATIONS, the lookup rule)
+    then serves the corrupt-blob conversation (:func:`fault_turns`, under ``fault``); the 16x run (given its
+    calibration) publishes vLLM's KV event stream, which a listener here reads (the same conversation's events)."""
+    events = None if lossless else KvEvents()
+    if lossless:
+        llm = _engine(LOSSLESS, calibrations=tmp / "cals")
+    else:
+        llm = _engine({"metrics_port": 0}, kv_events_endpoint=events.endpoint)
     w = worker_of(llm)
     from dynamo_kvtc.connector.startup import calibration_dir  # what the worker's start-up ran
 
     found = calibration_dir(w.cfg.calibration, w.model, "extra")
     out = {"calibration_found": str(found), "calibration_set": w.cfg.calibration}
-    out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
-    snap = w.store.snapshot()
-    out["store"] = {k: snap[k] for k in ("offload_window_recoded", "blobs_retired", "effective_ratio")}
-    if w.metrics_port is not None:  # what Prometheus would scrape from this worker
-        with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
-            out["metrics"] = r.read().decode()
+    try:  # a failure here is the roundtrip's: recorded, and the fault conversation still runs
+        out.update(_two_turns(llm, w, Originals(w.store, w.block_size)))
+        snap = w.store.snapshot()
+        out["store"] = {k: snap[k] for k in ("offload_window_recoded", "blobs_retired", "effective_ratio")}
+        if w.metrics_port is not None:  # what Prometheus would scrape from this worker
+            with urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10) as r:
+                out["metrics"] = r.read().decode()
+    except Exception:  # noqa: BLE001 - reported to the test that reads this part
+        out["error"] = traceback.format_exc()
+    if events is not None:
+        out.update(events.collect(w))
+    if lossless:
+        try:
+            out["fault"] = fault_turns(llm, w, start=3000)  # another document: no block in common with the first
+        except Exception:  # noqa: BLE001 - reported to the test that reads this part
+            out["fault"] = {"error": traceback.format_exc()}
     return out
 
 
@@ -164,15 +198,17 @@ def scenario_disk(tmp: Path) -> dict:
 
 
 class CorruptAfterFirstTurn:
-    """After turn 1's blobs are stored, flip one byte in the middle of each (a bad DIMM, a stray write)."""
+    """After turn 1's blobs are stored, flip one byte in the middle of each (a bad DIMM, a stray write); blobs the
+    host tier held before this was made (another conversation's) are left alone."""
 
     def __init__(self, w) -> None:
         self.w = w
+        self.before = set(w.store.host.ids())
 
     def __call__(self) -> int:
         host = self.w.store.host
         n = 0
-        for blob_id in host.ids():
+        for blob_id in set(host.ids()) - self.before:
             extents = host.extents(blob_id)  # (arena offset, length) of each page of the blob
             start, length = extents[len(extents) // 2]
             host.arena[start + min(100, length - 1)] ^= 0x5A
@@ -180,12 +216,14 @@ class CorruptAfterFirstTurn:
         return n
 
 
-def scenario_fault(tmp: Path) -> dict:
-    llm = _engine(LOSSLESS)
-    w = worker_of(llm)
+def fault_turns(llm, w, start: int = 0) -> dict:
+    """A conversation (the document from word ``start`` on) whose turn-1 blobs are corrupted once stored: turn 2's
+    restore fails and the engine recomputes. The restores, the worker's stats and the store's counters are this
+    conversation's alone (the engine may have served another before)."""
     corrupt = CorruptAfterFirstTurn(w)
     real_wait = w.wait_idle
     state = {"corrupted": 0}
+    n, stats, store = len(w.restores), dict(w.stats), w.store.snapshot()
 
     def wait_then_corrupt(timeout: float = 30.0) -> bool:  # runs at the end of turn 1 (inside run_turn)
         ok = real_wait(timeout)
@@ -194,8 +232,14 @@ def scenario_fault(tmp: Path) -> dict:
         return ok
 
     w.wait_idle = wait_then_corrupt
-    out = _two_turns(llm, w)
+    try:
+        out = _two_turns(llm, w, start=start)
+    finally:
+        w.wait_idle = real_wait
     out["corrupted_blobs"] = state["corrupted"]
+    out["restores"] = out["restores"][n:]
+    out["stats"] = {k: v - stats.get(k, 0) for k, v in out["stats"].items()}
+    out["store"] = {k: v - store.get(k, 0) if isinstance(v, int) else v for k, v in out["store"].items()}
     return out
 
 
@@ -218,73 +262,70 @@ def scenario_mismatch(tmp: Path) -> dict:
     return {"started": True}
 
 
-def scenario_events(tmp: Path) -> dict:
-    """vLLM's own KV event stream (what dynamo.vllm relays to Dynamo's KV router) carries the tier's blocks."""
-    import socket
-    import threading
+class KvEvents:
+    """vLLM's own KV event stream (what dynamo.vllm relays to Dynamo's KV router), read on a loopback endpoint from
+    before the engine starts (the engine's ``kv_events_endpoint``) until :meth:`collect`."""
 
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import KVEventBatch
+    def __init__(self) -> None:
+        import socket
+        import threading
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cal = find_calibration(MODEL)
-    cfg = EngineConfig(
-        model=str(resolve_model(MODEL)), extra={"calibration": str(cal)}, kv_events_endpoint=f"tcp://127.0.0.1:{port}"
-    )
-    sub = zmq.Context.instance().socket(zmq.SUB)  # vLLM connects to a non-wildcard endpoint: the listener binds
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.bind(f"tcp://127.0.0.1:{port}")
-    got: list = []
-    stop = threading.Event()
+        import zmq
 
-    def listen() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.sub = zmq.Context.instance().socket(zmq.SUB)  # vLLM connects to a non-wildcard endpoint: we bind
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.bind(self.endpoint)
+        self.got: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._listen, daemon=True)
+        self.thread.start()
+
+    def _listen(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
         dec = msgspec.msgpack.Decoder(KVEventBatch)
-        while not stop.is_set():
-            if sub.poll(100):
-                _, _, payload = sub.recv_multipart()
-                got.extend(dec.decode(payload).events)
+        while not self.stop.is_set():
+            if self.sub.poll(100):
+                _, _, payload = self.sub.recv_multipart()
+                self.got.extend(dec.decode(payload).events)
 
-    t = threading.Thread(target=listen, daemon=True)
-    t.start()
-    llm = build_engine(cfg)
-    w = worker_of(llm)
-    out = _two_turns(llm, w)
-    time.sleep(1.0)
-    stop.set()
-    t.join()
-    stored = [e for e in got if type(e).__name__ == "BlockStored"]
-    from dynamo_kvtc.tiers.keys import router_hash
+    def collect(self, w) -> dict:
+        """The events seen so far and how their hashes compare with the worker's index."""
+        time.sleep(1.0)
+        self.stop.set()
+        self.thread.join()
+        stored = [e for e in self.got if type(e).__name__ == "BlockStored"]
+        from dynamo_kvtc.tiers.keys import router_hash
 
-    index = {router_hash(h): bid for h, (bid, _) in w.store.index.entries().items()}  # events carry router hashes
-    return {
-        **out,
-        "events": [
-            {
-                "kind": type(e).__name__,
-                "hashes": list(getattr(e, "block_hashes", [])),
-                "parent": getattr(e, "parent_block_hash", None),
-                "tokens": list(getattr(e, "token_ids", []) or []),
-                "medium": getattr(e, "medium", None),
-                "block_size": getattr(e, "block_size", None),
-            }
-            for e in got
-        ],
-        "stored_hashes_in_index": sum(h in index for e in stored for h in e.block_hashes),
-        "stored_hashes": sum(len(e.block_hashes) for e in stored),
-        "index_size": len(index),
-    }
+        index = {router_hash(h): bid for h, (bid, _) in w.store.index.entries().items()}  # events carry router hashes
+        return {
+            "events": [
+                {
+                    "kind": type(e).__name__,
+                    "hashes": list(getattr(e, "block_hashes", [])),
+                    "parent": getattr(e, "parent_block_hash", None),
+                    "tokens": list(getattr(e, "token_ids", []) or []),
+                    "medium": getattr(e, "medium", None),
+                    "block_size": getattr(e, "block_size", None),
+                }
+                for e in self.got
+            ],
+            "stored_hashes_in_index": sum(h in index for e in stored for h in e.block_hashes),
+            "stored_hashes": sum(len(e.block_hashes) for e in stored),
+            "index_size": len(index),
+        }
 
 
 SCENARIOS = {
     "roundtrip-lossless": lambda tmp: scenario_roundtrip(tmp, True),
     "roundtrip-16x": lambda tmp: scenario_roundtrip(tmp, False),
     "disk": scenario_disk,
-    "fault": scenario_fault,
     "mismatch": scenario_mismatch,
-    "events": scenario_events,
 }
 
 
@@ -351,6 +392,8 @@ def _vllm_kvtc_metrics(llm) -> dict[str, float]:
 
 def _two_turns_corrupting(llm, w) -> dict:
     """Turn 1; every stored blob corrupted; turn 2 restoring (fails: recompute), then recomputed for reference."""
+    from replies import greedy
+
     corrupt = CorruptAfterFirstTurn(w)
     msgs = conversation(_document(700), 2)
     history = [{"role": "user", "content": msgs[0]}]
@@ -358,16 +401,13 @@ def _two_turns_corrupting(llm, w) -> dict:
     w.wait_idle()
     corrupted = corrupt()
     history += [{"role": "assistant", "content": first.outputs[0].text}, {"role": "user", "content": msgs[1]}]
-    out, _ = chat(llm, history, 16)
-    ref, _ = chat(llm, history, 16, recompute=True)
+    out = llm.chat(history, greedy(16), use_tqdm=False)[0]
+    ref = llm.chat(history, greedy(16, recompute=True), use_tqdm=False)[0]
     w.wait_idle()
     return {
         "corrupted_blobs": corrupted,
         "finish_reason": out.outputs[0].finish_reason,
-        "reply": out.outputs[0].text,
-        "reference_reply": ref.outputs[0].text,
-        "tokens": list(out.outputs[0].token_ids),
-        "reference_tokens": list(ref.outputs[0].token_ids),
+        **_replies(out, ref),
         "restores": w.restores,
         "stats": dict(w.stats),
         "store": w.store.snapshot() if w.store is not None else {},

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from replies import greedy, top_of  # tests/replies.py (this script's folder is first on sys.path)
+
 from dynamo_kvtc.calibration.catalog import find_calibration
 from dynamo_kvtc.calibration.data import heldout_texts
 from dynamo_kvtc.calibration.models import resolve_model
@@ -87,6 +89,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _replies(case: str, out, ref) -> dict:
+    """A recomputed reply and its reference: texts, token ids and each step's top logprobs (tests/replies.py)."""
+    a, b = out.outputs[0], ref.outputs[0]
+    return {
+        f"{case}_reply": a.text,
+        f"{case}_reference_reply": b.text,
+        f"{case}_tokens": list(a.token_ids),
+        f"{case}_reference_tokens": list(b.token_ids),
+        f"{case}_top": top_of(a),
+        f"{case}_reference_top": top_of(b),
+    }
+
+
 def decode(work: Path) -> None:
     _, _, SamplingParams, _ = _vllm()
     llm = _engine({"transfer": "decode", "transfer_timeout_s": 3})
@@ -107,15 +122,15 @@ def decode(work: Path) -> None:
     # engine recomputes the prompt
     gone = {**params, "kvtc_port": _free_port()}
     n_fail = w.stats["fallback_load_error"]
-    sp_gone = SamplingParams(temperature=0.0, max_tokens=16, extra_args={"kv_transfer_params": gone})
+    sp_gone = greedy(16, extra_args={"kv_transfer_params": gone})
     out_gone = llm.chat(messages(3000), sp_gone, use_tqdm=False)[0]
-    ref_gone, _ = chat(llm, messages(3000), 16, recompute=True)
+    ref_gone = llm.chat(messages(3000), greedy(16, recompute=True), use_tqdm=False)[0]
     gone_fallbacks = w.stats["fallback_load_error"] - n_fail
     # blobs that went bad on the prefill side: fetched, refused by the decoder before any layer, recomputed
     n_fail = w.stats["fallback_load_error"]
-    sp_bad = SamplingParams(temperature=0.0, max_tokens=16, extra_args={"kv_transfer_params": pre["params_corrupt"]})
+    sp_bad = greedy(16, extra_args={"kv_transfer_params": pre["params_corrupt"]})
     out_bad = llm.chat(messages(5000), sp_bad, use_tqdm=False)[0]
-    ref_bad, _ = chat(llm, messages(5000), 16, recompute=True)
+    ref_bad = llm.chat(messages(5000), greedy(16, recompute=True), use_tqdm=False)[0]
     bad_fallbacks = w.stats["fallback_load_error"] - n_fail
     # the wrong shared secret: refused at the CURVE handshake, before the prefill side sees a request
     secret = work / "wrong-secret"
@@ -140,11 +155,9 @@ def decode(work: Path) -> None:
         "wall_s": wall,
         "reference_wall_s": ref_wall,
         "prefill_s": pre["prefill_s"],
-        "gone_reply": out_gone.outputs[0].text,
-        "gone_reference_reply": ref_gone.outputs[0].text,
+        **_replies("gone", out_gone, ref_gone),
         "gone_fallbacks": gone_fallbacks,
-        "corrupt_reply": out_bad.outputs[0].text,
-        "corrupt_reference_reply": ref_bad.outputs[0].text,
+        **_replies("corrupt", out_bad, ref_bad),
         "corrupt_fallbacks": bad_fallbacks,
         "corrupted_blobs": pre["corrupted_blobs"],
         "wrong_secret_refused": wrong_secret_refused,

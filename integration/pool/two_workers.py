@@ -78,7 +78,8 @@ def _pool_of(w):
 
 def worker_main(name: str, extra: dict) -> None:
     """One engine: reads one JSON request per stdin line, answers one JSON line on stdout; exits on EOF. Requests:
-    ``{"messages": [...], "max_tokens": n}`` (the chat turn through the connector, then its recompute),
+    ``{"messages": [...], "max_tokens": n}`` (the chat turn through the connector, then its recompute; with
+    ``"reference": false`` no recompute: a turn whose reply alone is needed, its ``reference_*`` None),
     ``{"wait_pool": true}`` (until this worker's saves are in the pool), ``{"pool_metas": true}`` (the blobs this
     worker wrote to the pool, and its calibration id)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -112,16 +113,18 @@ def worker_main(name: str, extra: dict) -> None:
         n = req.get("max_tokens", 16)
         sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=TOP)
         out = llm.chat(req["messages"], sp, use_tqdm=False)[0]
-        ref_sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=TOP, skip_reading_prefix_cache=True)
-        ref = llm.chat(req["messages"], ref_sp, use_tqdm=False)[0]
+        ref = None
+        if req.get("reference", True):
+            ref_sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=TOP, skip_reading_prefix_cache=True)
+            ref = llm.chat(req["messages"], ref_sp, use_tqdm=False)[0]
         w.wait_idle()
         print(json.dumps({
             "reply": out.outputs[0].text,
-            "reference_reply": ref.outputs[0].text,
+            "reference_reply": ref.outputs[0].text if ref else None,
             "reply_ids": list(out.outputs[0].token_ids),
-            "reference_ids": list(ref.outputs[0].token_ids),
+            "reference_ids": list(ref.outputs[0].token_ids) if ref else None,
             "reply_top": _steps(out.outputs[0]),
-            "reference_top": _steps(ref.outputs[0]),
+            "reference_top": _steps(ref.outputs[0]) if ref else None,
             "prompt_tokens": len(out.prompt_token_ids),
             "restored_tokens": int(out.num_cached_tokens or 0),
             "stats": dict(w.stats),
@@ -208,10 +211,15 @@ class Worker:
         self.proc.stdin.flush()
         return self._read(timeout)
 
+    def close_input(self) -> None:
+        """Close its input: the worker exits (:meth:`stop` waits for it; workers closed first exit side by side)."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
     def stop(self) -> int | None:
         """Close its input (it exits); the exit status (None: killed after 60 s)."""
         if self.proc.poll() is None:
-            self.proc.stdin.close()
+            self.close_input()
             try:
                 return self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -272,6 +280,8 @@ def main() -> int:
         print(f"pool hit on B: {restored_from_pool:g} blocks restored from the pool")
         return 0 if restored_from_pool > 0 else 1
     finally:
+        for w in workers:
+            w.close_input()  # both exit side by side
         for w in reversed(workers):
             w.stop()
         master.stop()
