@@ -76,20 +76,16 @@ class Parts:
 
     def spans(self) -> list[tuple[int, int, int, int]]:
         """Per part: (offset in the object, sealed size, offset in the blob, plain size)."""
-        out, s0, p0 = [], 0, 0
-        for s1, p1 in zip(self.sealed, self.plain):
-            out.append((s0, s1 - s0, p0, p1 - p0))
-            s0, p0 = s1, p1
-        return out
+        return [self.span(k) for k in range(len(self.plain))]
 
     def span(self, k: int) -> tuple[int, int, int, int]:
-        """Part k's entry of :meth:`spans`."""
+        """Part k: (offset in the object, sealed size, offset in the blob, plain size)."""
         s0, p0 = (self.sealed[k - 1], self.plain[k - 1]) if k else (0, 0)
         return s0, self.sealed[k] - s0, p0, self.plain[k] - p0
 
 
 class Landing:
-    """A host buffer registered with one Mooncake client, taking one sealed part at a time.
+    """A host buffer registered with one Mooncake client, taking one call's sealed parts back to back.
 
     Owns the buffer and its registration; :meth:`drop` gives both up, at once or, while a read is still landing in
     it (one that outlived its deadline), when that read returns."""
